@@ -1,0 +1,615 @@
+#include "tessera/dist/communicator.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <set>
+
+#include "tessera/core/compat.h"
+#include "tessera/core/env.h"
+#include "tessera/core/error.h"
+#include "tessera/core/log.h"
+
+namespace tessera::dist {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Max: return "max";
+  }
+  return "?";
+}
+
+at::Tensor Pending::wait() {
+  if (!done_) {
+    TESSERA_CHECK(finish_, "wait() on an empty Pending collective");
+    result_ = finish_();
+    done_ = true;
+    finish_ = nullptr;
+  }
+  return result_;
+}
+
+struct Communicator::Impl {
+  World world;
+  CommOptions options;
+  c10::intrusive_ptr<c10d::Store> store;  // null for a single process
+  compat::BackendPtr gloo;                // null when size == 1
+  compat::BackendPtr nccl;                // null unless built with NCCL and CUDA is present
+  int rank = 0;
+  int size = 1;
+  std::vector<int> members;
+  std::string prefix = "tessera";
+  int split_counter = 0;
+  Capabilities caps_cpu, caps_cuda;
+
+  bool is_cuda(const at::Tensor& t) const { return t.is_cuda(); }
+
+  compat::BackendBase& backend(const at::Tensor& t) {
+    if (t.is_cuda()) {
+      TESSERA_CHECK(nccl, "a CUDA tensor was given to a collective but ",
+                    TESSERA_HAS_NCCL ? "no NCCL process group was created (CUDA unavailable at init?)"
+                                     : "this Tessera build has no NCCL support");
+      return *nccl;
+    }
+    TESSERA_CHECK(t.device().is_cpu(), "collectives take CPU or CUDA tensors, got ", t.device());
+    TESSERA_CHECK(gloo, "no Gloo process group");
+    return *gloo;
+  }
+  Capabilities& caps(const at::Tensor& t) { return t.is_cuda() ? caps_cuda : caps_cpu; }
+
+  std::string where(const char* what, const at::Tensor& t) const {
+    return concat(what, " (", t.scalar_type(), " ", t.sizes(), ") on rank ", world.rank,
+               size != world.world_size ? concat(" (group rank ", rank, " of ", size, ")") : std::string(),
+               " of world size ", world.world_size);
+  }
+
+  // Runs `f`, turning any exception into a CommError that names the collective.
+  template <typename F>
+  auto guarded(const char* what, const at::Tensor& t, F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& e) {
+      std::string msg = e.what();
+      auto nl = msg.find("\nException raised from");
+      if (nl != std::string::npos) msg = msg.substr(0, nl);
+      throw CommError(concat(where(what, t), " failed: ", msg));
+    }
+  }
+
+  // Waits on a c10d work item inside the guard.
+  void wait_work(const c10::intrusive_ptr<compat::Work>& work, const char* what, const at::Tensor& t) {
+    guarded(what, t, [&] { work->wait(options.timeout); return 0; });
+  }
+};
+
+namespace {
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+    default: return c10d::ReduceOp::SUM;  // Avg = sum, then divide locally.
+  }
+}
+
+std::vector<int64_t> rest_shape(const at::Tensor& t, int64_t dim0) {
+  std::vector<int64_t> s = t.sizes().vec();
+  s[0] = dim0;
+  return s;
+}
+
+void finish_avg(at::Tensor& t, ReduceOp op, int n) {
+  if (op != ReduceOp::Avg || n == 1) return;
+  if (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) {
+    t.div_(n);
+  } else {
+    t.copy_(at::div(t, n, "floor"));
+  }
+}
+
+bool is_unsupported(const std::exception& e) {
+  std::string m = e.what();
+  return m.find("no support") != std::string::npos || m.find("not supported") != std::string::npos ||
+         m.find("does not support") != std::string::npos || m.find("not implemented") != std::string::npos ||
+         m.find("Unsupported") != std::string::npos || m.find("Invalid scalar type") != std::string::npos;
+}
+
+std::shared_ptr<::gloo::transport::Device> make_gloo_device(const World& world) {
+  if (auto ifname = env::get("GLOO_SOCKET_IFNAME")) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(*ifname);
+  }
+  const std::string& a = world.master_addr;
+  if (a == "localhost" || a.rfind("127.", 0) == 0 || a == "::1") {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+compat::BackendPtr make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                             const World& world, const CommOptions& o) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(o.timeout);
+  opts->devices.push_back(make_gloo_device(world));
+  opts->threads = std::max(1, o.gloo_threads);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+}
+
+compat::BackendPtr make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                             const CommOptions& o) {
+#if TESSERA_HAS_NCCL
+  if (!at::hasCUDA()) return {};
+  auto opts = c10d::ProcessGroupNCCL::Options::create();
+  opts->timeout = o.timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+#else
+  (void)store; (void)rank; (void)size; (void)o;
+  return {};
+#endif
+}
+
+// Some Gloo builds have no bfloat16 kernels; they fail inside the collective rather
+// than when it is issued. One tiny bf16 all-reduce at creation tells (the outcome is
+// the same on every rank, so every rank takes the same path afterwards).
+void probe_capabilities(Communicator::Impl& I) {
+  if (!I.gloo) return;
+  std::vector<at::Tensor> v{at::ones({1}, at::kBFloat16)};
+  try {
+    I.gloo->allreduce(v)->wait(I.options.timeout);
+    I.caps_cpu.bf16 = 1;
+    log::debug("gloo bf16 probe: supported");
+  } catch (const std::exception& e) {
+    if (!is_unsupported(e)) {
+      throw CommError(concat("first collective of rank ", I.world.rank, " failed: ", e.what()));
+    }
+    I.caps_cpu.bf16 = 0;
+    log::debug("gloo bf16 probe: unsupported (", e.what(), "); bf16 collectives run in fp32");
+  }
+}
+
+}  // namespace
+
+Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Communicator::~Communicator() = default;
+
+std::shared_ptr<Communicator> Communicator::create(const World& world, const CommOptions& options) {
+  TESSERA_CHECK(options.backend == "auto" || options.backend == "gloo" || options.backend == "nccl",
+                "backend '", options.backend, "' is not one of auto, gloo, nccl");
+  TESSERA_CHECK(options.timeout.count() > 0, "communicator timeout must be positive");
+  log::set_rank(world.is_distributed() ? world.rank : -1);
+  auto impl = std::make_unique<Impl>();
+  impl->world = world;
+  impl->options = options;
+  impl->rank = world.rank;
+  impl->size = world.world_size;
+  impl->members.resize(world.world_size);
+  std::iota(impl->members.begin(), impl->members.end(), 0);
+  if (options.backend == "nccl" && !TESSERA_HAS_NCCL) {
+    throw Error("backend 'nccl' requested but this Tessera build has no NCCL (libtorch without CUDA/NCCL)");
+  }
+  if (world.is_distributed()) {
+    TESSERA_CHECK(world.master_port > 0, "rendezvous needs MASTER_PORT (rank ", world.rank, ")");
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(world.master_port);
+    so.isServer = world.rank == 0 && !world.agent_store;
+    if (so.isServer) so.numWorkers = static_cast<size_t>(world.world_size);
+    so.waitWorkers = false;
+    so.timeout = options.timeout;
+    try {
+      impl->store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
+    } catch (const std::exception& e) {
+      throw CommError(concat("rendezvous of rank ", world.rank, " at ", world.master_addr, ":",
+                          world.master_port, " failed (timeout ", options.timeout.count(),
+                          " ms): ", e.what()));
+    }
+    auto base = c10::make_intrusive<c10d::PrefixStore>(impl->prefix, impl->store);
+    try {
+      if (options.backend != "nccl") {
+        impl->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", base), world.rank,
+                               world.world_size, world, options);
+      }
+      if (options.backend != "gloo") {
+        impl->nccl = make_nccl(c10::make_intrusive<c10d::PrefixStore>("nccl", base), world.rank,
+                               world.world_size, options);
+      }
+    } catch (const std::exception& e) {
+      throw CommError(concat("creating the process group on rank ", world.rank, " of ", world.world_size,
+                          " failed (a peer did not join within ", options.timeout.count(), " ms?): ",
+                          e.what()));
+    }
+    impl->store = base;
+    probe_capabilities(*impl);
+  }
+  return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
+}
+
+int Communicator::rank() const { return impl_->rank; }
+int Communicator::size() const { return impl_->size; }
+int Communicator::global_rank() const { return impl_->world.rank; }
+const std::vector<int>& Communicator::members() const { return impl_->members; }
+const World& Communicator::world() const { return impl_->world; }
+const CommOptions& Communicator::options() const { return impl_->options; }
+Communicator::Capabilities Communicator::capabilities(bool cuda) const {
+  return cuda ? impl_->caps_cuda : impl_->caps_cpu;
+}
+
+// ---------------------------------------------------------------- all_reduce
+Pending Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
+  Impl& I = *impl_;
+  const int n = I.size;
+  if (n == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
+  at::Tensor work_t = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  bool upcast = false;
+  auto& caps = I.caps(tensor);
+  if (tensor.scalar_type() == at::kBFloat16 && caps.bf16 == 0) {
+    work_t = work_t.to(at::kFloat);
+    upcast = true;
+  }
+  c10::intrusive_ptr<compat::Work> work;
+  std::vector<at::Tensor> v{work_t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = to_c10d(op);
+  o.timeout = I.options.timeout;
+  try {
+    work = I.backend(tensor).allreduce(v, o);
+    if (tensor.scalar_type() == at::kBFloat16 && !upcast) caps.bf16 = 1;
+  } catch (const std::exception& e) {
+    if (tensor.scalar_type() == at::kBFloat16 && !upcast && is_unsupported(e)) {
+      caps.bf16 = 0;
+      return all_reduce_async(tensor, op);
+    }
+    throw CommError(concat(I.where("all_reduce", tensor), " failed: ", e.what()));
+  }
+  return Pending([&I, work, work_t, tensor, op, n]() mutable {
+    I.wait_work(work, "all_reduce", tensor);
+    finish_avg(work_t, op, n);
+    if (!work_t.is_same(tensor)) tensor.copy_(work_t);
+    return tensor;
+  });
+}
+
+void Communicator::all_reduce(at::Tensor& tensor, ReduceOp op) { all_reduce_async(tensor, op).wait(); }
+
+// ---------------------------------------------------------------- all_gather
+Pending Communicator::all_gather_async(const at::Tensor& local, const std::vector<int64_t>& sizes) {
+  Impl& I = *impl_;
+  const int n = I.size;
+  TESSERA_CHECK(local.dim() >= 1, "all_gather needs a tensor of at least one dimension, got a scalar");
+  TESSERA_CHECK(static_cast<int>(sizes.size()) == n, "all_gather: ", sizes.size(),
+                " dim-0 sizes given for a group of ", n, " ranks");
+  TESSERA_CHECK(local.size(0) == sizes[I.rank], "all_gather: rank ", I.rank, " holds ", local.size(0),
+                " rows but dim0_sizes says ", sizes[I.rank]);
+  if (n == 1) return Pending([local] { return local; });
+  const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  auto opts = local.options();
+  if (maxs == 0) {
+    return Pending([local, opts] { return at::empty(rest_shape(local, 0), opts); });
+  }
+  const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; });
+  at::Tensor send = local.contiguous();
+  if (!even) {
+    at::Tensor padded = at::zeros(rest_shape(local, maxs), opts);
+    if (sizes[I.rank] > 0) padded.narrow(0, 0, sizes[I.rank]).copy_(send);
+    send = padded;
+  }
+  // All-gather moves bits: a backend without bf16 kernels carries them as 16-bit halves (copied, never computed on).
+  bool upcast = send.scalar_type() == at::kBFloat16 && I.caps(local).bf16 == 0;
+  if (upcast) send = send.view(at::kHalf);
+  at::Tensor buf = at::empty(rest_shape(send, maxs * n), send.options());
+  auto& caps = I.caps(local);
+  auto& be = I.backend(local);
+  c10::intrusive_ptr<compat::Work> work;
+  try {
+    if (caps.allgather_base != 0) {
+      try {
+        work = be._allgather_base(buf, send);
+        caps.allgather_base = 1;
+      } catch (const std::exception& e) {
+        if (!is_unsupported(e)) throw;
+        caps.allgather_base = 0;
+      }
+    }
+    if (!work) {
+      std::vector<std::vector<at::Tensor>> outs(1);
+      for (int r = 0; r < n; ++r) outs[0].push_back(buf.narrow(0, r * maxs, maxs));
+      std::vector<at::Tensor> ins{send};
+      work = be.allgather(outs, ins);
+    }
+    if (local.scalar_type() == at::kBFloat16 && !upcast) caps.bf16 = 1;
+  } catch (const std::exception& e) {
+    if (local.scalar_type() == at::kBFloat16 && !upcast && is_unsupported(e)) {
+      caps.bf16 = 0;
+      return all_gather_async(local, sizes);
+    }
+    throw CommError(concat(I.where("all_gather", local), " failed: ", e.what()));
+  }
+  return Pending([&I, work, buf, sizes, even, maxs, total, local, upcast, n]() {
+    I.wait_work(work, "all_gather", local);
+    at::Tensor out = buf;
+    if (!even) {
+      out = at::empty(rest_shape(buf, total), buf.options());
+      int64_t off = 0;
+      for (int r = 0; r < n; ++r) {
+        if (sizes[r] > 0) out.narrow(0, off, sizes[r]).copy_(buf.narrow(0, r * maxs, sizes[r]));
+        off += sizes[r];
+      }
+    }
+    if (upcast) out = out.view(at::kBFloat16);
+    return out;
+  });
+}
+
+at::Tensor Communicator::all_gather(const at::Tensor& local, const std::vector<int64_t>& sizes) {
+  return all_gather_async(local, sizes).wait();
+}
+
+at::Tensor Communicator::all_gather(const at::Tensor& local) {
+  TESSERA_CHECK(local.dim() >= 1, "all_gather needs a tensor of at least one dimension, got a scalar");
+  std::vector<int64_t> sizes(size(), 0);
+  if (size() > 1) {
+    at::Tensor mine = at::full({1}, local.size(0), at::kLong);
+    at::Tensor all = all_gather_async(mine, std::vector<int64_t>(size(), 1)).wait();
+    for (int r = 0; r < size(); ++r) sizes[r] = all[r].item<int64_t>();
+  } else {
+    sizes[0] = local.size(0);
+  }
+  return all_gather(local, sizes);
+}
+
+// ------------------------------------------------------------ reduce_scatter
+Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::vector<int64_t>& sizes,
+                                           ReduceOp op) {
+  Impl& I = *impl_;
+  const int n = I.size;
+  TESSERA_CHECK(full.dim() >= 1, "reduce_scatter needs a tensor of at least one dimension");
+  TESSERA_CHECK(static_cast<int>(sizes.size()) == n, "reduce_scatter: ", sizes.size(),
+                " dim-0 sizes given for a group of ", n, " ranks");
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  TESSERA_CHECK(full.size(0) == total, "reduce_scatter: the tensor has ", full.size(0),
+                " rows but the pieces add up to ", total);
+  if (n == 1) return Pending([full] { return full; });
+  const int64_t mine = sizes[I.rank];
+  const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
+  if (maxs == 0) return Pending([full] { return at::empty(rest_shape(full, 0), full.options()); });
+  auto& caps = I.caps(full);
+  auto& be = I.backend(full);
+  at::Tensor in = full.contiguous();
+  const bool upcast = in.scalar_type() == at::kBFloat16 && caps.bf16 == 0;
+  if (upcast) in = in.to(at::kFloat);
+  const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; });
+
+  c10::intrusive_ptr<compat::Work> work;
+  at::Tensor out;
+  bool emulated = false;
+  try {
+    if (caps.reduce_scatter_base != 0) {
+      at::Tensor src = in;
+      if (!even) {
+        src = at::zeros(rest_shape(in, maxs * n), in.options());
+        int64_t off = 0;
+        for (int r = 0; r < n; ++r) {
+          if (sizes[r] > 0) src.narrow(0, r * maxs, sizes[r]).copy_(in.narrow(0, off, sizes[r]));
+          off += sizes[r];
+        }
+      }
+      out = at::empty(rest_shape(in, maxs), in.options());
+      c10d::ReduceScatterOptions o;
+      o.reduceOp = to_c10d(op);
+      o.timeout = I.options.timeout;
+      try {
+        work = be._reduce_scatter_base(out, src, o);
+        caps.reduce_scatter_base = 1;
+      } catch (const std::exception& e) {
+        if (!is_unsupported(e)) throw;
+        caps.reduce_scatter_base = 0;
+      }
+    }
+    if (!work) {
+      // Emulation with one all-to-all: rank r receives every rank's copy of piece r
+      // (the same bytes a ring reduce-scatter moves), then reduces them locally in
+      // rank order, so the result is deterministic.
+      emulated = true;
+      out = at::empty(rest_shape(in, mine * n), in.options());
+      std::vector<int64_t> out_splits(n, mine);
+      std::vector<int64_t> in_splits(sizes.begin(), sizes.end());
+      c10d::AllToAllOptions o;
+      o.timeout = I.options.timeout;
+      work = be.alltoall_base(out, in, out_splits, in_splits, o);
+    }
+    if (full.scalar_type() == at::kBFloat16 && !upcast) caps.bf16 = 1;
+  } catch (const std::exception& e) {
+    if (full.scalar_type() == at::kBFloat16 && !upcast && is_unsupported(e)) {
+      caps.bf16 = 0;
+      return reduce_scatter_async(full, sizes, op);
+    }
+    throw CommError(concat(I.where("reduce_scatter", full), " failed: ", e.what()));
+  }
+  return Pending([&I, work, out, emulated, mine, n, op, full, upcast]() {
+    I.wait_work(work, "reduce_scatter", full);
+    at::Tensor r;
+    if (emulated) {
+      std::vector<int64_t> shape = out.sizes().vec();
+      shape[0] = mine;
+      shape.insert(shape.begin(), n);
+      at::Tensor stacked = out.view(shape);
+      switch (op) {
+        case ReduceOp::Min: r = std::get<0>(stacked.min(0)); break;
+        case ReduceOp::Max: r = std::get<0>(stacked.max(0)); break;
+        default: {
+          r = stacked[0].clone();
+          for (int k = 1; k < n; ++k) r.add_(stacked[k]);
+        }
+      }
+    } else {
+      r = out.narrow(0, 0, mine);
+      if (mine != out.size(0)) r = r.clone();
+    }
+    finish_avg(r, op, n);
+    if (upcast) r = r.to(at::kBFloat16);
+    return r;
+  });
+}
+
+at::Tensor Communicator::reduce_scatter(const at::Tensor& full, const std::vector<int64_t>& sizes,
+                                        ReduceOp op) {
+  return reduce_scatter_async(full, sizes, op).wait();
+}
+
+at::Tensor Communicator::reduce_scatter(const at::Tensor& full, ReduceOp op) {
+  TESSERA_CHECK(full.dim() >= 1 && full.size(0) % size() == 0, "reduce_scatter: dim 0 (",
+                full.dim() ? full.size(0) : 0, ") is not divisible by the group size ", size(),
+                "; pass per-rank sizes");
+  return reduce_scatter(full, std::vector<int64_t>(size(), full.size(0) / size()), op);
+}
+
+// ---------------------------------------------------------------- broadcast
+Pending Communicator::broadcast_async(at::Tensor tensor, int src) {
+  Impl& I = *impl_;
+  TESSERA_CHECK(src >= 0 && src < I.size, "broadcast source rank ", src, " is outside the group of ",
+                I.size);
+  if (I.size == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
+  at::Tensor work_t = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  at::Tensor wire = work_t;
+  // Broadcast moves bits: a backend without bf16 kernels carries them as 16-bit halves (copied, never computed on).
+  if (tensor.scalar_type() == at::kBFloat16 && I.caps(tensor).bf16 == 0) wire = work_t.view(at::kHalf);
+  std::vector<at::Tensor> v{wire};
+  c10d::BroadcastOptions o;
+  o.rootRank = src;
+  o.timeout = I.options.timeout;
+  auto work = I.guarded("broadcast", tensor, [&] { return I.backend(tensor).broadcast(v, o); });
+  return Pending([&I, work, work_t, tensor]() mutable {
+    I.wait_work(work, "broadcast", tensor);
+    if (!work_t.is_same(tensor)) tensor.copy_(work_t);
+    return tensor;
+  });
+}
+
+void Communicator::broadcast(at::Tensor& tensor, int src) { broadcast_async(tensor, src).wait(); }
+
+void Communicator::barrier() {
+  Impl& I = *impl_;
+  if (I.size == 1) return;
+  // A one-element all-reduce: unlike c10d's barrier it honours the timeout on every
+  // backend and reports a dead peer the same way as any collective.
+  at::Tensor t = at::zeros({1}, at::kInt);
+  I.guarded("barrier", t, [&] { all_reduce_async(t, ReduceOp::Sum).wait(); return 0; });
+}
+
+std::string Communicator::broadcast_bytes(const std::string& bytes, int src) {
+  if (size() == 1) return bytes;
+  at::Tensor len = at::full({1}, static_cast<int64_t>(rank() == src ? bytes.size() : 0), at::kLong);
+  broadcast(len, src);
+  const int64_t n = len.item<int64_t>();
+  at::Tensor buf = at::empty({n}, at::kByte);
+  if (rank() == src && n > 0) std::memcpy(buf.data_ptr(), bytes.data(), n);
+  broadcast(buf, src);
+  return std::string(static_cast<const char*>(buf.data_ptr()), n);
+}
+
+std::vector<std::string> Communicator::all_gather_bytes(const std::string& bytes) {
+  if (size() == 1) return {bytes};
+  at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  at::Tensor lens = all_gather(len, std::vector<int64_t>(size(), 1));
+  std::vector<int64_t> sizes(size());
+  for (int r = 0; r < size(); ++r) sizes[r] = lens[r].item<int64_t>();
+  at::Tensor mine = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  at::Tensor all = all_gather(mine, sizes);
+  std::vector<std::string> out;
+  const char* p = all.numel() ? static_cast<const char*>(all.data_ptr()) : nullptr;
+  for (int r = 0; r < size(); ++r) {
+    out.emplace_back(p, sizes[r]);
+    p += sizes[r];
+  }
+  return out;
+}
+
+int64_t Communicator::all_reduce_int(int64_t value, ReduceOp op) {
+  at::Tensor t = at::full({1}, value, at::kLong);
+  all_reduce(t, op);
+  return t.item<int64_t>();
+}
+
+double Communicator::all_reduce_double(double value, ReduceOp op) {
+  at::Tensor t = at::full({1}, value, at::kDouble);
+  all_reduce(t, op);
+  return t.item<double>();
+}
+
+// ---------------------------------------------------------------- subgroups
+std::shared_ptr<Communicator> Communicator::split(const std::vector<std::vector<int>>& groups) {
+  Impl& I = *impl_;
+  const int id = I.split_counter++;
+  std::set<int> seen;
+  int mine = -1;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    TESSERA_CHECK(!groups[g].empty(), "split: group ", g, " is empty");
+    for (int r : groups[g]) {
+      TESSERA_CHECK(r >= 0 && r < I.size, "split: rank ", r, " in group ", g,
+                    " is outside the group of ", I.size);
+      TESSERA_CHECK(seen.insert(r).second, "split: rank ", r, " appears in more than one group");
+      if (r == I.rank) mine = static_cast<int>(g);
+    }
+  }
+  if (mine < 0) return nullptr;
+  const auto& grp = groups[mine];
+  auto impl = std::make_unique<Impl>();
+  impl->world = I.world;
+  impl->options = I.options;
+  impl->size = static_cast<int>(grp.size());
+  impl->rank = static_cast<int>(std::find(grp.begin(), grp.end(), I.rank) - grp.begin());
+  for (int r : grp) impl->members.push_back(I.members[r]);
+  impl->prefix = concat(I.prefix, "/split", id, "/g", mine);
+  impl->caps_cpu.bf16 = I.caps_cpu.bf16;
+  impl->caps_cuda.bf16 = I.caps_cuda.bf16;
+  if (impl->size > 1) {
+    impl->store = c10::make_intrusive<c10d::PrefixStore>(concat("split", id, "/g", mine), I.store);
+    try {
+      if (I.gloo) {
+        impl->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", impl->store), impl->rank,
+                               impl->size, I.world, I.options);
+      }
+      if (I.nccl) {
+        impl->nccl = make_nccl(c10::make_intrusive<c10d::PrefixStore>("nccl", impl->store), impl->rank,
+                               impl->size, I.options);
+      }
+    } catch (const std::exception& e) {
+      throw CommError(concat("creating subgroup ", mine, " (split ", id, ") on rank ", I.world.rank,
+                          " failed: ", e.what()));
+    }
+  }
+  return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
+}
+
+int find_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TESSERA_CHECK(fd >= 0, "socket() failed while looking for a free port");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    throw Error("bind() to a free loopback port failed");
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
+}  // namespace tessera::dist

@@ -1,0 +1,130 @@
+// Collectives over c10d process groups: Gloo for CPU tensors, NCCL for CUDA
+// tensors where this libtorch has it. Everything above `dist` talks to peers
+// through a Communicator.
+//
+// Semantics every backend provides (emulated where a backend lacks the native op,
+// chosen by trying the native op once and remembering the answer):
+//  - all_reduce: sum, avg, min, max, in place;
+//  - all_gather: each rank's tensor concatenated along dim 0, uneven sizes and
+//    empty pieces allowed;
+//  - reduce_scatter: a tensor split along dim 0 into per-rank pieces (uneven,
+//    possibly empty), each rank receives the reduction of its piece;
+//  - broadcast, barrier, and byte-string broadcast / all-gather.
+// Failures (timeout, dead peer) raise tessera::CommError naming the collective.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/core/error.h"
+#include "tessera/dist/world.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace tessera::dist {
+
+enum class ReduceOp { Sum, Avg, Min, Max };
+const char* to_string(ReduceOp op);
+
+struct CommOptions {
+  // Deadline for rendezvous and for every collective.
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  // "auto" (Gloo for CPU tensors, plus NCCL for CUDA tensors when available), "gloo", "nccl".
+  std::string backend = "auto";
+  // Gloo worker threads per process group.
+  int gloo_threads = 2;
+};
+
+// An asynchronous collective. wait() blocks, raises CommError on failure, and runs
+// the post-processing (unpadding, local reduction) of emulated collectives. The
+// result tensor (if any) is valid after wait().
+class Pending {
+ public:
+  Pending() = default;
+  explicit Pending(std::function<at::Tensor()> finish) : finish_(std::move(finish)) {}
+  at::Tensor wait();
+  bool valid() const { return static_cast<bool>(finish_); }
+
+ private:
+  std::function<at::Tensor()> finish_;
+  at::Tensor result_;
+  bool done_ = false;
+};
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  // Rendezvous through a c10d TCPStore at world.master_addr:master_port (rank 0 hosts
+  // it unless torchrun's agent does) and create the process group(s). For a
+  // single-process world no store is created and collectives are local no-ops.
+  static std::shared_ptr<Communicator> create(const World& world, const CommOptions& options = {});
+
+  ~Communicator();
+
+  int rank() const;
+  int size() const;
+  // Rank of this process in the global world.
+  int global_rank() const;
+  // Global ranks of the members, in group-rank order.
+  const std::vector<int>& members() const;
+  const World& world() const;
+  const CommOptions& options() const;
+
+  // --- synchronous collectives ---
+  void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
+  // Concatenation along dim 0 of every rank's `local`; sizes discovered with one
+  // extra collective.
+  at::Tensor all_gather(const at::Tensor& local);
+  // Same when every rank already knows each rank's dim-0 size (no extra collective).
+  at::Tensor all_gather(const at::Tensor& local, const std::vector<int64_t>& dim0_sizes);
+  // `full` has dim-0 size sum(dim0_sizes); returns this rank's piece reduced over ranks.
+  at::Tensor reduce_scatter(const at::Tensor& full, const std::vector<int64_t>& dim0_sizes,
+                            ReduceOp op = ReduceOp::Sum);
+  // Even split: `full`'s dim 0 must be divisible by size().
+  at::Tensor reduce_scatter(const at::Tensor& full, ReduceOp op = ReduceOp::Sum);
+  void broadcast(at::Tensor& tensor, int src = 0);
+  void barrier();
+
+  std::string broadcast_bytes(const std::string& bytes, int src = 0);
+  std::vector<std::string> all_gather_bytes(const std::string& bytes);
+  int64_t all_reduce_int(int64_t value, ReduceOp op = ReduceOp::Sum);
+  double all_reduce_double(double value, ReduceOp op = ReduceOp::Sum);
+
+  // --- asynchronous variants (for overlap); tensors must stay alive until wait() ---
+  Pending all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::Sum);
+  Pending all_gather_async(const at::Tensor& local, const std::vector<int64_t>& dim0_sizes);
+  Pending reduce_scatter_async(const at::Tensor& full, const std::vector<int64_t>& dim0_sizes,
+                               ReduceOp op = ReduceOp::Sum);
+  Pending broadcast_async(at::Tensor tensor, int src = 0);
+
+  // --- subgroups ---
+  // Collective over this communicator: every member calls it with the same partition
+  // of group ranks (each inner list a group, in group-rank order). Returns the
+  // communicator of the group that holds this rank (nullptr if none does).
+  std::shared_ptr<Communicator> split(const std::vector<std::vector<int>>& groups);
+
+  // Whether the backend for `device` runs the op natively (false: emulated). For
+  // diagnostics and benchmarks; valid after the op has run once.
+  struct Capabilities {
+    int allgather_base = -1;      // -1 unknown, 0 emulated, 1 native
+    int reduce_scatter_base = -1;
+    int bf16 = -1;
+  };
+  Capabilities capabilities(bool cuda = false) const;
+
+  struct Impl;
+
+ private:
+  explicit Communicator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// A free TCP port on the loopback interface (bind to port 0, read it, close).
+int find_free_port();
+
+}  // namespace tessera::dist

@@ -1,0 +1,326 @@
+#include "tessera/dist/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "tessera/core/error.h"
+#include "tessera/dist/communicator.h"
+
+extern char** environ;
+
+namespace tessera::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+std::atomic<int> g_last_signal{0};
+
+void on_signal(int sig) {
+  g_last_signal = sig;
+  if (g_signal_pipe[1] >= 0) {
+    char c = static_cast<char>(sig);
+    ssize_t ignored = ::write(g_signal_pipe[1], &c, 1);
+    (void)ignored;
+  }
+}
+
+struct Child {
+  RankStatus status;
+  int out_fd = -1;
+  int err_fd = -1;
+  std::string out_buf, err_buf;
+  bool running = true;
+};
+
+void set_nonblock(int fd) {
+  int fl = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+  ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+}
+
+// Builds "KEY=VALUE" strings: this process's environment with `overrides` applied.
+std::vector<std::string> make_env(const std::map<std::string, std::string>& overrides) {
+  std::vector<std::string> out;
+  for (char** e = environ; e && *e; ++e) {
+    std::string kv(*e);
+    auto eq = kv.find('=');
+    if (eq != std::string::npos && overrides.count(kv.substr(0, eq))) continue;
+    out.push_back(kv);
+  }
+  for (const auto& [k, v] : overrides) out.push_back(k + "=" + v);
+  return out;
+}
+
+void emit(const LaunchOptions& o, int rank, bool is_err, const std::string& line) {
+  if (o.on_line) {
+    o.on_line(rank, is_err, line);
+    return;
+  }
+  std::string s = "[rank " + std::to_string(rank) + "] " + line + "\n";
+  FILE* f = is_err ? stderr : stdout;
+  std::fwrite(s.data(), 1, s.size(), f);
+  std::fflush(f);
+}
+
+// Reads what is available from fd; returns false at EOF or error.
+bool pump(const LaunchOptions& o, Child& c, bool is_err) {
+  int& fd = is_err ? c.err_fd : c.out_fd;
+  std::string& buf = is_err ? c.err_buf : c.out_buf;
+  char tmp[65536];
+  for (;;) {
+    ssize_t n = ::read(fd, tmp, sizeof(tmp));
+    if (n > 0) {
+      buf.append(tmp, static_cast<size_t>(n));
+      size_t start = 0, nl;
+      while ((nl = buf.find('\n', start)) != std::string::npos) {
+        emit(o, c.status.rank, is_err, buf.substr(start, nl - start));
+        start = nl + 1;
+      }
+      buf.erase(0, start);
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (n < 0 && errno == EINTR) continue;
+    if (!buf.empty()) emit(o, c.status.rank, is_err, buf);
+    buf.clear();
+    ::close(fd);
+    fd = -1;
+    return false;
+  }
+}
+
+void signal_all(std::vector<Child>& children, int sig) {
+  for (auto& c : children) {
+    if (c.running && c.status.pid > 0) ::kill(-c.status.pid, sig);  // the rank's process group
+  }
+}
+
+}  // namespace
+
+LaunchResult launch(const LaunchOptions& o) {
+  TESSERA_CHECK(!o.command.empty(), "launch: no program given");
+  TESSERA_CHECK(o.nproc_per_node >= 1, "launch: --nproc-per-node must be at least 1, got ", o.nproc_per_node);
+  TESSERA_CHECK(o.nnodes >= 1, "launch: --nnodes must be at least 1, got ", o.nnodes);
+  TESSERA_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, "launch: --node-rank ", o.node_rank,
+                " must be in [0, ", o.nnodes, ")");
+  TESSERA_CHECK(o.master_port >= 0 && o.master_port <= 65535, "launch: --master-port ", o.master_port,
+                " is not a port number");
+  int port = o.master_port;
+  if (port == 0) {
+    TESSERA_CHECK(o.nnodes == 1, "launch: --master-port is required with --nnodes ", o.nnodes,
+                  " (every node must agree on it)");
+    port = find_free_port();
+  }
+  const int world = o.nproc_per_node * o.nnodes;
+  const auto start = Clock::now();
+
+  bool forwarding = o.forward_signals;
+  struct sigaction old_int {}, old_term {}, old_hup {};
+  if (forwarding) {
+    TESSERA_CHECK(::pipe(g_signal_pipe) == 0, "launch: pipe() failed");
+    set_nonblock(g_signal_pipe[0]);
+    set_nonblock(g_signal_pipe[1]);
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+    sigaction(SIGHUP, &sa, &old_hup);
+  }
+
+  std::vector<Child> children(o.nproc_per_node);
+  const bool shared_machine = o.nproc_per_node > 1;
+  const pid_t launcher_pid = ::getpid();
+  std::string spawn_error;
+  for (int i = 0; i < o.nproc_per_node; ++i) {
+    const int rank = o.node_rank * o.nproc_per_node + i;
+    std::map<std::string, std::string> env = o.env;
+    env["RANK"] = std::to_string(rank);
+    env["WORLD_SIZE"] = std::to_string(world);
+    env["LOCAL_RANK"] = std::to_string(i);
+    env["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
+    env["GROUP_RANK"] = std::to_string(o.node_rank);
+    env["NODE_RANK"] = std::to_string(o.node_rank);
+    env["MASTER_ADDR"] = o.master_addr;
+    env["MASTER_PORT"] = std::to_string(port);
+    env["TESSERA_LAUNCHED"] = "1";
+    if (o.threads_per_rank > 0) {
+      env["OMP_NUM_THREADS"] = std::to_string(o.threads_per_rank);
+    } else if (shared_machine && std::getenv("OMP_NUM_THREADS") == nullptr && !o.env.count("OMP_NUM_THREADS")) {
+      env["OMP_NUM_THREADS"] = "1";
+    }
+    // Everything the child needs is prepared before fork: only async-signal-safe
+    // calls run between fork and exec.
+    std::vector<std::string> envs = make_env(env);
+    std::vector<char*> envp, argv;
+    for (auto& s : envs) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> args = o.command;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+
+    int out_p[2], err_p[2];
+    if (::pipe(out_p) != 0 || ::pipe(err_p) != 0) {
+      spawn_error = "pipe() failed";
+      break;
+    }
+    pid_t pid = ::fork();
+    if (pid < 0) {
+      spawn_error = std::string("fork() failed: ") + std::strerror(errno);
+      ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
+      break;
+    }
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher_pid) ::_exit(127);
+      struct sigaction dfl {};
+      dfl.sa_handler = SIG_DFL;
+      sigemptyset(&dfl.sa_mask);
+      sigaction(SIGINT, &dfl, nullptr);
+      sigaction(SIGTERM, &dfl, nullptr);
+      sigaction(SIGHUP, &dfl, nullptr);
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::dup2(out_p[1], 1);
+      ::dup2(err_p[1], 2);
+      ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
+      ::execvpe(argv[0], argv.data(), envp.data());
+      const char msg[] = "tessera run: cannot execute the program\n";
+      ssize_t ignored = ::write(2, msg, sizeof(msg) - 1);
+      (void)ignored;
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
+    ::close(out_p[1]);
+    ::close(err_p[1]);
+    set_nonblock(out_p[0]);
+    set_nonblock(err_p[0]);
+    children[i].status.rank = rank;
+    children[i].status.pid = pid;
+    children[i].out_fd = out_p[0];
+    children[i].err_fd = err_p[0];
+  }
+
+  LaunchResult result;
+  std::optional<Clock::time_point> kill_at;
+  int forwarded_signal = 0;
+  if (!spawn_error.empty()) {
+    result.exit_code = 1;
+    result.message = "tessera run: " + spawn_error;
+    signal_all(children, SIGKILL);
+    for (auto& c : children) {
+      if (c.status.pid <= 0) c.running = false;
+    }
+    kill_at = Clock::now();
+  }
+
+  auto any_running = [&] {
+    for (auto& c : children)
+      if (c.running) return true;
+    return false;
+  };
+  auto any_open = [&] {
+    for (auto& c : children)
+      if (c.out_fd >= 0 || c.err_fd >= 0) return true;
+    return false;
+  };
+  std::optional<Clock::time_point> drain_until;
+
+  while (any_running() || (any_open() && (!drain_until || Clock::now() < *drain_until))) {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<int, bool>> owners;
+    for (int i = 0; i < static_cast<int>(children.size()); ++i) {
+      if (children[i].out_fd >= 0) { fds.push_back({children[i].out_fd, POLLIN, 0}); owners.push_back({i, false}); }
+      if (children[i].err_fd >= 0) { fds.push_back({children[i].err_fd, POLLIN, 0}); owners.push_back({i, true}); }
+    }
+    if (forwarding) fds.push_back({g_signal_pipe[0], POLLIN, 0});
+    ::poll(fds.data(), fds.size(), 50);
+    for (size_t k = 0; k < owners.size(); ++k) {
+      if (fds[k].revents & (POLLIN | POLLHUP | POLLERR)) pump(o, children[owners[k].first], owners[k].second);
+    }
+    if (forwarding && (fds.back().revents & POLLIN)) {
+      char c;
+      while (::read(g_signal_pipe[0], &c, 1) == 1) {
+        const int sig = static_cast<unsigned char>(c);
+        if (!forwarded_signal) forwarded_signal = sig;
+        std::fprintf(stderr, "tessera run: received signal %d (%s); forwarding it to the ranks\n", sig,
+                     strsignal(sig));
+        signal_all(children, sig);
+        if (!kill_at) kill_at = Clock::now() + o.grace;
+      }
+    }
+    // Reap.
+    for (auto& c : children) {
+      if (!c.running) continue;
+      int st = 0;
+      pid_t r = ::waitpid(c.status.pid, &st, WNOHANG);
+      if (r != c.status.pid) continue;
+      c.running = false;
+      if (WIFEXITED(st)) c.status.exit_code = WEXITSTATUS(st);
+      if (WIFSIGNALED(st)) c.status.signal = WTERMSIG(st);
+      // Kill whatever the rank left behind in its process group.
+      ::kill(-c.status.pid, SIGKILL);
+      const bool failed = c.status.signal != 0 || c.status.exit_code != 0;
+      if (failed && result.failed_rank < 0 && !kill_at) {
+        result.failed_rank = c.status.rank;
+        result.exit_code = c.status.signal ? 128 + c.status.signal : c.status.exit_code;
+        result.message = c.status.signal
+                             ? concat("rank ", c.status.rank, " (pid ", c.status.pid, ") was killed by signal ",
+                                   c.status.signal, " (", strsignal(c.status.signal), ")")
+                             : concat("rank ", c.status.rank, " (pid ", c.status.pid, ") exited with code ",
+                                   c.status.exit_code);
+        if (any_running()) {
+          result.message += "; stopping the other ranks";
+          signal_all(children, SIGTERM);
+          kill_at = Clock::now() + o.grace;
+          for (auto& other : children)
+            if (other.running) other.status.stopped_by_launcher = true;
+        }
+        std::fprintf(stderr, "tessera run: %s\n", result.message.c_str());
+      }
+    }
+    const auto now = Clock::now();
+    if (o.deadline && now - start > *o.deadline && any_running() && result.failed_rank < 0 && !kill_at) {
+      result.exit_code = 124;
+      result.message = concat("deadline of ", o.deadline->count(), " ms passed; stopping every rank");
+      std::fprintf(stderr, "tessera run: %s\n", result.message.c_str());
+      signal_all(children, SIGTERM);
+      kill_at = now + o.grace;
+    }
+    if (kill_at && now >= *kill_at) signal_all(children, SIGKILL);
+    if (!any_running() && !drain_until) drain_until = Clock::now() + std::chrono::seconds(2);
+  }
+  for (auto& c : children) {
+    if (c.out_fd >= 0) ::close(c.out_fd);
+    if (c.err_fd >= 0) ::close(c.err_fd);
+    result.ranks.push_back(c.status);
+  }
+  if (forwarding) {
+    sigaction(SIGINT, &old_int, nullptr);
+    sigaction(SIGTERM, &old_term, nullptr);
+    sigaction(SIGHUP, &old_hup, nullptr);
+    ::close(g_signal_pipe[0]);
+    ::close(g_signal_pipe[1]);
+    g_signal_pipe[0] = g_signal_pipe[1] = -1;
+  }
+  if (forwarded_signal && result.failed_rank < 0 && result.exit_code == 0) {
+    result.exit_code = 128 + forwarded_signal;
+    result.message = concat("stopped by signal ", forwarded_signal);
+  }
+  result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  return result;
+}
+
+}  // namespace tessera::dist

@@ -1,0 +1,59 @@
+// Starts the local ranks of a job as fresh processes (fork + exec), with the
+// torchrun environment, and watches them: output is prefixed per rank, SIGINT and
+// SIGTERM are forwarded, and the first rank to fail (non-zero exit or a signal)
+// brings the others down (TERM, then KILL after a grace period). Used by
+// `tessera run`, by Fabric's self-launch and by the multi-process tests.
+#pragma once
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessera/core/error.h"
+
+namespace tessera::dist {
+
+struct LaunchOptions {
+  std::vector<std::string> command;  // program and its arguments
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: a free port (single node only)
+  // Intra-op threads per rank, exported as OMP_NUM_THREADS. 0: one thread when
+  // several ranks share this machine and OMP_NUM_THREADS is not set already.
+  int threads_per_rank = 0;
+  std::map<std::string, std::string> env;  // extra variables for every rank
+  std::chrono::milliseconds grace{std::chrono::seconds(5)};
+  // Stop everything and fail (exit code 124) after this long; none by default.
+  std::optional<std::chrono::milliseconds> deadline;
+  // Forward SIGINT/SIGTERM/SIGHUP received by this process to the ranks.
+  bool forward_signals = true;
+  // Receives each complete output line of a rank. Default: written to this process's
+  // stdout/stderr as "[rank R] line".
+  std::function<void(int rank, bool is_stderr, const std::string& line)> on_line;
+};
+
+struct RankStatus {
+  int rank = -1;        // global rank
+  int pid = -1;
+  int exit_code = -1;   // valid when signal == 0
+  int signal = 0;       // the signal that ended it, or 0
+  bool stopped_by_launcher = false;  // ended by the launcher's TERM/KILL after another failure
+};
+
+struct LaunchResult {
+  // 0 when every rank exited 0; else the first failing rank's exit code, or
+  // 128+signal when it died by a signal; 124 on deadline.
+  int exit_code = 0;
+  int failed_rank = -1;
+  std::string message;  // what happened, naming the rank; empty on success
+  std::vector<RankStatus> ranks;
+  std::chrono::milliseconds elapsed{0};
+};
+
+LaunchResult launch(const LaunchOptions& options);
+
+}  // namespace tessera::dist

@@ -1,0 +1,40 @@
+// Where this process stands in the job: rank, sizes, node, and the rendezvous
+// address. Read from the environment of whichever launcher started it:
+// `tessera run` / torchrun (RANK, WORLD_SIZE, LOCAL_RANK, ...), SLURM's srun
+// (SLURM_PROCID, SLURM_NTASKS, ...) or Open MPI's mpirun (OMPI_COMM_WORLD_*).
+// With none of them set, a single process (rank 0 of 1).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace tessera::dist {
+
+struct World {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  int num_nodes = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;          // 0: not needed (single process)
+  bool agent_store = false;     // torchrun's agent hosts the TCPStore; every rank is a client
+  std::string source = "single";  // "torchrun", "slurm", "openmpi" or "single"
+
+  bool is_distributed() const { return world_size > 1; }
+  bool is_rank_zero() const { return rank == 0; }
+  std::string describe() const;
+
+  using Lookup = std::function<std::optional<std::string>(const std::string&)>;
+  // Reads the process environment. Throws tessera::Error naming the variable at fault.
+  static World from_env();
+  // Same, with variables read through `lookup` (tests, embedding).
+  static World from_lookup(const Lookup& lookup);
+};
+
+// First host of a SLURM node list: "node[03-05,9],other" -> "node03".
+std::string slurm_first_host(const std::string& nodelist);
+
+}  // namespace tessera::dist

@@ -1,0 +1,101 @@
+// Collectives, subgroups and failure detection with real rank processes.
+#include <ATen/ATen.h>
+
+#include "harness.h"
+#include "tessera/dist/communicator.h"
+
+using namespace tessera;
+using tessera::testing::run_ranks;
+
+class Collectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(Collectives, EveryOpEveryDtypeUnevenAndEmptyPieces) {
+  auto res = run_ranks(GetParam(), {"collectives"});
+  EXPECT_RANKS_OK(res);
+  for (int r = 0; r < GetParam(); ++r) {
+    ASSERT_FALSE(res.out[r].empty()) << res.all_output();
+    EXPECT_EQ(res.out[r].back(), "collectives ok rank " + std::to_string(r) + " of " + std::to_string(GetParam()));
+  }
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4));
+
+TEST(Collectives, SingleProcessNeedsNoRendezvous) {
+  auto c = dist::Communicator::create(dist::World{});
+  at::Tensor t = at::ones({3});
+  c->all_reduce(t, dist::ReduceOp::Avg);
+  EXPECT_TRUE(at::equal(t, at::ones({3})));
+  EXPECT_TRUE(at::equal(c->all_gather(at::arange(4)), at::arange(4)));
+  EXPECT_TRUE(at::equal(c->reduce_scatter(at::arange(4), {4}), at::arange(4)));
+  EXPECT_EQ(c->all_gather_bytes("abc"), std::vector<std::string>{"abc"});
+  c->barrier();
+}
+
+TEST(Collectives, BadArgumentsAreClearErrors) {
+  auto c = dist::Communicator::create(dist::World{});
+  try {
+    c->all_gather(at::ones({3}), {2});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 holds 3 rows but dim0_sizes says 2"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(c->reduce_scatter(at::ones({3}), {2}), Error);
+  EXPECT_THROW(c->all_gather(at::scalar_tensor(1.0)), Error);
+  EXPECT_THROW(dist::Communicator::create(dist::World{}, dist::CommOptions{std::chrono::seconds(1), "mpi"}), Error);
+}
+
+TEST(Subgroups, HybridLayoutFourRanksAsTwoNodes) {
+  auto res = run_ranks(4, {"subgroups", "2"});
+  EXPECT_RANKS_OK(res);
+}
+
+TEST(Subgroups, ThreeRanksOneNode) {
+  auto res = run_ranks(3, {"subgroups", "3"});
+  EXPECT_RANKS_OK(res);
+}
+
+// A peer dies (SIGKILL) right before a collective: the survivors raise CommError
+// themselves (they ignore the launcher's SIGTERM) well within the timeout.
+TEST(DeadPeer, SurvivorsRaiseInsteadOfHanging) {
+  auto res = run_ranks(3, {"dead_peer", "1"}, 60, {{"TESSERA_TEST_TIMEOUT_MS", "5000"}}, 30000);
+  EXPECT_EQ(res.launch.failed_rank, 1) << res.all_output();
+  EXPECT_EQ(res.launch.exit_code, 128 + 9);
+  for (auto& st : res.launch.ranks) {
+    if (st.rank == 1) {
+      EXPECT_EQ(st.signal, 9);
+    } else {
+      EXPECT_EQ(st.signal, 0) << "rank " << st.rank << " was killed instead of raising\n" << res.all_output();
+      EXPECT_EQ(st.exit_code, 3) << res.all_output();
+    }
+  }
+  EXPECT_LT(res.launch.elapsed.count(), 25000);
+  EXPECT_NE(res.all_output().find("all_reduce"), std::string::npos) << res.all_output();
+}
+
+// A peer that hangs (alive, silent): the others time out with an error naming the collective.
+TEST(DeadPeer, HungPeerTimesOut) {
+  auto res = run_ranks(2, {"dead_peer", "1", "hang"}, 60, {{"TESSERA_TEST_TIMEOUT_MS", "3000"}}, 1000);
+  EXPECT_EQ(res.launch.failed_rank, 0) << res.all_output();
+  EXPECT_EQ(res.launch.exit_code, 3) << res.all_output();
+  const std::string out = res.all_output();
+  EXPECT_NE(out.find("raised after"), std::string::npos) << out;
+  EXPECT_NE(out.find("all_reduce (Float [1024])"), std::string::npos) << out;
+  EXPECT_NE(out.find("timed out"), std::string::npos) << out;
+  EXPECT_LT(res.launch.elapsed.count(), 20000);
+}
+
+TEST(Rendezvous, MissingPeerTimesOutWithClearError) {
+  // World of 2 but only rank 0 starts: store creation/process group must time out.
+  dist::World w;
+  w.world_size = 2;
+  w.rank = 0;
+  w.local_world_size = 2;
+  w.master_port = dist::find_free_port();
+  dist::CommOptions o;
+  o.timeout = std::chrono::milliseconds(1500);
+  try {
+    dist::Communicator::create(w, o);
+    FAIL() << "expected a rendezvous error";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+  }
+}

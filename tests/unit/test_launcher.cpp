@@ -1,0 +1,182 @@
+// The launcher and `tessera run`: exit codes, signals, orphans, output prefixing.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <thread>
+
+#include "harness.h"
+
+using tessera::testing::run_ranks;
+
+namespace {
+
+bool alive(int pid) {
+  if (::kill(pid, 0) != 0) return false;
+  // A zombie still answers kill(0); look at its state.
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s;
+  std::getline(f, s);
+  auto p = s.rfind(')');
+  return p != std::string::npos && p + 2 < s.size() && s[p + 2] != 'Z';
+}
+
+bool gone_within(int pid, int ms) {
+  for (int i = 0; i < ms / 20; ++i) {
+    if (!alive(pid)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return !alive(pid);
+}
+
+std::vector<int> pids_in(const std::string& text, const std::string& word) {
+  std::vector<int> pids;
+  std::regex re(word + " ([0-9]+)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator(); ++it)
+    pids.push_back(std::stoi((*it)[1]));
+  return pids;
+}
+
+// Runs a shell command, returns (exit status, stdout).
+std::pair<int, std::string> sh(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  int st = ::pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out};
+}
+
+}  // namespace
+
+TEST(Launcher, ExitCodeOfTheFailingRankIsPropagated) {
+  auto res = run_ranks(3, {"exit_code", "2", "7"}, 60);
+  EXPECT_EQ(res.launch.exit_code, 7);
+  EXPECT_EQ(res.launch.failed_rank, 2);
+  EXPECT_NE(res.launch.message.find("rank 2"), std::string::npos) << res.launch.message;
+  for (auto& st : res.launch.ranks) {
+    if (st.rank != 2) {
+      EXPECT_TRUE(st.stopped_by_launcher);
+      EXPECT_EQ(st.signal, SIGTERM);
+    }
+  }
+  EXPECT_LT(res.launch.elapsed.count(), 15000);
+}
+
+TEST(Launcher, SigkilledRankStopsTheOthersAndLeavesNoOrphans) {
+  auto res = run_ranks(4, {"exit_code", "1", "-9", "300", "spawn"}, 60);
+  EXPECT_EQ(res.launch.exit_code, 128 + 9);
+  EXPECT_EQ(res.launch.failed_rank, 1);
+  EXPECT_NE(res.launch.message.find("signal 9"), std::string::npos) << res.launch.message;
+  EXPECT_LT(res.launch.elapsed.count(), 15000);
+  for (auto& st : res.launch.ranks) EXPECT_FALSE(alive(st.pid)) << "rank " << st.rank;
+  auto grandchildren = pids_in(res.all_output(), "grandchild");
+  EXPECT_EQ(grandchildren.size(), 3u) << res.all_output();
+  for (int pid : grandchildren) EXPECT_TRUE(gone_within(pid, 2000)) << "grandchild " << pid << " survived";
+}
+
+TEST(Launcher, AllSucceedMeansExitZero) {
+  auto res = run_ranks(2, {"echo"}, 60);
+  EXPECT_EQ(res.launch.exit_code, 0) << res.launch.message;
+  EXPECT_EQ(res.launch.failed_rank, -1);
+  // Torchrun environment and one intra-op thread per rank.
+  ASSERT_EQ(res.out[1].size(), 3u);
+  EXPECT_EQ(res.out[1][2], "omp=1 world=2 local=1 group=0 tail-without-newline");
+  EXPECT_EQ(res.err[0].at(0), "err line from 0");
+}
+
+TEST(Launcher, DeadlineStopsEverything) {
+  auto res = run_ranks(2, {"exit_code", "5", "0"}, 1);  // no rank 5: everyone waits
+  EXPECT_EQ(res.launch.exit_code, 124);
+  for (auto& st : res.launch.ranks) EXPECT_FALSE(alive(st.pid));
+}
+
+TEST(Launcher, BadOptionsAreRefused) {
+  tessera::dist::LaunchOptions o;
+  o.command = {"true"};
+  o.nnodes = 2;
+  EXPECT_THROW(tessera::dist::launch(o), tessera::Error);  // port required with 2 nodes
+  o.nnodes = 1;
+  o.node_rank = 1;
+  EXPECT_THROW(tessera::dist::launch(o), tessera::Error);
+}
+
+TEST(Launcher, MissingProgramFailsWithCode127) {
+  tessera::dist::LaunchOptions o;
+  o.command = {"/nonexistent/program"};
+  o.nproc_per_node = 2;
+  o.forward_signals = false;
+  o.on_line = [](int, bool, const std::string&) {};
+  auto r = tessera::dist::launch(o);
+  EXPECT_EQ(r.exit_code, 127);
+}
+
+TEST(TesseraRun, PrefixesOutputAndPropagatesExitCode) {
+  auto [code, out] = sh(std::string(TESSERA_CLI) + " run -n 2 -- " + TESSERA_WORKER + " echo 2>&1");
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("[rank 0] out line 1 from 0"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 1] out line 2 from 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 1] err line from 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 0] omp=1 world=2 local=0 group=0 tail-without-newline"), std::string::npos) << out;
+
+  auto [code2, out2] = sh(std::string(TESSERA_CLI) + " run -n 2 " + TESSERA_WORKER + " exit_code 1 4 2>&1");
+  EXPECT_EQ(code2, 4) << out2;
+  EXPECT_NE(out2.find("tessera run: rank 1"), std::string::npos) << out2;
+
+  auto [code3, out3] = sh(std::string(TESSERA_CLI) + " run -n 0 -- true 2>&1");
+  EXPECT_NE(code3, 0);
+  EXPECT_NE(out3.find("nproc-per-node"), std::string::npos) << out3;
+}
+
+TEST(TesseraRun, MultiNodeFlagsComputeGlobalRanks) {
+  auto [code, out] = sh(std::string(TESSERA_CLI) + " run -n 2 --nnodes 3 --node-rank 2 --master-port 1 " +
+                        "--threads-per-rank 3 -- sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK g=$GROUP_RANK " +
+                        "t=$OMP_NUM_THREADS' 2>&1");
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("r=4 w=6 l=0 g=2 t=3"), std::string::npos) << out;
+  EXPECT_NE(out.find("r=5 w=6 l=1 g=2 t=3"), std::string::npos) << out;
+}
+
+// SIGTERM to `tessera run` is forwarded; SIGKILL of `tessera run` itself takes the
+// ranks down with it (parent-death signal): no orphans either way.
+TEST(TesseraRun, LauncherDeathLeavesNoOrphans) {
+  for (int sig : {SIGTERM, SIGKILL}) {
+    int pipefd[2];
+    ASSERT_EQ(::pipe(pipefd), 0);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::dup2(pipefd[1], 1);
+      ::dup2(pipefd[1], 2);
+      ::close(pipefd[0]);
+      ::execl(TESSERA_CLI, TESSERA_CLI, "run", "-n", "2", "--", TESSERA_WORKER, "exit_code", "9", "0", nullptr);
+      ::_exit(127);
+    }
+    ::close(pipefd[1]);
+    std::string out;
+    char buf[512];
+    std::vector<int> ranks;
+    auto t0 = std::chrono::steady_clock::now();
+    while (ranks.size() < 2 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+      ssize_t n = ::read(pipefd[0], buf, sizeof(buf));
+      if (n <= 0) break;
+      out.append(buf, n);
+      ranks = pids_in(out, "pid");
+    }
+    ASSERT_EQ(ranks.size(), 2u) << out;
+    ::kill(pid, sig);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    ::close(pipefd[0]);
+    if (sig == SIGTERM) {
+      EXPECT_TRUE(WIFEXITED(st));
+      EXPECT_EQ(WEXITSTATUS(st), 128 + SIGTERM);
+    }
+    for (int r : ranks) EXPECT_TRUE(gone_within(r, 5000)) << "rank pid " << r << " outlived the launcher (sig " << sig << ")";
+  }
+}

@@ -1,0 +1,243 @@
+// Rank programs for the runtime tests: collectives, subgroups, failures.
+#include <ATen/ATen.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <thread>
+
+#include "scenario.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+using dist::ReduceOp;
+
+namespace {
+
+// Uneven dim-0 sizes with empty pieces: rank r gets (3r + 2) % 5 rows (2, 0, 3, 1, ...).
+std::vector<int64_t> uneven_sizes(int n) {
+  std::vector<int64_t> s(n);
+  for (int r = 0; r < n; ++r) s[r] = (3 * r + 2) % 5;
+  return s;
+}
+
+void check_equal(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  WCHECK(got.sizes() == want.sizes(), what, ": shape ", got.sizes(), " != ", want.sizes());
+  WCHECK(got.scalar_type() == want.scalar_type(), what, ": dtype ", got.scalar_type(), " != ", want.scalar_type());
+  WCHECK(at::equal(got, want), what, ": values differ\ngot  ", got, "\nwant ", want);
+}
+
+void run_collectives(dist::Communicator& c, at::ScalarType dt) {
+  const int n = c.size(), r = c.rank();
+  const std::string tag = concat(dt, " n=", n, " rank=", r);
+  auto opt = at::TensorOptions().dtype(dt);
+
+  // all_reduce: values small integers, exact in bf16.
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max}) {
+    at::Tensor t = at::arange(6, opt).reshape({2, 3}) + 2 * (r + 1);
+    c.all_reduce(t, op);
+    at::Tensor want = at::zeros({2, 3}, at::kDouble);
+    at::Tensor base = at::arange(6, at::kDouble).reshape({2, 3});
+    if (op == ReduceOp::Sum) want = base * n + 2.0 * n * (n + 1) / 2;
+    if (op == ReduceOp::Avg) want = base + (n + 1);  // mean of 2(r+1) is n+1
+    if (op == ReduceOp::Min) want = base + 2;
+    if (op == ReduceOp::Max) want = base + 2 * n;
+    check_equal(t, want.to(dt), concat("all_reduce ", dist::to_string(op), " ", tag));
+  }
+  // all_reduce of a non-contiguous view writes back into the view.
+  {
+    at::Tensor m = at::ones({4, 4}, opt);
+    at::Tensor col = m.select(1, 2);
+    c.all_reduce(col, ReduceOp::Sum);
+    WCHECK(at::equal(m.select(1, 2), at::full({4}, n, opt)), "non-contiguous all_reduce ", tag);
+    WCHECK(at::equal(m.select(1, 0), at::ones({4}, opt)), "non-contiguous all_reduce touched others ", tag);
+  }
+
+  // all_gather, even and uneven (with empty pieces), rows tagged by owner and index.
+  for (bool even : {true, false}) {
+    std::vector<int64_t> sizes = even ? std::vector<int64_t>(n, 3) : uneven_sizes(n);
+    auto rows = [&](int owner) {
+      return (at::arange(sizes[owner] * 2, at::kDouble).reshape({sizes[owner], 2}) + 10 * owner).to(dt);
+    };
+    at::Tensor got = c.all_gather(rows(r), sizes);
+    std::vector<at::Tensor> parts;
+    for (int k = 0; k < n; ++k) parts.push_back(rows(k));
+    check_equal(got, at::cat(parts, 0), concat("all_gather even=", even, " ", tag));
+    at::Tensor got2 = c.all_gather(rows(r));  // sizes discovered
+    check_equal(got2, at::cat(parts, 0), concat("all_gather (discovered sizes) even=", even, " ", tag));
+  }
+
+  // reduce_scatter, even and uneven: rank k contributes (k+1) * base.
+  for (bool even : {true, false}) {
+    std::vector<int64_t> sizes = even ? std::vector<int64_t>(n, 2) : uneven_sizes(n);
+    int64_t total = 0;
+    for (auto s : sizes) total += s;
+    at::Tensor base = at::arange(total * 3, at::kDouble).reshape({total, 3}).remainder(7);
+    int64_t off = 0;
+    for (int k = 0; k < r; ++k) off += sizes[k];
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min}) {
+      at::Tensor full = (base * (r + 1)).to(dt);
+      at::Tensor got = c.reduce_scatter(full, sizes, op);
+      at::Tensor piece = base.narrow(0, off, sizes[r]);
+      at::Tensor want;
+      if (op == ReduceOp::Sum) want = piece * (n * (n + 1) / 2);
+      if (op == ReduceOp::Avg) want = piece * (n * (n + 1) / 2) / n;
+      if (op == ReduceOp::Max) want = piece * n;
+      if (op == ReduceOp::Min) want = piece;
+      if (op == ReduceOp::Avg && dt == at::kBFloat16) {
+        WCHECK(at::allclose(got.to(at::kDouble), want, 1e-2, 1e-2), "reduce_scatter avg bf16 ", tag);
+      } else {
+        check_equal(got, want.to(dt), concat("reduce_scatter ", dist::to_string(op), " even=", even, " ", tag));
+      }
+    }
+  }
+
+  // broadcast from the last rank.
+  at::Tensor b = r == n - 1 ? at::arange(5, opt) * 3 : at::zeros({5}, opt);
+  c.broadcast(b, n - 1);
+  check_equal(b, at::arange(5, opt) * 3, "broadcast " + tag);
+
+  // async all_reduce and all_gather overlap: start both, then wait.
+  at::Tensor x = at::full({1000}, r + 1, opt);
+  auto p1 = c.all_reduce_async(x, ReduceOp::Sum);
+  auto p2 = c.all_gather_async(at::full({2}, r, opt), std::vector<int64_t>(n, 2));
+  at::Tensor g = p2.wait();
+  p1.wait();
+  WCHECK(at::equal(x, at::full({1000}, n * (n + 1) / 2, opt)), "async all_reduce ", tag);
+  WCHECK(g.size(0) == 2 * n && g[2 * (n - 1)].item<double>() == n - 1, "async all_gather ", tag);
+}
+
+}  // namespace
+
+SCENARIO("collectives") {
+  auto c = comm();
+  run_collectives(*c, at::kFloat);
+  run_collectives(*c, at::kBFloat16);
+  run_collectives(*c, at::kLong);
+  // bytes
+  const int n = c->size(), r = c->rank();
+  std::string msg = c->broadcast_bytes(r == 0 ? std::string("path/\0with/nul", 14) : std::string("x"), 0);
+  WCHECK(msg == std::string("path/\0with/nul", 14), "broadcast_bytes");
+  auto all = c->all_gather_bytes(std::string(static_cast<size_t>(r), 'a' + r));
+  WCHECK(static_cast<int>(all.size()) == n, "all_gather_bytes size");
+  for (int k = 0; k < n; ++k) WCHECK(all[k] == std::string(static_cast<size_t>(k), 'a' + k), "all_gather_bytes ", k);
+  WCHECK(c->all_reduce_int(r + 1, ReduceOp::Max) == n, "all_reduce_int");
+  WCHECK(c->all_reduce_double(0.5, ReduceOp::Sum) == 0.5 * n, "all_reduce_double");
+  c->barrier();
+  std::cout << "collectives ok rank " << r << " of " << n << "\n";
+  return 0;
+}
+
+SCENARIO("subgroups") {
+  auto c = comm();
+  const int n = c->size(), r = c->rank();
+  // Hybrid layout: "nodes" of `per` ranks; shard group = same node, replicate group =
+  // same local index across nodes.
+  const int per = static_cast<int>(args.int_arg(0, 2));
+  WCHECK(n % per == 0, "world size ", n, " not divisible by ", per);
+  std::vector<std::vector<int>> nodes, replicas;
+  for (int g = 0; g < n / per; ++g) {
+    nodes.emplace_back();
+    for (int i = 0; i < per; ++i) nodes.back().push_back(g * per + i);
+  }
+  for (int i = 0; i < per; ++i) {
+    replicas.emplace_back();
+    for (int g = 0; g < n / per; ++g) replicas.back().push_back(g * per + i);
+  }
+  auto shard = c->split(nodes);
+  auto repl = c->split(replicas);
+  WCHECK(shard && repl, "every rank is in a group");
+  WCHECK(shard->size() == per && shard->rank() == r % per, "shard group rank");
+  WCHECK(repl->size() == n / per && repl->rank() == r / per, "replicate group rank");
+  WCHECK(shard->members()[shard->rank()] == r, "members map back to global rank");
+  at::Tensor t = at::full({3}, r, at::kFloat);
+  shard->all_reduce(t, ReduceOp::Sum);
+  const int node = r / per;
+  float want = 0;
+  for (int i = 0; i < per; ++i) want += node * per + i;
+  WCHECK(at::equal(t, at::full({3}, want)), "shard group all_reduce");
+  at::Tensor u = at::full({2}, r, at::kFloat);
+  repl->all_reduce(u, ReduceOp::Sum);
+  float want2 = 0;
+  for (int g = 0; g < n / per; ++g) want2 += g * per + r % per;
+  WCHECK(at::equal(u, at::full({2}, want2)), "replicate group all_reduce");
+  // Uneven reduce-scatter inside a subgroup.
+  std::vector<int64_t> sizes(per);
+  for (int i = 0; i < per; ++i) sizes[i] = i;  // 0, 1, ...
+  int64_t total = per * (per - 1) / 2;
+  at::Tensor full = at::ones({total, 2}, at::kFloat);
+  at::Tensor piece = shard->reduce_scatter(full, sizes, ReduceOp::Sum);
+  WCHECK(piece.size(0) == shard->rank() && (piece.numel() == 0 || piece.min().item<float>() == per),
+         "subgroup reduce_scatter");
+  // A nested split of a subgroup works too.
+  auto solo = shard->split({{shard->rank()}} );
+  (void)solo;
+  c->barrier();
+  std::cout << "subgroups ok rank " << r << "\n";
+  return 0;
+}
+
+// Prints its rank and exits with `code` on rank `bad` (after `delay_ms`); the others
+// wait (bounded) to be stopped by the launcher.
+SCENARIO("exit_code") {
+  const int bad = static_cast<int>(args.int_arg(0, 1));
+  const int code = static_cast<int>(args.int_arg(1, 3));
+  const int rank = std::stoi(std::getenv("RANK"));
+  std::cout << "hello from rank " << rank << " pid " << ::getpid() << std::endl;
+  if (rank == bad) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(args.int_arg(2, 200)));
+    if (code < 0) ::raise(-code);  // die by that signal
+    return code;
+  }
+  if (args.arg(3) == "spawn") {
+    // Leave a grandchild in the rank's process group; the launcher must reap it too.
+    pid_t p = ::fork();
+    if (p == 0) {
+      ::execlp("sleep", "sleep", "60", nullptr);
+      ::_exit(127);
+    }
+    std::cout << "grandchild " << p << std::endl;
+  }
+  for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  return 0;
+}
+
+// Rank `victim` dies by SIGKILL (or hangs when args[1] == "hang") before a collective;
+// the survivors must raise CommError within the communicator timeout.
+SCENARIO("dead_peer") {
+  const int victim = static_cast<int>(args.int_arg(0, 1));
+  const bool hang = args.arg(1) == "hang";
+  ::signal(SIGTERM, SIG_IGN);  // survivors must fail on their own, not by the launcher's TERM
+  auto c = comm();
+  at::Tensor t = at::ones({1024});
+  c->all_reduce(t);  // everyone is connected
+  if (c->rank() == victim) {
+    if (hang) {
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      return 0;
+    }
+    ::raise(SIGKILL);
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (int i = 0; i < 3; ++i) c->all_reduce(t);
+  } catch (const CommError& e) {
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    std::cerr << "survivor rank " << c->rank() << " raised after " << ms << " ms: " << e.what() << "\n";
+    return 3;
+  }
+  std::cerr << "survivor rank " << c->rank() << " did not raise\n";
+  return 0;
+}
+
+// Prints lines on stdout and stderr, including a final line without a newline.
+SCENARIO("echo") {
+  const char* rank = std::getenv("RANK");
+  std::cout << "out line 1 from " << rank << "\nout line 2 from " << rank << std::endl;
+  std::cerr << "err line from " << rank << std::endl;
+  std::cout << "omp=" << (std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "unset")
+            << " world=" << std::getenv("WORLD_SIZE") << " local=" << std::getenv("LOCAL_RANK")
+            << " group=" << std::getenv("GROUP_RANK") << " tail-without-newline";
+  return 0;
+}

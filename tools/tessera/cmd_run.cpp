@@ -1,0 +1,63 @@
+// tessera run [-n N] [--nnodes M --node-rank R --master-addr A --master-port P] -- PROGRAM ARGS...
+#include <iostream>
+#include <memory>
+
+#include "commands.h"
+#include "tessera/dist/launcher.h"
+
+namespace tessera::cli {
+
+std::vector<std::string>& trailing_args() {
+  static std::vector<std::string> v;
+  return v;
+}
+bool& trailing_args_given() {
+  static bool given = false;
+  return given;
+}
+
+Runner add_run_command(CLI::App& app) {
+  auto opts = std::make_shared<dist::LaunchOptions>();
+  auto grace_s = std::make_shared<double>(5.0);
+  auto deadline_s = std::make_shared<double>(0.0);
+  CLI::App* sub = app.add_subcommand(
+      "run",
+      "Start N local ranks of PROGRAM with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,\n"
+      "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT). Each output line is prefixed with\n"
+      "'[rank R]'. When a rank fails, the others get SIGTERM, then SIGKILL after --grace seconds, and\n"
+      "tessera run exits with that rank's code (128+signal when killed by a signal).");
+  sub->add_option("-n,--nproc-per-node", opts->nproc_per_node, "ranks to start on this node")
+      ->default_val(1)->check(CLI::Range(1, 4096));
+  sub->add_option("--nnodes", opts->nnodes, "number of nodes (one `tessera run` per node)")
+      ->default_val(1)->check(CLI::Range(1, 65536));
+  sub->add_option("--node-rank", opts->node_rank, "this node's index in [0, nnodes)")->default_val(0);
+  sub->add_option("--master-addr", opts->master_addr, "host of rank 0 (the rendezvous store)")
+      ->default_val("127.0.0.1");
+  sub->add_option("--master-port", opts->master_port,
+                  "rendezvous port; default: a free port (single node), required with --nnodes > 1")
+      ->default_val(0)->check(CLI::Range(0, 65535));
+  sub->add_option("--threads-per-rank", opts->threads_per_rank,
+                  "OMP_NUM_THREADS for each rank; default: 1 when ranks share the machine and\n"
+                  "OMP_NUM_THREADS is not set")
+      ->default_val(0)->check(CLI::Range(0, 4096));
+  sub->add_option("--grace", *grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->default_val(5.0)->check(CLI::Range(0.0, 3600.0));
+  sub->add_option("--deadline", *deadline_s, "stop every rank and exit 124 after this many seconds (0: none)")
+      ->default_val(0.0)->check(CLI::Range(0.0, 1e7));
+  sub->prefix_command();  // PROGRAM and everything after it belong to PROGRAM
+  sub->footer("PROGRAM and its arguments follow the options, optionally after --.");
+  return [=]() {
+    opts->command = sub->remaining();
+    for (const auto& a : trailing_args()) opts->command.push_back(a);
+    if (opts->command.empty()) {
+      std::cerr << "tessera run: no PROGRAM given (usage: tessera run -n N -- PROGRAM ARGS...)\n";
+      return 2;
+    }
+    opts->grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_s * 1000));
+    if (*deadline_s > 0) opts->deadline = std::chrono::milliseconds(static_cast<int64_t>(*deadline_s * 1000));
+    dist::LaunchResult r = dist::launch(*opts);
+    return r.exit_code;
+  };
+}
+
+}  // namespace tessera::cli

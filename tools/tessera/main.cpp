@@ -1,0 +1,45 @@
+// `tessera`: the launcher (`tessera run`) and the offline checkpoint tool (`tessera ckpt`).
+#include <algorithm>
+#include <iostream>
+
+#include "commands.h"
+#include "tessera/config.h"
+#include "tessera/core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Tessera: fully sharded training and distributed checkpoints for libtorch", "tessera"};
+  app.set_version_flag("--version", std::string("tessera ") + TESSERA_VERSION + " (libtorch " +
+                                        TESSERA_TORCH_VERSION + ")");
+  app.require_subcommand(1);
+  std::vector<std::pair<CLI::App*, tessera::cli::Runner>> commands;
+  auto run = tessera::cli::add_run_command(app);
+  auto ckpt = tessera::cli::add_ckpt_command(app);
+  // Everything after the first "--" is the program `tessera run` starts; CLI11 sees
+  // only what comes before it.
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--") {
+      for (int j = i + 1; j < argc; ++j) tessera::cli::trailing_args().push_back(argv[j]);
+      tessera::cli::trailing_args_given() = true;
+      break;
+    }
+    args.push_back(argv[i]);
+  }
+  std::reverse(args.begin(), args.end());
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (app.got_subcommand("run")) return run();
+    if (app.got_subcommand("ckpt")) return ckpt();
+  } catch (const tessera::Error& e) {
+    std::cerr << "tessera: error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "tessera: error: " << e.what() << "\n";
+    return 2;
+  }
+  return 0;
+}
