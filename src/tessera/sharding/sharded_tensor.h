@@ -1,0 +1,88 @@
+// ShardedTensor: a tensor of some global shape whose pieces (shards) live on
+// different ranks of a communicator. Each rank holds the data of its own shards
+// only, and the metadata of all of them. The backbone of FSDP parameters, of
+// model-parallel modules and of checkpoint resharding.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "tessera/dist/communicator.h"
+#include "tessera/sharding/spec.h"
+
+namespace tessera::sharding {
+
+struct Shard {
+  at::Tensor tensor;  // the local data, shape == meta.box.sizes
+  ShardMetadata meta;
+};
+
+class ShardedTensor {
+ public:
+  ShardedTensor() = default;
+
+  // --- construction (collective where noted) ---
+  static ShardedTensor empty(const ShardingSpec& spec, const std::vector<int64_t>& shape,
+                             const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm);
+  static ShardedTensor zeros(const ShardingSpec& spec, const std::vector<int64_t>& shape,
+                             const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm);
+  static ShardedTensor ones(const ShardingSpec& spec, const std::vector<int64_t>& shape,
+                            const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm);
+  // Values equal to slicing one full torch::rand(shape) drawn with generator seed
+  // `seed`: the same numbers whatever the sharding or world size.
+  static ShardedTensor rand(const ShardingSpec& spec, const std::vector<int64_t>& shape, uint64_t seed,
+                            const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm);
+  // Collective: every rank passes its own shards; metadata is exchanged and
+  // validated (consistent global shape and dtype, shards tile the tensor).
+  static ShardedTensor from_local_shards(std::vector<Shard> local, const std::vector<int64_t>& shape,
+                                         std::shared_ptr<dist::Communicator> comm);
+  // No communication: the caller guarantees `all_shards` is the same on every rank
+  // and `local` holds exactly this rank's pieces of it (in the same order).
+  static ShardedTensor from_parts(std::vector<Shard> local, std::vector<ShardMetadata> all_shards,
+                                  const std::vector<int64_t>& shape, at::ScalarType dtype,
+                                  std::shared_ptr<dist::Communicator> comm);
+  // Collective: `full` (significant on `src` only) is split by `spec` and each
+  // rank receives its pieces.
+  static ShardedTensor scatter(const at::Tensor& full, const ShardingSpec& spec, int src,
+                               std::shared_ptr<dist::Communicator> comm);
+
+  bool defined() const { return comm_ != nullptr; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  at::ScalarType dtype() const { return dtype_; }
+  int64_t numel() const;
+  const std::vector<ShardMetadata>& shards_metadata() const { return all_; }
+  std::vector<Shard>& local_shards() { return local_; }
+  const std::vector<Shard>& local_shards() const { return local_; }
+  // The only local shard's data (throws when this rank holds != 1 shard).
+  const at::Tensor& local_tensor() const;
+  int64_t local_numel() const;
+  const std::shared_ptr<dist::Communicator>& comm() const { return comm_; }
+
+  // --- collectives ---
+  // The full tensor on `dst`; an undefined tensor elsewhere.
+  at::Tensor gather(int dst = 0) const;
+  // The full tensor on every rank.
+  at::Tensor full_tensor() const;
+  // A new ShardedTensor with the same values laid out by `spec` (only overlapping
+  // pieces move).
+  ShardedTensor reshard(const ShardingSpec& spec) const;
+  // Copies values from `other` (same global shape, any sharding) into this one's
+  // local shards, in place.
+  void copy_from(const ShardedTensor& other);
+
+  // --- local elementwise helpers (no communication) ---
+  ShardedTensor& apply_(const std::function<void(at::Tensor&)>& fn);
+  ShardedTensor clone() const;
+  ShardedTensor to(at::ScalarType dtype) const;
+
+ private:
+  std::vector<int64_t> shape_;
+  at::ScalarType dtype_ = at::kFloat;
+  std::vector<ShardMetadata> all_;
+  std::vector<Shard> local_;
+  std::shared_ptr<dist::Communicator> comm_;
+};
+
+}  // namespace tessera::sharding
