@@ -99,3 +99,66 @@ TEST(Rendezvous, MissingPeerTimesOutWithClearError) {
     EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
   }
 }
+
+#include <spawn.h>
+#include <sys/wait.h>
+
+extern char** environ;
+
+namespace {
+// Starts `n` worker processes with environments made by `env_of(rank)` only (no
+// launcher, no torchrun variables), as srun or mpirun would, and returns their exit codes.
+std::vector<int> spawn_plain(int n, const std::vector<std::string>& args,
+                             const std::function<std::vector<std::string>(int)>& env_of) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> envs;
+    for (char** e = environ; *e; ++e) {
+      std::string kv(*e);
+      if (kv.rfind("RANK=", 0) == 0 || kv.rfind("WORLD_SIZE=", 0) == 0 || kv.rfind("SLURM_", 0) == 0 ||
+          kv.rfind("OMPI_", 0) == 0 || kv.rfind("LOCAL_", 0) == 0)
+        continue;
+      envs.push_back(kv);
+    }
+    for (auto& kv : env_of(r)) envs.push_back(kv);
+    std::vector<char*> envp, argv;
+    for (auto& s : envs) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string prog = TESSERA_WORKER;
+    argv.push_back(prog.data());
+    std::vector<std::string> a = args;
+    for (auto& s : a) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    pid_t pid;
+    EXPECT_EQ(posix_spawn(&pid, prog.c_str(), nullptr, nullptr, argv.data(), envp.data()), 0);
+    pids.push_back(pid);
+  }
+  std::vector<int> codes;
+  for (pid_t p : pids) {
+    int st = 0;
+    waitpid(p, &st, 0);
+    codes.push_back(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+  }
+  return codes;
+}
+}  // namespace
+
+TEST(Environments, SrunStyleVariablesAloneAreEnough) {
+  const std::string port = std::to_string(dist::find_free_port());
+  auto codes = spawn_plain(2, {"collectives"}, [&](int r) {
+    return std::vector<std::string>{"SLURM_PROCID=" + std::to_string(r), "SLURM_NTASKS=2", "SLURM_LOCALID=" + std::to_string(r),
+                                    "SLURM_NTASKS_PER_NODE=2", "SLURM_NODELIST=127.0.0.1", "MASTER_PORT=" + port,
+                                    "OMP_NUM_THREADS=1"};
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+}
+
+TEST(Environments, MpirunStyleVariablesAloneAreEnough) {
+  const std::string port = std::to_string(dist::find_free_port());
+  auto codes = spawn_plain(3, {"collectives"}, [&](int r) {
+    return std::vector<std::string>{"OMPI_COMM_WORLD_RANK=" + std::to_string(r), "OMPI_COMM_WORLD_SIZE=3",
+                                    "OMPI_COMM_WORLD_LOCAL_RANK=" + std::to_string(r), "OMPI_COMM_WORLD_LOCAL_SIZE=3",
+                                    "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port, "OMP_NUM_THREADS=1"};
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0}));
+}

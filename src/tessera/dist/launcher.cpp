@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -174,7 +175,14 @@ LaunchResult launch(const LaunchOptions& o) {
       spawn_error = "pipe() failed";
       break;
     }
+    // Signals stay blocked across fork until the child has reset the launcher's
+    // handlers, so a TERM sent to a rank that has not exec'd yet takes the default
+    // action instead of running the launcher's handler in the child.
+    sigset_t all, old_mask;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old_mask);
     pid_t pid = ::fork();
+    if (pid != 0) pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
     if (pid < 0) {
       spawn_error = std::string("fork() failed: ") + std::strerror(errno);
       ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
@@ -190,6 +198,8 @@ LaunchResult launch(const LaunchOptions& o) {
       sigaction(SIGINT, &dfl, nullptr);
       sigaction(SIGTERM, &dfl, nullptr);
       sigaction(SIGHUP, &dfl, nullptr);
+      if (g_signal_pipe[0] >= 0) ::close(g_signal_pipe[0]);
+      if (g_signal_pipe[1] >= 0) ::close(g_signal_pipe[1]);
       sigset_t none;
       sigemptyset(&none);
       sigprocmask(SIG_SETMASK, &none, nullptr);

@@ -1,0 +1,94 @@
+// Collective bandwidth over the Communicator: all-reduce, all-gather, reduce-scatter
+// from 1 MiB to 256 MiB, reported as GB/s and as a ratio to a memcpy of the same
+// bytes measured in the same run on the same machine (the limit for ranks that
+// share one host's memory). Start with: tessera run -n 2 -- bench_collectives OUT.json
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "tessera/dist/communicator.h"
+
+using namespace tessera;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+template <typename F>
+double best_seconds(dist::Communicator& c, int iters, F&& f) {
+  f();  // warm-up
+  c.barrier();
+  double best = 1e30;
+  for (int i = 0; i < iters; ++i) {
+    c.barrier();
+    auto t0 = Clock::now();
+    f();
+    double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    // The slowest rank defines the collective's time.
+    dt = c.all_reduce_double(dt, dist::ReduceOp::Max);
+    best = std::min(best, dt);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out = argc > 1 ? argv[1] : "bench/results/collectives.json";
+  auto comm = dist::Communicator::create(dist::World::from_env(), dist::CommOptions{std::chrono::seconds(300)});
+  const int n = comm->size(), r = comm->rank();
+  nlohmann::json rows = nlohmann::json::array();
+  for (int64_t mib : {1, 4, 16, 64, 256}) {
+    const int64_t bytes = mib << 20;
+    const int64_t elems = bytes / 4;
+    const int iters = mib >= 64 ? 3 : 8;
+    at::Tensor buf = at::ones({elems});
+    at::Tensor dst = at::empty({elems});
+    // memcpy limit: one copy of the same bytes on this rank.
+    double t_copy = best_seconds(*comm, iters, [&] { dst.copy_(buf); });
+    double t_ar = best_seconds(*comm, iters, [&] { comm->all_reduce(buf); });
+    const int64_t piece = elems / n;
+    at::Tensor local = at::ones({piece});
+    std::vector<int64_t> sizes(n, piece);
+    double t_ag = best_seconds(*comm, iters, [&] { comm->all_gather(local, sizes); });
+    at::Tensor full = at::ones({piece * n});
+    double t_rs = best_seconds(*comm, iters, [&] { comm->reduce_scatter(full, sizes); });
+    // Bus bandwidth (bytes each rank must move, as nccl-tests defines it):
+    // all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S.
+    const double s = static_cast<double>(bytes);
+    auto gbs = [](double b, double t) { return b / t / 1e9; };
+    const double copy_gbs = gbs(s, t_copy);
+    auto row = [&](const char* op, double t, double factor) {
+      double bus = gbs(s * factor, t);
+      return nlohmann::json{{"op", op},        {"mib", mib},           {"seconds", t},
+                            {"algbw_gbs", gbs(s, t)}, {"busbw_gbs", bus}, {"memcpy_gbs", copy_gbs},
+                            {"ratio_to_memcpy", bus / copy_gbs}};
+    };
+    rows.push_back(row("all_reduce", t_ar, 2.0 * (n - 1) / n));
+    rows.push_back(row("all_gather", t_ag, 1.0 * (n - 1) / n));
+    rows.push_back(row("reduce_scatter", t_rs, 1.0 * (n - 1) / n));
+    if (r == 0) {
+      std::cout << mib << " MiB: memcpy " << copy_gbs << " GB/s; all_reduce bus " << rows[rows.size() - 3]["busbw_gbs"]
+                << ", all_gather bus " << rows[rows.size() - 2]["busbw_gbs"] << ", reduce_scatter bus "
+                << rows.back()["busbw_gbs"] << " GB/s" << std::endl;
+    }
+  }
+  if (r == 0) {
+    auto caps = comm->capabilities();
+    nlohmann::json doc{{"benchmark", "collectives"},
+                       {"world_size", n},
+                       {"backend", "gloo"},
+                       {"native_allgather_base", caps.allgather_base},
+                       {"native_reduce_scatter_base", caps.reduce_scatter_base},
+                       {"intra_op_threads", static_cast<int>(at::get_num_threads())},
+                       {"rows", rows}};
+    std::ofstream f(out);
+    f << doc.dump(2) << "\n";
+    std::cout << "wrote " << out << std::endl;
+  }
+  return 0;
+}
