@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "tessera/dist/communicator.h"
@@ -77,7 +78,14 @@ class ShardedTensor {
   ShardedTensor clone() const;
   ShardedTensor to(at::ScalarType dtype) const;
 
+  // Same global shape, dtype and shard metadata (so local shards correspond 1:1).
+  bool same_layout(const ShardedTensor& other) const;
+  // "ShardedTensor(shape=[0:4, 0:2], dtype=Float, shards=[[0:2, 0:2]@rank:0/cpu, ...])".
+  std::string describe() const;
+
  private:
+  at::Tensor gather_impl(bool everywhere, int dst) const;
+
   std::vector<int64_t> shape_;
   at::ScalarType dtype_ = at::kFloat;
   std::vector<ShardMetadata> all_;
