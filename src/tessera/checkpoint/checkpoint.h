@@ -1,0 +1,81 @@
+// Distributed checkpoints of a tessera::state::StateDict (format:
+// docs/checkpoint-format.md).
+//
+//  save(sd, path, comm, {SaveMode::Sharded}): every rank writes what it owns to its own
+//    data file, in parallel; rank 0 writes the metadata last and commits atomically.
+//  save(sd, path, comm, {SaveMode::Full}): one consolidated safetensors file; sharded
+//    tensors are gathered to rank 0 one at a time and streamed to disk.
+//  load(target, path, comm, {strict}): the target's entries say what is wanted and how
+//    it is sharded; each rank reads only the byte ranges covering its pieces, from a
+//    sharded directory saved at any world size, a consolidated or foreign safetensors
+//    file, or a torch.save'd dict of tensors.
+// save and load are collective over `comm` (every rank calls them with the same keys in
+// the same order); an error on any rank is raised on every rank.
+#pragma once
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/dist/communicator.h"
+#include "tessera/state/state_dict.h"
+
+namespace tessera::checkpoint {
+
+enum class SaveMode { Sharded, Full };
+
+struct SaveOptions {
+  SaveMode mode = SaveMode::Sharded;
+};
+
+struct LoadOptions {
+  // Missing keys, unexpected tensors and shape/dtype/kind mismatches are one error
+  // (naming every key) and nothing in the target is modified. Non-strict: they are
+  // skipped and reported in the LoadResult.
+  bool strict = true;
+};
+
+struct LoadResult {
+  std::vector<std::string> loaded;      // FQNs written into the target
+  std::vector<std::string> missing;     // wanted by the target, absent from the checkpoint
+  std::vector<std::string> unexpected;  // tensors in the checkpoint the target does not have
+  std::vector<std::string> mismatched;  // "fqn: reason"
+  // Plain values in the checkpoint the target did not ask for (flattened FQNs).
+  state::StateDict leftovers;
+};
+
+void save(const state::StateDict& sd, const std::string& path, dist::Communicator& comm,
+          const SaveOptions& options = {});
+LoadResult load(state::StateDict& target, const std::string& path, dist::Communicator& comm,
+                const LoadOptions& options = {});
+// The same load without a process group (one process, or tools): reads only what the
+// target's local pieces need.
+LoadResult load_local(state::StateDict& target, const std::string& path, const LoadOptions& options = {});
+
+// A save running in the background. wait() blocks until it is committed and rethrows
+// its error. Dropping the handle does not stop the save: the next save (or
+// wait_for_pending_save()) waits for it.
+class AsyncSave {
+ public:
+  struct State;
+  AsyncSave() = default;
+  explicit AsyncSave(std::shared_ptr<State> s) : s_(std::move(s)) {}
+  void wait();
+  bool done() const;
+  bool valid() const { return s_ != nullptr; }
+
+ private:
+  std::shared_ptr<State> s_;
+};
+
+// Snapshots `sd` to host memory (copies of the local tensors), then returns; the
+// snapshot is written in a background thread over a communicator split off `comm`
+// (created, collectively, at the first async save of `comm`), so collectives of the
+// caller keep running. A second save (async or not) from this process waits for the
+// previous async save first. Collective: every rank calls it.
+AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<dist::Communicator> comm,
+                     const SaveOptions& options = {});
+// Waits for the async save in flight, if any (rethrows its error).
+void wait_for_pending_save();
+
+}  // namespace tessera::checkpoint

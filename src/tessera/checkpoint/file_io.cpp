@@ -1,0 +1,237 @@
+#include "tessera/checkpoint/file_io.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "tessera/core/error.h"
+
+namespace tessera::checkpoint {
+namespace {
+std::string err() { return std::strerror(errno); }
+}  // namespace
+
+File::File(const std::string& path, const char* mode) : path_(path) {
+  const bool w = std::string(mode) == "w";
+  fd_ = w ? ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)
+          : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TESSERA_CHECK(fd_ >= 0, "cannot open '", path, "' for ", w ? "writing" : "reading", ": ", err());
+}
+File::~File() { close(); }
+File::File(File&& o) noexcept : fd_(o.fd_), path_(std::move(o.path_)) { o.fd_ = -1; }
+File& File::operator=(File&& o) noexcept {
+  if (this != &o) {
+    close();
+    fd_ = o.fd_;
+    path_ = std::move(o.path_);
+    o.fd_ = -1;
+  }
+  return *this;
+}
+void File::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+uint64_t File::size() const {
+  struct stat st;
+  TESSERA_CHECK(::fstat(fd_, &st) == 0, "cannot stat '", path_, "': ", err());
+  return static_cast<uint64_t>(st.st_size);
+}
+
+void File::pread_exact(uint64_t offset, void* dst, uint64_t n) const {
+  auto* p = static_cast<char*>(dst);
+  while (n > 0) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(n, 1u << 30));
+    ssize_t got = ::pread(fd_, p, want, static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    TESSERA_CHECK(got >= 0, "cannot read '", path_, "' at byte ", offset, ": ", err());
+    TESSERA_CHECK(got > 0, "'", path_, "' is truncated: wanted ", n, " more bytes at byte ", offset);
+    p += got;
+    offset += static_cast<uint64_t>(got);
+    n -= static_cast<uint64_t>(got);
+  }
+}
+
+void File::pwrite_exact(uint64_t offset, const void* src, uint64_t n) {
+  const auto* p = static_cast<const char*>(src);
+  while (n > 0) {
+    ssize_t put = ::pwrite(fd_, p, static_cast<size_t>(std::min<uint64_t>(n, 1u << 30)), static_cast<off_t>(offset));
+    if (put < 0 && errno == EINTR) continue;
+    TESSERA_CHECK(put > 0, "cannot write '", path_, "' at byte ", offset, ": ", err());
+    p += put;
+    offset += static_cast<uint64_t>(put);
+    n -= static_cast<uint64_t>(put);
+  }
+}
+
+void File::write_all(const void* src, uint64_t n) {
+  const auto* p = static_cast<const char*>(src);
+  while (n > 0) {
+    ssize_t put = ::write(fd_, p, static_cast<size_t>(std::min<uint64_t>(n, 1u << 30)));
+    if (put < 0 && errno == EINTR) continue;
+    TESSERA_CHECK(put > 0, "cannot write '", path_, "': ", err());
+    p += put;
+    n -= static_cast<uint64_t>(put);
+  }
+}
+
+void File::fsync() { TESSERA_CHECK(::fsync(fd_) == 0, "cannot fsync '", path_, "': ", err()); }
+
+bool path_exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+bool is_directory(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+bool is_regular_file(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(dir.c_str());
+  TESSERA_CHECK(d != nullptr, "cannot list directory '", dir, "': ", err());
+  while (dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") out.push_back(n);
+  }
+  ::closedir(d);
+  return out;
+}
+
+void make_dir(const std::string& path) {
+  TESSERA_CHECK(::mkdir(path.c_str(), 0755) == 0, "cannot create directory '", path, "': ", err());
+}
+
+void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  TESSERA_CHECK(fd >= 0, "cannot open directory '", dir, "': ", err());
+  int rc = ::fsync(fd);
+  const std::string e = err();
+  ::close(fd);
+  TESSERA_CHECK(rc == 0, "cannot fsync directory '", dir, "': ", e);
+}
+
+void remove_all(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (S_ISDIR(st.st_mode)) {
+    for (const auto& n : list_dir(path)) remove_all(join_path(path, n));
+    TESSERA_CHECK(::rmdir(path.c_str()) == 0, "cannot remove directory '", path, "': ", err());
+  } else {
+    TESSERA_CHECK(::unlink(path.c_str()) == 0, "cannot remove '", path, "': ", err());
+  }
+}
+
+std::string parent_dir(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  auto pos = p.rfind('/');
+  if (pos == std::string::npos) return ".";
+  if (pos == 0) return "/";
+  return p.substr(0, pos);
+}
+std::string base_name(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  auto pos = p.rfind('/');
+  return pos == std::string::npos ? p : p.substr(pos + 1);
+}
+std::string join_path(const std::string& dir, const std::string& name) {
+  if (dir.empty() || dir == ".") return name;
+  return dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+std::string read_small_file(const std::string& path, uint64_t max_bytes) {
+  File f(path, "r");
+  const uint64_t n = f.size();
+  TESSERA_CHECK(n <= max_bytes, "'", path, "' is ", n, " bytes, more than the limit of ", max_bytes);
+  std::string s(n, '\0');
+  f.pread_exact(0, s.data(), n);
+  return s;
+}
+
+std::string temp_sibling(const std::string& dest) {
+  static std::atomic<int> counter{0};
+  return join_path(parent_dir(dest), concat(".", base_name(dest), ".tessera-tmp-", ::getpid(), "-", counter++));
+}
+
+namespace {
+bool rename_exchange(const std::string& a, const std::string& b) {
+#ifdef SYS_renameat2
+  long rc = ::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), 1 /* RENAME_EXCHANGE */);
+  return rc == 0;
+#else
+  (void)a;
+  (void)b;
+  errno = ENOSYS;
+  return false;
+#endif
+}
+bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
+}  // namespace
+
+void commit_rename(const std::string& tmp, const std::string& dest) {
+  const std::string parent = parent_dir(dest);
+  if (!path_exists(dest) || (is_directory(dest) && list_dir(dest).empty())) {
+    if (path_exists(dest)) TESSERA_CHECK(::rmdir(dest.c_str()) == 0, "cannot remove empty '", dest, "': ", err());
+    TESSERA_CHECK(::rename(tmp.c_str(), dest.c_str()) == 0, "cannot rename '", tmp, "' to '", dest, "': ", err());
+  } else if (!is_directory(dest) && !is_directory(tmp)) {
+    TESSERA_CHECK(::rename(tmp.c_str(), dest.c_str()) == 0, "cannot rename '", tmp, "' to '", dest, "': ", err());
+  } else if (rename_exchange(tmp, dest)) {
+    fsync_dir(parent);
+    remove_all(tmp);  // now the old checkpoint
+  } else {
+    static std::atomic<int> counter{0};
+    const std::string aside = join_path(parent, concat(".", base_name(dest), ".tessera-old-", ::getpid(), "-", counter++));
+    TESSERA_CHECK(::rename(dest.c_str(), aside.c_str()) == 0, "cannot move '", dest, "' aside: ", err());
+    TESSERA_CHECK(::rename(tmp.c_str(), dest.c_str()) == 0, "cannot rename '", tmp, "' to '", dest, "': ", err());
+    fsync_dir(parent);
+    remove_all(aside);
+  }
+  fsync_dir(parent);
+}
+
+std::string aside_sibling(const std::string& dest) {
+  const std::string parent = parent_dir(dest);
+  if (!is_directory(parent)) return "";
+  const std::string prefix = "." + base_name(dest) + ".tessera-old-";
+  for (const auto& n : list_dir(parent)) {
+    const std::string p = join_path(parent, n);
+    if (starts_with(n, prefix) && path_exists(join_path(p, "tessera-checkpoint.json"))) return p;
+  }
+  return "";
+}
+
+void recover_siblings(const std::string& dest) {
+  const std::string parent = parent_dir(dest);
+  if (!is_directory(parent)) return;
+  if (!path_exists(dest)) {
+    std::string aside = aside_sibling(dest);
+    if (!aside.empty()) TESSERA_CHECK(::rename(aside.c_str(), dest.c_str()) == 0, "cannot restore '", aside, "': ", err());
+  }
+  const std::string tmp_prefix = "." + base_name(dest) + ".tessera-tmp-";
+  const std::string old_prefix = "." + base_name(dest) + ".tessera-old-";
+  for (const auto& n : list_dir(parent)) {
+    if (starts_with(n, tmp_prefix) || (path_exists(dest) && starts_with(n, old_prefix))) {
+      try {
+        remove_all(join_path(parent, n));
+      } catch (const Error&) {
+        // Another process may be removing it too; leftovers are harmless.
+      }
+    }
+  }
+}
+
+}  // namespace tessera::checkpoint

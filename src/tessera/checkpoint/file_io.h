@@ -1,0 +1,68 @@
+// Small POSIX file helpers for the checkpoint layer: full reads/writes with pread /
+// pwrite, fsync of files and directories, recursive removal, and the atomic commit
+// of a finished checkpoint (see docs/checkpoint-format.md §4). Errors name the path.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tessera::checkpoint {
+
+// An open file descriptor, closed on destruction.
+class File {
+ public:
+  File() = default;
+  // mode: "r" read-only, "w" create/truncate for writing (0644).
+  File(const std::string& path, const char* mode);
+  ~File();
+  File(File&& o) noexcept;
+  File& operator=(File&& o) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  bool is_open() const { return fd_ >= 0; }
+  const std::string& path() const { return path_; }
+  uint64_t size() const;
+  // Exactly n bytes at `offset`, or an error naming the file (short file = truncated).
+  void pread_exact(uint64_t offset, void* dst, uint64_t n) const;
+  void pwrite_exact(uint64_t offset, const void* src, uint64_t n);
+  // Appends at the current position.
+  void write_all(const void* src, uint64_t n);
+  void fsync();
+  void close();
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+bool path_exists(const std::string& path);
+bool is_directory(const std::string& path);
+bool is_regular_file(const std::string& path);
+std::vector<std::string> list_dir(const std::string& dir);  // names, without . and ..
+void make_dir(const std::string& path);
+void fsync_dir(const std::string& dir);
+// rm -rf; quiet when the path is absent.
+void remove_all(const std::string& path);
+std::string parent_dir(const std::string& path);  // "." for a bare name
+std::string base_name(const std::string& path);
+std::string join_path(const std::string& dir, const std::string& name);
+// Whole small file (metadata); refuses files larger than `max_bytes`.
+std::string read_small_file(const std::string& path, uint64_t max_bytes);
+
+// A fresh temporary sibling name for `dest`: "<parent>/.<name>.tessera-tmp-<pid>-<n>".
+std::string temp_sibling(const std::string& dest);
+// Publishes `tmp` (a finished, fsync'ed file or directory) at `dest`: a rename when
+// dest is absent or an empty directory; otherwise an atomic exchange (directories,
+// RENAME_EXCHANGE, or a two-rename fallback) / rename (files), then removal of the old
+// one. The caller has checked that dest may be replaced. fsyncs the parent.
+void commit_rename(const std::string& tmp, const std::string& dest);
+// Removes temporary siblings of `dest` left by crashed saves ("<parent>/.<name>.tessera-tmp-*"),
+// and restores a previous checkpoint left aside by an interrupted fallback commit when
+// dest is missing. Called before a save.
+void recover_siblings(const std::string& dest);
+// The previous checkpoint left aside by an interrupted commit ("" when none): used by
+// readers when `dest` is missing.
+std::string aside_sibling(const std::string& dest);
+
+}  // namespace tessera::checkpoint

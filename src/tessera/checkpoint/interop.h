@@ -1,0 +1,46 @@
+// Interoperability with Python's torch.save / torch.load (zip archive + pickle).
+//  - import_torch_file: reads a torch.save'd (nested) dict of tensors — e.g. an
+//    nn.Module state_dict — with a restricted unpickler of our own: it knows the
+//    handful of globals tensors and dicts need (_rebuild_tensor_v2, *Storage,
+//    OrderedDict, _rebuild_parameter) and refuses every other global, so loading never
+//    runs code. Nested dicts and lists flatten to "a.b" / "a.0" FQNs; None is skipped.
+//  - TorchExportWriter: writes a file that torch.load (also with weights_only=True)
+//    reads as a plain dict {name: tensor}, one tensor at a time.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/checkpoint/metadata.h"
+
+namespace caffe2::serialize {
+class PyTorchStreamWriter;
+}
+
+namespace tessera::checkpoint {
+
+// The whole file's tensors are held in memory (chunks with `memory` set).
+CheckpointMetadata import_torch_file(const std::string& path);
+
+class TorchExportWriter {
+ public:
+  explicit TorchExportWriter(const std::string& path);
+  ~TorchExportWriter();
+  void add(const std::string& name, const at::Tensor& t);
+  // Writes the pickle and the zip directory.
+  void finish();
+
+ private:
+  struct Item {
+    std::string name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+  };
+  std::unique_ptr<caffe2::serialize::PyTorchStreamWriter> zip_;
+  std::vector<Item> items_;
+  bool finished_ = false;
+};
+
+}  // namespace tessera::checkpoint

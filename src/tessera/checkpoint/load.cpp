@@ -1,0 +1,148 @@
+// Loading into a target StateDict: validate everything first, then read only the byte
+// ranges each local piece needs.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <set>
+
+#include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/reader.h"
+#include "tessera/core/error.h"
+
+namespace tessera::checkpoint {
+
+namespace {
+
+using state::Value;
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+std::string join_keys(const std::vector<std::string>& v) {
+  std::string o;
+  for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + v[i];
+  return o;
+}
+
+bool same_plain_kind(const Value& target, const Value& saved) {
+  if (target.index() == saved.index()) return true;
+  // An int saved where the target holds a float (e.g. a learning rate) is fine.
+  return std::holds_alternative<double>(target) && std::holds_alternative<int64_t>(saved);
+}
+
+}  // namespace
+
+LoadResult load_local(state::StateDict& target, const std::string& path, const LoadOptions& options) {
+  CheckpointMetadata meta = open_checkpoint(path);
+  auto wanted = flatten_values(target);
+  LoadResult res;
+  std::set<std::string> wanted_keys;
+  struct Job {
+    std::string fqn;
+    Value* v;
+    const EntryInfo* e;
+  };
+  std::vector<Job> jobs;
+  for (auto& [fqn, v] : wanted) {
+    wanted_keys.insert(fqn);
+    auto it = meta.entries.find(fqn);
+    const bool want_tensor = std::holds_alternative<at::Tensor>(*v) || std::holds_alternative<sharding::ShardedTensor>(*v);
+    if (it == meta.entries.end()) {
+      if (std::holds_alternative<std::shared_ptr<state::StateDict>>(*v)) continue;  // empty dict: nothing wanted
+      res.missing.push_back(fqn);
+      continue;
+    }
+    const EntryInfo& e = it->second;
+    if (want_tensor) {
+      at::ScalarType dt;
+      std::vector<int64_t> shape;
+      if (auto t = std::get_if<at::Tensor>(v)) {
+        if (!t->defined()) {
+          res.mismatched.push_back(fqn + ": the target tensor is undefined");
+          continue;
+        }
+        dt = t->scalar_type();
+        shape = t->sizes().vec();
+      } else {
+        const auto& s = std::get<sharding::ShardedTensor>(*v);
+        dt = s.dtype();
+        shape = s.shape();
+      }
+      if (!e.is_tensor()) {
+        res.mismatched.push_back(concat(fqn, ": the checkpoint holds a ", e.kind, ", the target a tensor"));
+      } else if (shape != e.shape) {
+        res.mismatched.push_back(concat(fqn, ": shape ", shape_str(e.shape), " in the checkpoint, ", shape_str(shape),
+                                        " in the target"));
+      } else if (dt != e.dtype) {
+        res.mismatched.push_back(concat(fqn, ": dtype ", e.dtype, " in the checkpoint, ", dt, " in the target"));
+      } else {
+        jobs.push_back({fqn, v, &e});
+      }
+    } else {
+      if (e.is_tensor()) {
+        res.mismatched.push_back(concat(fqn, ": the checkpoint holds a tensor, the target a ", state::kind_name(*v)));
+      } else if (!same_plain_kind(*v, e.value)) {
+        res.mismatched.push_back(concat(fqn, ": the checkpoint holds a ", e.kind, ", the target a ", state::kind_name(*v)));
+      } else {
+        jobs.push_back({fqn, v, &e});
+      }
+    }
+  }
+  for (const auto& k : meta.keys) {
+    if (wanted_keys.count(k)) continue;
+    const EntryInfo& e = meta.entries.at(k);
+    if (e.is_tensor()) res.unexpected.push_back(k);
+    else res.leftovers.set(k, e.value);
+  }
+  if (options.strict && (!res.missing.empty() || !res.unexpected.empty() || !res.mismatched.empty())) {
+    std::string msg = concat("loading '", path, "' (strict) failed; nothing was loaded.");
+    if (!res.missing.empty()) msg += concat(" Missing keys: ", join_keys(res.missing), ".");
+    if (!res.unexpected.empty()) msg += concat(" Unexpected keys: ", join_keys(res.unexpected), ".");
+    if (!res.mismatched.empty()) msg += concat(" Mismatched: ", join_keys(res.mismatched), ".");
+    throw Error(msg);
+  }
+
+  // Everything is validated; read.
+  at::NoGradGuard no_grad;
+  ChunkReader reader(meta);
+  for (const auto& j : jobs) {
+    const EntryInfo& e = *j.e;
+    auto fill = [&](at::Tensor dst, const sharding::Box& box) {
+      int64_t n = 0;
+      for (const auto& c : e.chunks) n += reader.copy_into(j.fqn, e, c, dst, box);
+      TESSERA_CHECK(n == box.numel(), "loading '", path, "' key '", j.fqn, "': only ", n, " of ", box.numel(),
+                    " elements of ", box.to_string(), " found");
+    };
+    if (auto t = std::get_if<at::Tensor>(j.v)) {
+      fill(*t, sharding::full_box(e.shape));
+    } else if (auto s = std::get_if<sharding::ShardedTensor>(j.v)) {
+      for (auto& sh : s->local_shards()) fill(sh.tensor, sh.meta.box);
+    } else if (std::holds_alternative<double>(*j.v) && std::holds_alternative<int64_t>(e.value)) {
+      *j.v = static_cast<double>(std::get<int64_t>(e.value));
+    } else {
+      *j.v = e.value;
+    }
+    res.loaded.push_back(j.fqn);
+  }
+  return res;
+}
+
+LoadResult load(state::StateDict& target, const std::string& path, dist::Communicator& comm, const LoadOptions& options) {
+  LoadResult res;
+  std::string err;
+  try {
+    res = load_local(target, path, options);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  auto all = comm.all_gather_bytes(err);
+  if (!err.empty()) throw Error(err);
+  for (size_t r = 0; r < all.size(); ++r)
+    TESSERA_CHECK(all[r].empty(), "loading '", path, "' failed on rank ", r, ": ", all[r]);
+  return res;
+}
+
+}  // namespace tessera::checkpoint

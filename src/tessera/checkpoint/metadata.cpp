@@ -1,0 +1,293 @@
+#include "tessera/checkpoint/metadata.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstring>
+
+#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/safetensors.h"
+#include "tessera/core/error.h"
+
+namespace tessera::checkpoint {
+
+using json = nlohmann::json;
+
+namespace {
+
+std::string to_hex(const std::string& bytes) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  s.reserve(bytes.size() * 2);
+  for (unsigned char c : bytes) {
+    s.push_back(d[c >> 4]);
+    s.push_back(d[c & 15]);
+  }
+  return s;
+}
+
+std::string from_hex(const std::string& s, const std::string& what) {
+  TESSERA_CHECK(s.size() % 2 == 0, what, ": odd-length hex");
+  auto nib = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    throw Error(concat(what, ": bad hex digit"));
+  };
+  std::string out(s.size() / 2, '\0');
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(nib(s[2 * i]) * 16 + nib(s[2 * i + 1]));
+  return out;
+}
+
+json value_json(const state::Value& v) {
+  if (auto p = std::get_if<int64_t>(&v)) return {{"kind", "int"}, {"value", *p}};
+  if (auto p = std::get_if<double>(&v)) {
+    uint64_t bits;
+    std::memcpy(&bits, p, 8);
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(bits));
+    json j = {{"kind", "float"}, {"bits", buf}};
+    j["value"] = std::isfinite(*p) ? json(*p) : json(nullptr);
+    return j;
+  }
+  if (auto p = std::get_if<bool>(&v)) return {{"kind", "bool"}, {"value", *p}};
+  if (auto p = std::get_if<std::string>(&v)) return {{"kind", "string"}, {"value", *p}};
+  if (auto p = std::get_if<state::Bytes>(&v)) return {{"kind", "bytes"}, {"hex", to_hex(p->data)}};
+  if (auto p = std::get_if<std::shared_ptr<state::StateDict>>(&v)) {
+    TESSERA_CHECK(!*p || (*p)->empty(), "internal: non-empty dict is flattened before encoding");
+    return {{"kind", "dict"}};
+  }
+  throw Error(concat("a ", state::kind_name(v), " is not a plain value"));
+}
+
+state::Value value_from_json(const json& j, const std::string& what) {
+  TESSERA_CHECK(j.is_object() && j.contains("kind") && j["kind"].is_string(), what, ": value has no kind");
+  const std::string k = j["kind"].get<std::string>();
+  auto need = [&](const char* field, bool ok) {
+    TESSERA_CHECK(j.contains(field) && ok, what, ": ", k, " value has a missing or bad '", field, "'");
+  };
+  if (k == "int") {
+    need("value", j.contains("value") && j["value"].is_number_integer());
+    return j["value"].get<int64_t>();
+  }
+  if (k == "float") {
+    need("bits", j.contains("bits") && j["bits"].is_string() && j["bits"].get<std::string>().size() == 16);
+    const std::string b = from_hex(j["bits"].get<std::string>(), what);
+    uint64_t bits = 0;
+    for (unsigned char c : b) bits = (bits << 8) | c;
+    double d;
+    std::memcpy(&d, &bits, 8);
+    return d;
+  }
+  if (k == "bool") {
+    need("value", j.contains("value") && j["value"].is_boolean());
+    return j["value"].get<bool>();
+  }
+  if (k == "string") {
+    need("value", j.contains("value") && j["value"].is_string());
+    return j["value"].get<std::string>();
+  }
+  if (k == "bytes") {
+    need("hex", j.contains("hex") && j["hex"].is_string());
+    return state::Bytes{from_hex(j["hex"].get<std::string>(), what)};
+  }
+  if (k == "dict") return std::make_shared<state::StateDict>();
+  throw Error(concat(what, ": unknown value kind '", k, "'"));
+}
+
+template <typename SD, typename V>
+void flatten_into(SD& sd, const std::string& prefix, std::vector<std::pair<std::string, V*>>& out) {
+  for (const auto& k : sd.keys()) {
+    auto& v = sd.at(k);
+    const std::string fqn = prefix.empty() ? k : prefix + "." + k;
+    if (auto d = std::get_if<std::shared_ptr<state::StateDict>>(&v); d && *d && !(*d)->empty()) {
+      flatten_into<SD, V>(**d, fqn, out);
+    } else {
+      out.emplace_back(fqn, &v);
+    }
+  }
+}
+
+uint64_t get_u64(const json& j, const std::string& what) {
+  TESSERA_CHECK(j.is_number_unsigned(), what, ": expected a non-negative integer, got ", j.dump());
+  return j.get<uint64_t>();
+}
+
+std::vector<int64_t> get_dims(const json& j, const std::string& what) {
+  TESSERA_CHECK(j.is_array(), what, ": expected an array of dimensions");
+  std::vector<int64_t> v;
+  for (const auto& d : j) {
+    TESSERA_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, what, ": bad dimension ", d.dump());
+    v.push_back(d.get<int64_t>());
+  }
+  return v;
+}
+
+}  // namespace
+
+std::string encode_value(const state::Value& v) { return value_json(v).dump(); }
+
+state::Value decode_value(const std::string& text, const std::string& what) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const std::exception& e) {
+    throw Error(concat(what, ": not valid JSON: ", e.what()));
+  }
+  return value_from_json(j, what);
+}
+
+std::vector<std::pair<std::string, const state::Value*>> flatten_values(const state::StateDict& sd) {
+  std::vector<std::pair<std::string, const state::Value*>> out;
+  flatten_into<const state::StateDict, const state::Value>(sd, "", out);
+  return out;
+}
+std::vector<std::pair<std::string, state::Value*>> flatten_values(state::StateDict& sd) {
+  std::vector<std::pair<std::string, state::Value*>> out;
+  flatten_into<state::StateDict, state::Value>(sd, "", out);
+  return out;
+}
+
+void check_plain_name(const std::string& name, const std::string& what) {
+  TESSERA_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+                    name.find('\\') == std::string::npos && name.find('\0') == std::string::npos && name.size() < 256,
+                what, ": file name '", name, "' is not a plain name inside the checkpoint directory");
+}
+
+void check_tiling(const std::string& fqn, const EntryInfo& e) {
+  const sharding::Box whole = sharding::full_box(e.shape);
+  int64_t volume = 0;
+  std::vector<const ChunkInfo*> nonempty;
+  for (const auto& c : e.chunks) {
+    TESSERA_CHECK(c.box.dim() == e.shape.size() && c.box.offsets.size() == c.box.sizes.size(), "key '", fqn,
+                  "': chunk ", c.box.to_string(), " has the wrong number of dimensions for shape of rank ",
+                  e.shape.size());
+    for (size_t d = 0; d < c.box.dim(); ++d)
+      TESSERA_CHECK(c.box.offsets[d] >= 0 && c.box.sizes[d] >= 0, "key '", fqn, "': chunk ", c.box.to_string(),
+                    " has negative offsets or sizes");
+    TESSERA_CHECK(sharding::contains(whole, c.box), "key '", fqn, "': chunk ", c.box.to_string(),
+                  " lies outside the shape ", whole.to_string());
+    if (c.box.empty()) continue;
+    for (auto* o : nonempty)
+      TESSERA_CHECK(!sharding::intersect(o->box, c.box), "key '", fqn, "': chunks ", o->box.to_string(), " and ",
+                    c.box.to_string(), " overlap");
+    nonempty.push_back(&c);
+    volume += c.box.numel();
+  }
+  TESSERA_CHECK(volume == whole.numel(), "key '", fqn, "': the chunks cover ", volume, " of ", whole.numel(),
+                " elements (incomplete checkpoint)");
+}
+
+std::string to_json(const CheckpointMetadata& m) {
+  json j;
+  j["format"] = "tessera-checkpoint";
+  j["version"] = kFormatVersion;
+  j["world_size"] = m.world_size;
+  j["crc32c_block"] = m.crc_block;
+  j["files"] = json::array();
+  for (auto& [n, s] : m.files) j["files"].push_back({{"name", n}, {"size", s}});
+  j["keys"] = m.keys;
+  json entries = json::object();
+  for (const auto& k : m.keys) {
+    const EntryInfo& e = m.entries.at(k);
+    if (!e.is_tensor()) {
+      entries[k] = value_json(e.value);
+      continue;
+    }
+    json je = {{"kind", e.kind}, {"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"chunks", json::array()}};
+    for (const auto& c : e.chunks) {
+      json crcs = json::array();
+      for (uint32_t x : c.crcs) crcs.push_back(crc_hex(x));
+      je["chunks"].push_back({{"offsets", c.box.offsets},
+                              {"sizes", c.box.sizes},
+                              {"file", c.file},
+                              {"name", c.name},
+                              {"byte_range", {c.begin, c.end}},
+                              {"crc32c", crcs}});
+    }
+    entries[k] = je;
+  }
+  j["entries"] = entries;
+  return j.dump(1);
+}
+
+CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir) {
+  const std::string where = concat("'", join_path(dir, kMetadataFile), "'");
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const std::exception& e) {
+    throw Error(concat(where, ": metadata is not valid JSON: ", e.what()));
+  }
+  TESSERA_CHECK(j.is_object() && j.value("format", "") == "tessera-checkpoint", where,
+                ": not Tessera checkpoint metadata (no \"format\": \"tessera-checkpoint\")");
+  CheckpointMetadata m;
+  m.source_kind = "sharded";
+  m.location = dir;
+  try {
+    TESSERA_CHECK(j["version"].is_number_integer(), where, ": no integer version");
+    m.version = j["version"].get<int>();
+    TESSERA_CHECK(m.version >= 1 && m.version <= kFormatVersion, where, ": format version ", m.version,
+                  " is not supported (this Tessera reads versions 1..", kFormatVersion, ")");
+    m.world_size = static_cast<int>(get_u64(j["world_size"], where + " world_size"));
+    m.crc_block = get_u64(j["crc32c_block"], where + " crc32c_block");
+    TESSERA_CHECK(m.crc_block > 0, where, ": crc32c_block is 0");
+    TESSERA_CHECK(j["files"].is_array(), where, ": files is not an array");
+    for (const auto& f : j["files"]) {
+      TESSERA_CHECK(f.is_object() && f.contains("name") && f["name"].is_string(), where, ": bad files entry");
+      check_plain_name(f["name"].get<std::string>(), where);
+      m.files.emplace_back(f["name"].get<std::string>(), get_u64(f["size"], where + " file size"));
+    }
+    TESSERA_CHECK(j["keys"].is_array() && j["entries"].is_object(), where, ": keys/entries missing");
+    for (const auto& k : j["keys"]) {
+      TESSERA_CHECK(k.is_string(), where, ": a key is not a string");
+      const std::string fqn = k.get<std::string>();
+      TESSERA_CHECK(j["entries"].contains(fqn), where, ": key '", fqn, "' has no entry");
+      TESSERA_CHECK(!m.entries.count(fqn), where, ": key '", fqn, "' listed twice");
+      const json& je = j["entries"][fqn];
+      const std::string what = concat(where, " key '", fqn, "'");
+      TESSERA_CHECK(je.is_object() && je.contains("kind") && je["kind"].is_string(), what, ": no kind");
+      EntryInfo e;
+      e.kind = je["kind"].get<std::string>();
+      if (e.kind != "tensor" && e.kind != "sharded") {
+        e.value = value_from_json(je, what);
+      } else {
+        TESSERA_CHECK(je.contains("dtype") && je["dtype"].is_string(), what, ": no dtype");
+        e.dtype = parse_dtype(je["dtype"].get<std::string>(), what);
+        e.shape = get_dims(je["shape"], what + " shape");
+        TESSERA_CHECK(je["chunks"].is_array(), what, ": chunks is not an array");
+        for (const auto& jc : je["chunks"]) {
+          ChunkInfo c;
+          c.box.offsets = get_dims(jc["offsets"], what + " chunk offsets");
+          c.box.sizes = get_dims(jc["sizes"], what + " chunk sizes");
+          TESSERA_CHECK(jc["file"].is_string() && jc["name"].is_string(), what, ": chunk without file/name");
+          c.file = jc["file"].get<std::string>();
+          check_plain_name(c.file, what);
+          c.name = jc["name"].get<std::string>();
+          const json& br = jc["byte_range"];
+          TESSERA_CHECK(br.is_array() && br.size() == 2, what, ": bad byte_range");
+          c.begin = get_u64(br[0], what + " byte_range");
+          c.end = get_u64(br[1], what + " byte_range");
+          TESSERA_CHECK(c.begin <= c.end && c.end - c.begin == byte_size(c.box.sizes, e.dtype, what), what,
+                        ": byte_range [", c.begin, ", ", c.end, "] does not match chunk ", c.box.to_string());
+          TESSERA_CHECK(jc["crc32c"].is_array() && jc["crc32c"].size() == num_blocks(c.end - c.begin, m.crc_block),
+                        what, ": chunk ", c.box.to_string(), " needs ", num_blocks(c.end - c.begin, m.crc_block),
+                        " checksums");
+          for (const auto& x : jc["crc32c"]) {
+            TESSERA_CHECK(x.is_string(), what, ": checksum is not a string");
+            c.crcs.push_back(parse_crc_hex(x.get<std::string>(), what));
+          }
+          e.chunks.push_back(std::move(c));
+        }
+        check_tiling(fqn, e);
+      }
+      m.keys.push_back(fqn);
+      m.entries.emplace(fqn, std::move(e));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(concat(where, ": malformed metadata: ", e.what()));
+  }
+  return m;
+}
+
+}  // namespace tessera::checkpoint

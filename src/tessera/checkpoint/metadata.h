@@ -1,0 +1,76 @@
+// The metadata of a checkpoint (docs/checkpoint-format.md §3): what every FQN is
+// (kind, dtype, global shape), where its chunks live (file, byte range, checksums)
+// and the plain values inline. The same structure describes every source the loader
+// reads: a sharded directory, a consolidated or foreign safetensors file, or an
+// imported torch file (chunks held in memory).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/sharding/chunk.h"
+#include "tessera/state/state_dict.h"
+
+namespace tessera::checkpoint {
+
+constexpr int kFormatVersion = 1;
+constexpr const char* kMetadataFile = "tessera-checkpoint.json";
+constexpr uint64_t kMaxMetadataBytes = 256ull << 20;
+
+struct ChunkInfo {
+  sharding::Box box;
+  std::string file;  // plain name inside the checkpoint directory (or the file itself)
+  std::string name;  // tensor name inside that safetensors file
+  uint64_t begin = 0, end = 0;  // absolute byte range in the file
+  std::vector<uint32_t> crcs;   // per block; empty when the source has none
+  at::Tensor memory;            // set instead of a file for in-memory sources
+};
+
+struct EntryInfo {
+  std::string kind;  // "tensor", "sharded" or a plain kind ("int", "float", ...)
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  std::vector<ChunkInfo> chunks;
+  state::Value value;  // plain values only
+  bool is_tensor() const { return kind == "tensor" || kind == "sharded"; }
+};
+
+struct CheckpointMetadata {
+  std::string source_kind;  // "sharded", "consolidated", "safetensors", "torch"
+  std::string location;     // directory or file path
+  int version = kFormatVersion;
+  int world_size = 1;
+  uint64_t crc_block = 0;
+  std::vector<std::pair<std::string, uint64_t>> files;  // sharded: data files and sizes
+  std::vector<std::string> keys;                          // order at save
+  std::map<std::string, EntryInfo> entries;
+};
+
+
+// JSON text of a plain value (int/float/bool/string/bytes/empty dict).
+std::string encode_value(const state::Value& v);
+// The inverse; errors name `what`.
+state::Value decode_value(const std::string& json_text, const std::string& what);
+
+// Serializes metadata of a sharded checkpoint.
+std::string to_json(const CheckpointMetadata& m);
+// Parses and validates (version, kinds, dtypes, plain file names, chunk boxes inside
+// the shape and tiling it, byte ranges matching sizes). `dir` is recorded as location.
+CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir);
+
+// Validates that a file name from metadata is a plain name inside the directory.
+void check_plain_name(const std::string& name, const std::string& what);
+// Validates that the non-empty chunks of an entry tile its shape exactly.
+void check_tiling(const std::string& fqn, const EntryInfo& e);
+
+// Flattens a StateDict into (FQN, value) pairs like StateDict::flatten, keeping empty
+// nested dicts as entries.
+std::vector<std::pair<std::string, const state::Value*>> flatten_values(const state::StateDict& sd);
+// Mutable variant (targets of a load).
+std::vector<std::pair<std::string, state::Value*>> flatten_values(state::StateDict& sd);
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,34 @@
+// Offline checkpoint operations behind `tessera ckpt` (no process group needed):
+// inspect, verify, consolidate, reshard and export. Each streams one tensor (or one
+// piece) at a time, so memory stays bounded by the largest tensor.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tessera::checkpoint {
+
+// A human-readable table: kind and world size at save, then one row per key (kind,
+// dtype, shape, chunks, bytes; plain values shown inline).
+std::string inspect(const std::string& path);
+
+struct VerifyReport {
+  bool ok = true;
+  std::vector<std::string> problems;  // each names the file and/or key
+  int64_t chunks_checked = 0;
+  uint64_t bytes_checked = 0;
+  bool has_checksums = true;          // false for foreign safetensors / torch files
+};
+// Completeness (metadata, every data file present with its size, headers valid,
+// chunks tiling every tensor) and every checksum. Never throws for a bad checkpoint.
+VerifyReport verify(const std::string& path);
+
+// `force`: replace an existing output (a Tessera checkpoint, or a plain file for
+// export); without it an existing output is an error. A non-empty directory that is
+// not a Tessera checkpoint is never replaced.
+void consolidate(const std::string& src, const std::string& out, bool force);
+void reshard(const std::string& src, int world_size, const std::string& out, bool force);
+enum class ExportFormat { Torch, Safetensors };
+void export_checkpoint(const std::string& src, ExportFormat format, const std::string& out, bool force);
+
+}  // namespace tessera::checkpoint

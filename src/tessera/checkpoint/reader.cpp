@@ -1,0 +1,201 @@
+#include "tessera/checkpoint/reader.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/interop.h"
+#include "tessera/core/error.h"
+
+namespace tessera::checkpoint {
+
+namespace {
+
+CheckpointMetadata from_safetensors(const std::string& path) {
+  SafetensorsReader r(path);
+  CheckpointMetadata m;
+  const std::string fmt = r.meta("tessera.format");
+  m.source_kind = fmt == "tessera-consolidated" ? "consolidated" : "safetensors";
+  m.location = path;
+  m.crc_block = r.crc_block();
+  nlohmann::json kinds = nlohmann::json::object(), values = nlohmann::json::object(), keys = nlohmann::json::array();
+  try {
+    if (!r.meta("tessera.kinds").empty()) kinds = nlohmann::json::parse(r.meta("tessera.kinds"));
+    if (!r.meta("tessera.values").empty()) values = nlohmann::json::parse(r.meta("tessera.values"));
+    if (!r.meta("tessera.keys").empty()) keys = nlohmann::json::parse(r.meta("tessera.keys"));
+    if (!r.meta("tessera.world_size").empty()) m.world_size = std::stoi(r.meta("tessera.world_size"));
+  } catch (const std::exception& e) {
+    throw Error(concat("'", path, "': malformed Tessera __metadata__: ", e.what()));
+  }
+  TESSERA_CHECK(kinds.is_object() && values.is_object() && keys.is_array(), "'", path,
+                "': malformed Tessera __metadata__ (kinds/values/keys)");
+  for (const auto& t : r.entries()) {
+    EntryInfo e;
+    e.kind = kinds.contains(t.name) && kinds[t.name].is_string() ? kinds[t.name].get<std::string>() : "tensor";
+    TESSERA_CHECK(e.kind == "tensor" || e.kind == "sharded", "'", path, "' key '", t.name, "': bad kind '", e.kind, "'");
+    e.dtype = t.dtype;
+    e.shape = t.shape;
+    if (t.nbytes() > 0) {
+      ChunkInfo c;
+      c.box = sharding::full_box(t.shape);
+      c.file = path;
+      c.name = t.name;
+      c.begin = t.begin;
+      c.end = t.end;
+      if (const auto* crcs = r.crcs(t.name)) c.crcs = *crcs;
+      e.chunks.push_back(std::move(c));
+    }
+    m.entries.emplace(t.name, std::move(e));
+  }
+  for (auto it = values.begin(); it != values.end(); ++it) {
+    TESSERA_CHECK(!m.entries.count(it.key()), "'", path, "': key '", it.key(), "' is both a tensor and a value");
+    EntryInfo e;
+    e.value = decode_value(it.value().dump(), concat("'", path, "' key '", it.key(), "'"));
+    e.kind = state::kind_name(e.value);
+    m.entries.emplace(it.key(), std::move(e));
+  }
+  for (const auto& k : keys)
+    if (k.is_string() && m.entries.count(k.get<std::string>())) m.keys.push_back(k.get<std::string>());
+  if (m.keys.size() != m.entries.size()) {  // foreign file or keys incomplete: header (offset) order
+    m.keys.clear();
+    for (const auto& t : r.entries()) m.keys.push_back(t.name);
+    for (auto it = values.begin(); it != values.end(); ++it) m.keys.push_back(it.key());
+  }
+  return m;
+}
+
+bool looks_like_zip(const std::string& path) {
+  File f(path, "r");
+  if (f.size() < 4) return false;
+  char b[4];
+  f.pread_exact(0, b, 4);
+  return b[0] == 'P' && b[1] == 'K' && b[2] == 3 && b[3] == 4;
+}
+
+}  // namespace
+
+CheckpointMetadata open_checkpoint(const std::string& path) {
+  std::string p = path;
+  if (!path_exists(p)) {
+    const std::string aside = aside_sibling(p);
+    TESSERA_CHECK(!aside.empty(), "checkpoint '", path, "' does not exist");
+    p = aside;
+  }
+  if (is_directory(p)) {
+    const std::string mf = join_path(p, kMetadataFile);
+    TESSERA_CHECK(is_regular_file(mf), "'", path, "' is not a Tessera checkpoint: '", kMetadataFile,
+                  "' is missing (incomplete or foreign directory)");
+    CheckpointMetadata m = parse_metadata(read_small_file(mf, kMaxMetadataBytes), p);
+    for (const auto& [name, size] : m.files) {
+      const std::string fp = join_path(p, name);
+      TESSERA_CHECK(is_regular_file(fp), "checkpoint '", path, "': data file '", name, "' is missing");
+      File f(fp, "r");
+      TESSERA_CHECK(f.size() == size, "checkpoint '", path, "': data file '", name, "' is ", f.size(),
+                    " bytes, the metadata says ", size, " (truncated or replaced)");
+    }
+    for (const auto& [k, e] : m.entries)
+      for (const auto& c : e.chunks) {
+        bool listed = false;
+        for (const auto& f : m.files) listed |= f.first == c.file;
+        TESSERA_CHECK(listed, "checkpoint '", path, "' key '", k, "': chunk file '", c.file, "' is not listed in files");
+      }
+    return m;
+  }
+  TESSERA_CHECK(is_regular_file(p), "'", path, "' is neither a checkpoint directory nor a file");
+  if (looks_like_zip(p)) return import_torch_file(p);
+  return from_safetensors(p);
+}
+
+bool is_tessera_checkpoint(const std::string& path) {
+  if (is_directory(path)) return is_regular_file(join_path(path, kMetadataFile));
+  if (!is_regular_file(path)) return false;
+  try {
+    SafetensorsReader r(path);
+    return !r.meta("tessera.format").empty();
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+const SafetensorsReader& ChunkReader::reader(const std::string& file) {
+  auto it = readers_.find(file);
+  if (it != readers_.end()) return *it->second;
+  const std::string p = meta_.source_kind == "sharded" ? join_path(meta_.location, file) : meta_.location;
+  auto r = std::make_unique<SafetensorsReader>(p);
+  return *readers_.emplace(file, std::move(r)).first->second;
+}
+
+void ChunkReader::check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c) {
+  const SafetensorsReader& r = reader(c.file);
+  const TensorEntry* t = r.find(c.name);
+  TESSERA_CHECK(t != nullptr, "'", r.path(), "' key '", fqn, "': tensor '", c.name, "' is not in the data file");
+  TESSERA_CHECK(t->dtype == e.dtype && t->shape == c.box.sizes && t->begin == c.begin && t->end == c.end, "'",
+                r.path(), "' key '", fqn, "': the data file's entry '", c.name,
+                "' disagrees with the metadata (dtype, shape or byte range)");
+}
+
+int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, at::Tensor& dst,
+                               const sharding::Box& dst_box) {
+  auto ov = sharding::intersect(dst_box, c.box);
+  if (!ov) return 0;
+  if (c.memory.defined()) return sharding::copy_overlap(dst, dst_box, c.memory, c.box);
+  check_header_entry(fqn, e, c);
+  const SafetensorsReader& r = reader(c.file);
+  // Row-major strides of the chunk, and the first and last element of the overlap.
+  const size_t nd = c.box.dim();
+  std::vector<int64_t> strides(nd, 1);
+  for (size_t d = nd; d-- > 1;) strides[d - 1] = strides[d] * c.box.sizes[d];
+  int64_t first = 0, last = 0;
+  for (size_t d = 0; d < nd; ++d) {
+    first += (ov->offsets[d] - c.box.offsets[d]) * strides[d];
+    last += (ov->offsets[d] + ov->sizes[d] - 1 - c.box.offsets[d]) * strides[d];
+  }
+  const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
+  const uint64_t block = c.crcs.empty() ? nbytes : meta_.crc_block;
+  uint64_t b0 = static_cast<uint64_t>(first) * is, b1 = static_cast<uint64_t>(last + 1) * is;
+  if (!c.crcs.empty()) {
+    b0 = b0 / block * block;
+    b1 = std::min(nbytes, (b1 + block - 1) / block * block);
+  }
+  at::Tensor buf = at::empty({static_cast<int64_t>((b1 - b0) / is)}, at::TensorOptions().dtype(e.dtype));
+  auto* p = static_cast<char*>(buf.data_ptr());
+  r.file().pread_exact(c.begin + b0, p, b1 - b0);
+  if (!c.crcs.empty()) {
+    for (uint64_t off = b0; off < b1; off += block) {
+      const uint64_t len = std::min(block, nbytes - off);
+      const size_t bi = static_cast<size_t>(off / block);
+      TESSERA_CHECK(crc32c(p + (off - b0), len) == c.crcs[bi], "'", r.path(), "' key '", fqn, "' chunk ",
+                    c.box.to_string(), ": checksum mismatch in block ", bi, " (bytes ", c.begin + off, "..",
+                    c.begin + off + len, ") — the checkpoint is corrupt");
+    }
+  }
+  std::vector<int64_t> sizes = ov->sizes;
+  at::Tensor src = buf.as_strided(sizes, strides, first - static_cast<int64_t>(b0 / is));
+  sharding::narrow_to(dst, dst_box, *ov).copy_(src);
+  return ov->numel();
+}
+
+at::Tensor ChunkReader::read_box(const std::string& fqn, const EntryInfo& e, const sharding::Box& box) {
+  at::Tensor t = at::empty(box.sizes, at::TensorOptions().dtype(e.dtype));
+  for (const auto& c : e.chunks) copy_into(fqn, e, c, t, box);
+  return t;
+}
+
+void ChunkReader::verify_chunk(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c) {
+  if (c.memory.defined()) return;
+  check_header_entry(fqn, e, c);
+  const SafetensorsReader& r = reader(c.file);
+  const uint64_t nbytes = c.end - c.begin;
+  if (c.crcs.empty()) return;
+  const uint64_t block = meta_.crc_block;
+  std::vector<char> buf(static_cast<size_t>(std::min(block, nbytes)));
+  for (uint64_t off = 0, bi = 0; off < nbytes; off += block, ++bi) {
+    const uint64_t len = std::min(block, nbytes - off);
+    r.file().pread_exact(c.begin + off, buf.data(), len);
+    TESSERA_CHECK(crc32c(buf.data(), len) == c.crcs[bi], "'", r.path(), "' key '", fqn, "' chunk ",
+                  c.box.to_string(), ": checksum mismatch in block ", bi, " — the checkpoint is corrupt");
+  }
+}
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,47 @@
+// Reading checkpoints of every kind through one description (CheckpointMetadata):
+// open_checkpoint() recognises a sharded directory, a safetensors file (Tessera's
+// consolidated format or anyone's) and a torch.save'd dict of tensors; ChunkReader
+// reads the part of a chunk a caller needs with pread, verifying the checksum blocks
+// it reads.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/safetensors.h"
+
+namespace tessera::checkpoint {
+
+// Opens and validates the metadata at `path`. A missing directory whose previous
+// version was left aside by an interrupted commit is read from there.
+CheckpointMetadata open_checkpoint(const std::string& path);
+
+// Whether `path` holds something Tessera wrote (a directory with metadata, or a
+// safetensors file whose header names a Tessera format).
+bool is_tessera_checkpoint(const std::string& path);
+
+class ChunkReader {
+ public:
+  explicit ChunkReader(const CheckpointMetadata& meta) : meta_(meta) {}
+  // Copies the overlap of chunk `c` (of entry `fqn`) with `dst_box` into `dst`, which
+  // holds the elements of `dst_box`. Reads only the checksum blocks that cover the
+  // overlap. Returns the number of elements copied.
+  int64_t copy_into(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, at::Tensor& dst,
+                    const sharding::Box& dst_box);
+  // A tensor of `box` (inside the entry's shape) assembled from every chunk.
+  at::Tensor read_box(const std::string& fqn, const EntryInfo& e, const sharding::Box& box);
+  // Reads every block of the chunk and checks it (and the data file's header entry).
+  void verify_chunk(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
+  // The (validated) safetensors reader of a data file.
+  const SafetensorsReader& reader(const std::string& file);
+
+ private:
+  void check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
+  const CheckpointMetadata& meta_;
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
+};
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,268 @@
+#include "tessera/checkpoint/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <limits>
+
+#include "tessera/checkpoint/crc32c.h"
+#include "tessera/core/error.h"
+
+namespace tessera::checkpoint {
+namespace {
+
+const std::vector<std::pair<const char*, at::ScalarType>>& dtype_table() {
+  static const std::vector<std::pair<const char*, at::ScalarType>> t = {
+      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16},
+      {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
+      {"U8", at::kByte},    {"BOOL", at::kBool}};
+  return t;
+}
+
+void check_little_endian() {
+  const uint16_t one = 1;
+  TESSERA_CHECK(*reinterpret_cast<const uint8_t*>(&one) == 1, "Tessera checkpoints need a little-endian host");
+}
+
+}  // namespace
+
+std::string dtype_name(at::ScalarType t) {
+  for (auto& [n, s] : dtype_table())
+    if (s == t) return n;
+  throw Error(concat("dtype ", t, " cannot be stored in a safetensors file"));
+}
+
+at::ScalarType parse_dtype(const std::string& name, const std::string& what) {
+  for (auto& [n, s] : dtype_table())
+    if (name == n) return s;
+  throw Error(concat(what, ": unknown dtype '", name, "'"));
+}
+
+size_t itemsize(at::ScalarType t) { return c10::elementSize(t); }
+
+uint64_t byte_size(const std::vector<int64_t>& shape, at::ScalarType t, const std::string& what) {
+  uint64_t n = itemsize(t);
+  for (int64_t d : shape) {
+    TESSERA_CHECK(d >= 0, what, ": negative dimension ", d);
+    if (d == 0) return 0;
+    TESSERA_CHECK(n <= std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d) &&
+                      n * static_cast<uint64_t>(d) <= (1ull << 62),
+                  what, ": shape too large");
+    n *= static_cast<uint64_t>(d);
+  }
+  return n;
+}
+
+// ---------------------------------------------------------------- reader
+
+SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path, "r") {
+  check_little_endian();
+  size_ = file_.size();
+  TESSERA_CHECK(size_ >= 8, "'", path, "' is not a safetensors file: ", size_, " bytes, shorter than the 8-byte header length");
+  unsigned char lenbuf[8];
+  file_.pread_exact(0, lenbuf, 8);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | lenbuf[i];
+  TESSERA_CHECK(n <= kMaxHeaderBytes, "'", path, "': safetensors header length ", n, " exceeds the limit of ",
+                kMaxHeaderBytes, " bytes");
+  TESSERA_CHECK(n >= 2 && 8 + n <= size_, "'", path, "': safetensors header length ", n,
+                " does not fit in the file of ", size_, " bytes (truncated?)");
+  std::string text(n, '\0');
+  file_.pread_exact(8, text.data(), n);
+  nlohmann::json h;
+  try {
+    h = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    throw Error(concat("'", path, "': safetensors header is not valid JSON: ", e.what()));
+  }
+  TESSERA_CHECK(h.is_object(), "'", path, "': safetensors header is not a JSON object");
+  const uint64_t data_start = 8 + n;
+  const uint64_t data_len = size_ - data_start;
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    const std::string& name = it.key();
+    const auto& v = it.value();
+    if (name == "__metadata__") {
+      TESSERA_CHECK(v.is_object() || v.is_null(), "'", path, "': __metadata__ is not an object");
+      if (v.is_object())
+        for (auto m = v.begin(); m != v.end(); ++m) {
+          TESSERA_CHECK(m.value().is_string(), "'", path, "': __metadata__ value '", m.key(), "' is not a string");
+          metadata_[m.key()] = m.value().get<std::string>();
+        }
+      continue;
+    }
+    const std::string what = concat("'", path, "' tensor '", name, "'");
+    TESSERA_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"), what,
+                  ": entry needs dtype, shape and data_offsets");
+    TESSERA_CHECK(v["dtype"].is_string(), what, ": dtype is not a string");
+    TensorEntry e;
+    e.name = name;
+    e.dtype = parse_dtype(v["dtype"].get<std::string>(), what);
+    TESSERA_CHECK(v["shape"].is_array(), what, ": shape is not an array");
+    for (const auto& d : v["shape"]) {
+      TESSERA_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, what, ": shape has a bad dimension ", d.dump());
+      e.shape.push_back(d.get<int64_t>());
+    }
+    const auto& off = v["data_offsets"];
+    TESSERA_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
+                  what, ": data_offsets must be two non-negative integers");
+    const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
+    TESSERA_CHECK(b <= en && en <= data_len, what, ": data_offsets [", b, ", ", en, "] outside the data section of ",
+                  data_len, " bytes (truncated file?)");
+    TESSERA_CHECK(en - b == byte_size(e.shape, e.dtype, what), what, ": data_offsets cover ", en - b,
+                  " bytes but the shape and dtype need ", byte_size(e.shape, e.dtype, what));
+    e.begin = data_start + b;
+    e.end = data_start + en;
+    index_[name] = entries_.size();
+    entries_.push_back(std::move(e));
+  }
+  // Contiguous, non-overlapping coverage of the data section.
+  std::vector<const TensorEntry*> sorted;
+  for (auto& e : entries_) sorted.push_back(&e);
+  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  uint64_t pos = data_start;
+  for (auto* e : sorted) {
+    TESSERA_CHECK(e->begin == pos, "'", path, "' tensor '", e->name, "': data starts at byte ", e->begin,
+                  e->begin < pos ? " and overlaps the previous tensor" : " leaving a gap", " (expected ", pos, ")");
+    pos = e->end;
+  }
+  TESSERA_CHECK(pos == size_, "'", path, "': ", size_ - pos, " bytes after the last tensor are not covered by the header");
+  // Tessera block checksums.
+  auto c = metadata_.find("tessera.crc32c");
+  if (c != metadata_.end()) {
+    const std::string bs = meta("tessera.crc32c_block");
+    TESSERA_CHECK(!bs.empty() && bs.find_first_not_of("0123456789") == std::string::npos && bs.size() < 12,
+                  "'", path, "': bad tessera.crc32c_block '", bs, "'");
+    crc_block_ = std::stoull(bs);
+    TESSERA_CHECK(crc_block_ > 0, "'", path, "': tessera.crc32c_block is 0");
+    uint64_t total = 0;
+    for (auto* e : sorted) total += num_blocks(e->nbytes(), crc_block_);
+    TESSERA_CHECK(c->second.size() == 8 * total, "'", path, "': tessera.crc32c holds ", c->second.size() / 8,
+                  " checksums for ", total, " blocks");
+    size_t k = 0;
+    for (auto* e : sorted) {
+      auto& v = crcs_[e->name];
+      for (uint64_t i = 0; i < num_blocks(e->nbytes(), crc_block_); ++i, ++k)
+        v.push_back(parse_crc_hex(c->second.substr(8 * k, 8), concat("'", path, "' tensor '", e->name, "'")));
+    }
+  }
+}
+
+const TensorEntry* SafetensorsReader::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+std::string SafetensorsReader::meta(const std::string& key) const {
+  auto it = metadata_.find(key);
+  return it == metadata_.end() ? "" : it->second;
+}
+
+const std::vector<uint32_t>* SafetensorsReader::crcs(const std::string& name) const {
+  auto it = crcs_.find(name);
+  return it == crcs_.end() ? nullptr : &it->second;
+}
+
+at::Tensor SafetensorsReader::read(const std::string& name) const {
+  const TensorEntry* e = find(name);
+  TESSERA_CHECK(e != nullptr, "'", path(), "' has no tensor '", name, "'");
+  at::Tensor t = at::empty(e->shape, at::TensorOptions().dtype(e->dtype));
+  auto* p = static_cast<char*>(t.data_ptr());
+  file_.pread_exact(e->begin, p, e->nbytes());
+  if (const auto* c = crcs(name)) {
+    for (size_t i = 0; i < c->size(); ++i) {
+      const uint64_t off = i * crc_block_;
+      const uint64_t len = std::min<uint64_t>(crc_block_, e->nbytes() - off);
+      TESSERA_CHECK(crc32c(p + off, len) == (*c)[i], "'", path(), "' tensor '", name, "': checksum mismatch in block ",
+                    i, " (bytes ", e->begin + off, "..", e->begin + off + len, ") — the file is corrupt");
+    }
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------- writer
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> specs,
+                                     std::map<std::string, std::string> metadata)
+    : specs_(std::move(specs)) {
+  check_little_endian();
+  nlohmann::ordered_json h = nlohmann::ordered_json::object();
+  uint64_t off = 0, blocks = 0;
+  std::map<std::string, int> seen;
+  for (const auto& s : specs_) {
+    TESSERA_CHECK(!s.name.empty() && s.name != "__metadata__", "'", path, "': bad tensor name '", s.name, "'");
+    TESSERA_CHECK(seen[s.name]++ == 0, "'", path, "': tensor name '", s.name, "' given twice");
+    const uint64_t nb = byte_size(s.shape, s.dtype, concat("'", path, "' tensor '", s.name, "'"));
+    written_.push_back({s.name, off, off + nb, {}});
+    off += nb;
+    blocks += num_blocks(nb);
+  }
+  metadata["format"] = metadata.count("format") ? metadata["format"] : "pt";
+  metadata["tessera.version"] = "1";
+  metadata["tessera.crc32c_block"] = std::to_string(kCrcBlock);
+  metadata["tessera.crc32c"] = std::string(8 * blocks, '0');
+  nlohmann::ordered_json m = nlohmann::ordered_json::object();
+  for (auto& [k, v] : metadata) m[k] = v;
+  h["__metadata__"] = m;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    h[specs_[i].name] = {{"dtype", dtype_name(specs_[i].dtype)},
+                         {"shape", specs_[i].shape},
+                         {"data_offsets", {written_[i].begin, written_[i].end}}};
+  }
+  std::string text = h.dump();
+  const std::string marker = "\"tessera.crc32c\":\"";
+  const size_t pos = text.find(marker);
+  TESSERA_CHECK(pos != std::string::npos, "internal: checksum placeholder not found");
+  while (text.size() % 8) text.push_back(' ');
+  TESSERA_CHECK(text.size() <= kMaxHeaderBytes, "'", path, "': header of ", text.size(), " bytes is over the limit");
+  data_start_ = 8 + text.size();
+  crc_pos_ = 8 + pos + marker.size();
+  for (auto& w : written_) {
+    w.begin += data_start_;
+    w.end += data_start_;
+  }
+  file_ = File(path, "w");
+  unsigned char lenbuf[8];
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i, n >>= 8) lenbuf[i] = static_cast<unsigned char>(n & 0xff);
+  file_.write_all(lenbuf, 8);
+  file_.write_all(text.data(), text.size());
+}
+
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+void SafetensorsWriter::write(const at::Tensor& t) {
+  TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", file_.path(), "': more tensors written than declared");
+  const Spec& s = specs_[next_];
+  TESSERA_CHECK(t.scalar_type() == s.dtype && t.sizes().vec() == s.shape, "'", file_.path(), "' tensor '", s.name,
+                "': got ", t.scalar_type(), t.sizes(), " but declared ", s.dtype, " ", at::IntArrayRef(s.shape));
+  at::Tensor c = t.device().is_cpu() ? t : t.cpu();
+  c = c.is_contiguous() && !c.is_conj() && !c.is_neg() ? c : c.contiguous().resolve_conj().resolve_neg();
+  if (c.layout() != at::kStrided) c = c.to_dense();
+  Written& w = written_[next_];
+  const uint64_t nb = w.end - w.begin;
+  if (nb > 0) {
+    const char* p = static_cast<const char*>(c.data_ptr());
+    w.crcs = block_crcs(p, nb);
+    file_.write_all(p, nb);
+  }
+  ++next_;
+}
+
+std::vector<SafetensorsWriter::Written> SafetensorsWriter::finish() {
+  TESSERA_CHECK(!finished_, "'", file_.path(), "': finish() called twice");
+  TESSERA_CHECK(next_ == specs_.size(), "'", file_.path(), "': ", specs_.size() - next_, " declared tensors not written");
+  std::string hex;
+  // Checksums in data-offset order (== declaration order here).
+  for (auto& w : written_)
+    for (uint32_t c : w.crcs) hex += crc_hex(c);
+  if (!hex.empty()) file_.pwrite_exact(crc_pos_, hex.data(), hex.size());
+  file_.fsync();
+  file_.close();
+  finished_ = true;
+  return written_;
+}
+
+}  // namespace tessera::checkpoint

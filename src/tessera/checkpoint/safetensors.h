@@ -1,0 +1,99 @@
+// safetensors files: a streaming writer (one tensor at a time, block checksums
+// patched into the header at the end) and a strictly validating reader that reads
+// byte ranges with pread, never the whole file. Layout in docs/checkpoint-format.md §1.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tessera/checkpoint/file_io.h"
+
+namespace tessera::checkpoint {
+
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+
+// "F32", "BF16", ...; throws for dtypes safetensors cannot hold.
+std::string dtype_name(at::ScalarType t);
+// Throws tessera::Error naming `what` for an unknown name.
+at::ScalarType parse_dtype(const std::string& name, const std::string& what);
+size_t itemsize(at::ScalarType t);
+// prod(shape) * itemsize, with overflow checks (error naming `what`).
+uint64_t byte_size(const std::vector<int64_t>& shape, at::ScalarType t, const std::string& what);
+
+struct TensorEntry {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // absolute offsets in the file
+  uint64_t end = 0;
+  uint64_t nbytes() const { return end - begin; }
+};
+
+class SafetensorsReader {
+ public:
+  // Opens and validates the header (size bound, JSON, dtypes, shapes, offsets inside
+  // the file, contiguous coverage). Errors name the file and the tensor.
+  explicit SafetensorsReader(const std::string& path);
+
+  const std::string& path() const { return file_.path(); }
+  // In header order.
+  const std::vector<TensorEntry>& entries() const { return entries_; }
+  const TensorEntry* find(const std::string& name) const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // The value of a __metadata__ key, or "" when absent.
+  std::string meta(const std::string& key) const;
+  uint64_t file_size() const { return size_; }
+  // Block checksums of a tensor from "tessera.crc32c" (nullptr when the file has none).
+  const std::vector<uint32_t>* crcs(const std::string& name) const;
+  uint64_t crc_block() const { return crc_block_; }
+  const File& file() const { return file_; }
+
+  // The whole tensor, its checksums verified when the file has them.
+  at::Tensor read(const std::string& name) const;
+
+ private:
+  File file_;
+  uint64_t size_ = 0;
+  std::vector<TensorEntry> entries_;
+  std::map<std::string, size_t> index_;
+  std::map<std::string, std::string> metadata_;
+  std::map<std::string, std::vector<uint32_t>> crcs_;
+  uint64_t crc_block_ = 0;
+};
+
+class SafetensorsWriter {
+ public:
+  struct Spec {
+    std::string name;
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> shape;
+  };
+  struct Written {
+    std::string name;
+    uint64_t begin = 0, end = 0;  // absolute offsets in the file
+    std::vector<uint32_t> crcs;
+  };
+  // Creates `path` and writes the header for `specs` (names unique, none "__metadata__").
+  // `metadata` goes into __metadata__ next to Tessera's own keys.
+  SafetensorsWriter(const std::string& path, std::vector<Spec> specs, std::map<std::string, std::string> metadata);
+  ~SafetensorsWriter();
+  // Writes the next tensor; it must match the next spec's dtype and shape (any
+  // device/layout: a contiguous CPU copy is made when needed).
+  void write(const at::Tensor& t);
+  // Patches the checksums into the header, fsyncs and closes. Every spec must have been written.
+  std::vector<Written> finish();
+  size_t next_index() const { return next_; }
+
+ private:
+  File file_;
+  std::vector<Spec> specs_;
+  std::vector<Written> written_;
+  size_t next_ = 0;
+  uint64_t data_start_ = 0, crc_pos_ = 0;
+  bool finished_ = false;
+};
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,331 @@
+// Distributed save (sharded and full) and async save.
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <mutex>
+#include <thread>
+
+#include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/writer.h"
+#include "tessera/core/error.h"
+#include "tessera/core/log.h"
+
+namespace tessera::checkpoint {
+
+namespace {
+
+using state::Value;
+
+// Broadcasts rank 0's outcome ("" = ok) and throws it everywhere when it is an error.
+void agree(dist::Communicator& comm, const std::string& rank0_error, const std::string& what) {
+  const std::string e = comm.broadcast_bytes(rank0_error, 0);
+  TESSERA_CHECK(e.empty(), what, ": ", e);
+}
+
+EntryInfo describe(const std::string& fqn, const Value& v) {
+  EntryInfo e;
+  if (auto t = std::get_if<at::Tensor>(&v)) {
+    TESSERA_CHECK(t->defined(), "cannot save key '", fqn, "': undefined tensor");
+    e.kind = "tensor";
+    e.dtype = t->scalar_type();
+    e.shape = t->sizes().vec();
+    dtype_name(e.dtype);  // throws for unsupported dtypes
+  } else if (auto s = std::get_if<sharding::ShardedTensor>(&v)) {
+    TESSERA_CHECK(s->defined(), "cannot save key '", fqn, "': undefined sharded tensor");
+    e.kind = "sharded";
+    e.dtype = s->dtype();
+    e.shape = s->shape();
+    dtype_name(e.dtype);
+  } else {
+    e.kind = state::kind_name(v);
+    e.value = v;
+  }
+  return e;
+}
+
+std::string prepare_target(const std::string& path, bool dir, std::string& tmp) {
+  try {
+    recover_siblings(path);
+    check_replaceable(path);
+    tmp = temp_sibling(path);
+    if (dir) make_dir(tmp);
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+void save_sharded(const state::StateDict& sd, const std::string& path, dist::Communicator& comm) {
+  const int rank = comm.rank();
+  auto flat = flatten_values(sd);
+  std::string tmp, err;
+  if (rank == 0) err = prepare_target(path, true, tmp);
+  agree(comm, err, concat("saving '", path, "'"));
+  tmp = comm.broadcast_bytes(tmp, 0);
+
+  CheckpointMetadata m;
+  m.world_size = comm.size();
+  m.crc_block = kCrcBlock;
+  std::string mine;
+  try {
+    std::vector<Piece> pieces;
+    for (const auto& [fqn, v] : flat) {
+      EntryInfo e = describe(fqn, *v);
+      if (auto t = std::get_if<at::Tensor>(v)) {
+        if (rank == 0 && t->numel() > 0) {
+          const at::Tensor tt = *t;
+          pieces.push_back({fqn, e.dtype, sharding::full_box(e.shape), [tt] { return tt; }});
+        }
+      } else if (auto s = std::get_if<sharding::ShardedTensor>(v)) {
+        for (const auto& sh : s->local_shards()) {
+          if (sh.meta.box.empty()) continue;
+          const at::Tensor tt = sh.tensor;
+          pieces.push_back({fqn, e.dtype, sh.meta.box, [tt] { return tt; }});
+        }
+      }
+      m.keys.push_back(fqn);
+      m.entries.emplace(fqn, std::move(e));
+    }
+    mine = to_json(write_data_file(tmp, data_file_name(rank), pieces));
+  } catch (const std::exception& e) {
+    mine = std::string("E") + e.what();
+  }
+  if (mine.empty() || mine[0] != 'E') mine = "D" + mine;
+  auto all = comm.all_gather_bytes(mine);
+  if (rank == 0) {
+    err.clear();
+    for (size_t r = 0; r < all.size(); ++r)
+      if (all[r][0] == 'E') err += concat(err.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
+    if (err.empty()) {
+      try {
+        for (size_t r = 0; r < all.size(); ++r) {
+          DataFileResult d = data_file_result_from_json(all[r].substr(1));
+          m.files.emplace_back(d.file, d.size);
+          for (auto& [fqn, c] : d.chunks) {
+            auto it = m.entries.find(fqn);
+            TESSERA_CHECK(it != m.entries.end(), "rank ", r, " saved key '", fqn, "' that rank 0 does not have");
+            it->second.chunks.push_back(std::move(c));
+          }
+        }
+        for (const auto& k : m.keys)
+          if (m.entries[k].is_tensor()) check_tiling(k, m.entries[k]);
+        write_metadata_file(tmp, m);
+        commit_rename(tmp, path);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+    }
+    if (!err.empty()) {
+      try {
+        remove_all(tmp);
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  agree(comm, err, concat("saving '", path, "'"));
+}
+
+void save_full(const state::StateDict& sd, const std::string& path, dist::Communicator& comm) {
+  const int rank = comm.rank();
+  auto flat = flatten_values(sd);
+  std::string tmp, err;
+  if (rank == 0) err = prepare_target(path, false, tmp);
+  agree(comm, err, concat("saving '", path, "'"));
+
+  CheckpointMetadata m;
+  m.world_size = comm.size();
+  std::vector<SafetensorsWriter::Spec> specs;
+  for (const auto& [fqn, v] : flat) {
+    EntryInfo e = describe(fqn, *v);
+    if (e.is_tensor()) specs.push_back({fqn, e.dtype, e.shape});
+    m.keys.push_back(fqn);
+    m.entries.emplace(fqn, std::move(e));
+  }
+  std::unique_ptr<SafetensorsWriter> w;
+  if (rank == 0) {
+    try {
+      w = std::make_unique<SafetensorsWriter>(tmp, specs, consolidated_header(m));
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  // Every rank takes part in every gather, even after rank 0 failed, so that nobody hangs.
+  for (const auto& [fqn, v] : flat) {
+    at::Tensor full;
+    if (auto s = std::get_if<sharding::ShardedTensor>(v)) {
+      full = s->gather(0);
+    } else if (auto t = std::get_if<at::Tensor>(v)) {
+      if (rank == 0) full = *t;
+    } else {
+      continue;
+    }
+    if (rank == 0 && err.empty()) {
+      try {
+        w->write(full);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+    }
+  }
+  if (rank == 0) {
+    if (err.empty()) {
+      try {
+        w->finish();
+        commit_rename(tmp, path);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+    }
+    w.reset();
+    if (!err.empty()) {
+      try {
+        remove_all(tmp);
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  agree(comm, err, concat("saving '", path, "'"));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ async
+
+struct AsyncSave::State {
+  std::thread thread;
+  std::mutex join_mu;  // held while joining
+  std::mutex mu;       // guards finished
+  bool finished = false;
+  std::exception_ptr error;
+  ~State() {
+    if (thread.joinable()) thread.join();
+  }
+};
+
+namespace {
+std::mutex g_pending_mu;
+thread_local bool tl_background = false;
+std::shared_ptr<AsyncSave::State> g_pending;
+
+struct SplitCache {
+  std::mutex mu;
+  std::vector<std::pair<std::weak_ptr<dist::Communicator>, std::shared_ptr<dist::Communicator>>> items;
+};
+SplitCache& split_cache() {
+  static SplitCache c;
+  return c;
+}
+
+std::shared_ptr<dist::Communicator> background_comm(const std::shared_ptr<dist::Communicator>& comm) {
+  auto& c = split_cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  for (auto& [w, bg] : c.items)
+    if (w.lock() == comm) return bg;
+  std::vector<int> all(static_cast<size_t>(comm->size()));
+  for (int r = 0; r < comm->size(); ++r) all[static_cast<size_t>(r)] = r;
+  auto bg = comm->split({all});
+  TESSERA_CHECK(bg != nullptr, "async save: could not create the background communicator");
+  c.items.emplace_back(comm, bg);
+  return bg;
+}
+
+at::Tensor host_copy(const at::Tensor& t) {
+  return t.device().is_cpu() ? t.detach().clone(at::MemoryFormat::Contiguous) : t.detach().to(at::kCPU).contiguous();
+}
+
+void wait_previous();
+std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<dist::Communicator>& bg) {
+  auto out = std::make_shared<state::StateDict>();
+  for (const auto& k : sd.keys()) {
+    const Value& v = sd.at(k);
+    if (auto t = std::get_if<at::Tensor>(&v)) {
+      out->set(k, host_copy(*t));
+    } else if (auto s = std::get_if<sharding::ShardedTensor>(&v)) {
+      std::vector<sharding::Shard> local;
+      for (const auto& sh : s->local_shards()) {
+        sharding::Shard c{host_copy(sh.tensor), sh.meta};
+        c.meta.placement.device = c10::kCPU;
+        local.push_back(std::move(c));
+      }
+      auto all = s->shards_metadata();
+      for (auto& m : all) m.placement.device = c10::kCPU;
+      out->set(k, sharding::ShardedTensor::from_parts(std::move(local), all, s->shape(), s->dtype(), bg));
+    } else if (auto d = std::get_if<std::shared_ptr<state::StateDict>>(&v); d && *d) {
+      out->set(k, snapshot(**d, bg));
+    } else {
+      out->set(k, v);
+    }
+  }
+  return out;
+}
+
+// Waits for the pending async save; its error was the business of its handle, so it is
+// only logged here.
+void wait_previous() {
+  try {
+    wait_for_pending_save();
+  } catch (const std::exception& e) {
+    log::warn("the previous async checkpoint save failed: ", e.what());
+  }
+}
+}  // namespace
+
+void wait_for_pending_save() {
+  std::shared_ptr<AsyncSave::State> p;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    p = std::move(g_pending);
+  }
+  if (p) AsyncSave(p).wait();
+}
+
+void AsyncSave::wait() {
+  TESSERA_CHECK(s_ != nullptr, "AsyncSave::wait on an empty handle");
+  {
+    std::lock_guard<std::mutex> lock(s_->join_mu);
+    if (s_->thread.joinable()) s_->thread.join();
+  }
+  if (s_->error) std::rethrow_exception(s_->error);
+}
+
+bool AsyncSave::done() const {
+  if (!s_) return true;
+  std::lock_guard<std::mutex> lock(s_->mu);
+  return s_->finished;
+}
+
+AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<dist::Communicator> comm,
+                     const SaveOptions& options) {
+  TESSERA_CHECK(comm != nullptr, "save_async: no communicator");
+  wait_previous();
+  auto bg = background_comm(comm);
+  auto snap = snapshot(sd, bg);
+  auto st = std::make_shared<AsyncSave::State>();
+  st->thread = std::thread([snap, path, bg, options, raw = st.get()] {
+    tl_background = true;
+    try {
+      save(*snap, path, *bg, options);
+    } catch (...) {
+      raw->error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(raw->mu);
+    raw->finished = true;
+  });
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    g_pending = st;
+  }
+  return AsyncSave(st);
+}
+
+void save(const state::StateDict& sd, const std::string& path, dist::Communicator& comm, const SaveOptions& options) {
+  // A save waits for an async one in flight (they would race on the same files).
+  if (!tl_background) wait_previous();
+  if (options.mode == SaveMode::Full) save_full(sd, path, comm);
+  else save_sharded(sd, path, comm);
+}
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,117 @@
+#include "tessera/checkpoint/writer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/safetensors.h"
+#include "tessera/core/error.h"
+
+namespace tessera::checkpoint {
+
+using json = nlohmann::json;
+
+std::string data_file_name(int rank) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "data-rank%05d.safetensors", rank);
+  return buf;
+}
+
+DataFileResult write_data_file(const std::string& dir, const std::string& name, const std::vector<Piece>& pieces) {
+  std::vector<SafetensorsWriter::Spec> specs;
+  std::map<std::string, int> count, seen;
+  for (const auto& p : pieces) count[p.fqn]++;
+  std::vector<std::string> names;
+  for (const auto& p : pieces) {
+    const int k = seen[p.fqn]++;
+    names.push_back(count[p.fqn] == 1 ? p.fqn : concat(p.fqn, "@", k));
+    specs.push_back({names.back(), p.dtype, p.box.sizes});
+  }
+  const std::string path = join_path(dir, name);
+  SafetensorsWriter w(path, specs, {{"tessera.format", "tessera-data"}});
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    at::Tensor t = pieces[i].data();
+    TESSERA_CHECK(t.defined() && t.sizes().vec() == pieces[i].box.sizes, "key '", pieces[i].fqn,
+                  "': piece ", pieces[i].box.to_string(), " has the wrong shape");
+    w.write(t);
+  }
+  auto written = w.finish();
+  DataFileResult r;
+  r.file = name;
+  r.size = File(path, "r").size();
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    ChunkInfo c;
+    c.box = pieces[i].box;
+    c.file = name;
+    c.name = names[i];
+    c.begin = written[i].begin;
+    c.end = written[i].end;
+    c.crcs = written[i].crcs;
+    r.chunks.emplace_back(pieces[i].fqn, std::move(c));
+  }
+  return r;
+}
+
+std::string to_json(const DataFileResult& r) {
+  json j = {{"file", r.file}, {"size", r.size}, {"chunks", json::array()}};
+  for (const auto& [fqn, c] : r.chunks)
+    j["chunks"].push_back({{"fqn", fqn}, {"offsets", c.box.offsets}, {"sizes", c.box.sizes}, {"name", c.name},
+                           {"begin", c.begin}, {"end", c.end}, {"crcs", c.crcs}});
+  return j.dump();
+}
+
+DataFileResult data_file_result_from_json(const std::string& text) {
+  json j = json::parse(text);
+  DataFileResult r;
+  r.file = j["file"].get<std::string>();
+  r.size = j["size"].get<uint64_t>();
+  for (const auto& jc : j["chunks"]) {
+    ChunkInfo c;
+    c.box.offsets = jc["offsets"].get<std::vector<int64_t>>();
+    c.box.sizes = jc["sizes"].get<std::vector<int64_t>>();
+    c.file = r.file;
+    c.name = jc["name"].get<std::string>();
+    c.begin = jc["begin"].get<uint64_t>();
+    c.end = jc["end"].get<uint64_t>();
+    c.crcs = jc["crcs"].get<std::vector<uint32_t>>();
+    r.chunks.emplace_back(jc["fqn"].get<std::string>(), std::move(c));
+  }
+  return r;
+}
+
+void write_metadata_file(const std::string& dir, const CheckpointMetadata& m) {
+  const std::string text = to_json(m);
+  File f(join_path(dir, kMetadataFile), "w");
+  f.write_all(text.data(), text.size());
+  f.fsync();
+  f.close();
+  fsync_dir(dir);
+}
+
+std::map<std::string, std::string> consolidated_header(const CheckpointMetadata& m) {
+  json kinds = json::object(), values = json::object();
+  for (const auto& k : m.keys) {
+    const EntryInfo& e = m.entries.at(k);
+    if (e.is_tensor()) kinds[k] = e.kind;
+    else values[k] = json::parse(encode_value(e.value));
+  }
+  return {{"tessera.format", "tessera-consolidated"},
+          {"tessera.kinds", kinds.dump()},
+          {"tessera.values", values.dump()},
+          {"tessera.keys", json(m.keys).dump()},
+          {"tessera.world_size", std::to_string(m.world_size)}};
+}
+
+void check_replaceable(const std::string& path) {
+  if (!path_exists(path)) return;
+  if (is_directory(path) && list_dir(path).empty()) return;
+  TESSERA_CHECK(is_tessera_checkpoint(path), "refusing to save to '", path, "': it exists and is not a Tessera ",
+                "checkpoint (", is_directory(path) ? "a non-empty directory without " + std::string(kMetadataFile)
+                                                  : std::string("a file that is not a Tessera safetensors file"),
+                "); nothing was touched");
+}
+
+}  // namespace tessera::checkpoint

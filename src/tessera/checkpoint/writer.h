@@ -1,0 +1,51 @@
+// Building blocks shared by the distributed save and the offline tools: writing one
+// data file of a sharded checkpoint from a list of pieces (each produced lazily, so
+// only one piece is in memory at a time), assembling and committing the metadata,
+// and the __metadata__ of a consolidated file.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tessera/checkpoint/metadata.h"
+
+namespace tessera::checkpoint {
+
+// "data-rank00003.safetensors"
+std::string data_file_name(int rank);
+
+struct Piece {
+  std::string fqn;
+  at::ScalarType dtype = at::kFloat;
+  sharding::Box box;                    // inside the tensor's global shape
+  std::function<at::Tensor()> data;     // called once, when the piece is written
+};
+
+struct DataFileResult {
+  std::string file;
+  uint64_t size = 0;
+  std::vector<std::pair<std::string, ChunkInfo>> chunks;  // (fqn, chunk)
+};
+
+// Writes `dir/name` (a safetensors file, fsync'ed) holding the pieces.
+DataFileResult write_data_file(const std::string& dir, const std::string& name, const std::vector<Piece>& pieces);
+
+// JSON round trip of a DataFileResult (exchanged between ranks).
+std::string to_json(const DataFileResult& r);
+DataFileResult data_file_result_from_json(const std::string& text);
+
+// Writes `dir/tessera-checkpoint.json` (fsync'ed) and fsyncs `dir`.
+void write_metadata_file(const std::string& dir, const CheckpointMetadata& m);
+
+// The __metadata__ of a consolidated file for the entries of `m` (kinds, plain
+// values, key order, world size).
+std::map<std::string, std::string> consolidated_header(const CheckpointMetadata& m);
+
+// Refuses (tessera::Error naming the path) when `path` exists and is not something
+// a save may replace: a Tessera checkpoint or an empty directory.
+void check_replaceable(const std::string& path);
+
+}  // namespace tessera::checkpoint
