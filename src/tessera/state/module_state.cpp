@@ -197,6 +197,22 @@ StateDict state_dict(const Module& module) {
   return sd;
 }
 
+StateDict clone_state_dict(const StateDict& sd) {
+  StateDict out;
+  sd.for_each([&](const std::string& k, const Value& v) {
+    if (auto* t = std::get_if<at::Tensor>(&v)) {
+      out.set(k, t->defined() ? t->clone() : at::Tensor());
+    } else if (auto* st = std::get_if<ShardedTensor>(&v)) {
+      out.set(k, st->defined() ? st->clone() : ShardedTensor());
+    } else if (auto* d = std::get_if<std::shared_ptr<StateDict>>(&v)) {
+      out.set(k, *d ? std::make_shared<StateDict>(clone_state_dict(**d)) : std::shared_ptr<StateDict>());
+    } else {
+      out.set(k, v);
+    }
+  });
+  return out;
+}
+
 std::string LoadReport::to_string() const {
   std::string s;
   auto list = [&](const char* what, const std::vector<std::string>& v) {

@@ -61,6 +61,10 @@ std::vector<ParamInfo> named_parameters_info(const torch::nn::Module& root);
 // parameter appears once, as its ShardedTensor.
 StateDict state_dict(const torch::nn::Module& module);
 
+// A deep copy: tensors and local shards cloned, nested dicts copied (state dicts
+// returned by state_dict()/optimizer_state_dict() alias the live tensors).
+StateDict clone_state_dict(const StateDict& sd);
+
 struct LoadOptions {
   bool strict = true;
   // Let a sharded value with a different layout (or a sharded value for a replicated
