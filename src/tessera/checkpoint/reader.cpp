@@ -158,7 +158,11 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
     b0 = b0 / block * block;
     b1 = std::min(nbytes, (b1 + block - 1) / block * block);
   }
-  at::Tensor buf = at::empty({static_cast<int64_t>((b1 - b0) / is)}, at::TensorOptions().dtype(e.dtype));
+  // Fast path: the destination wants the whole chunk and holds it contiguously on the
+  // CPU: read straight into it.
+  at::Tensor view = sharding::narrow_to(dst, dst_box, *ov);
+  const bool direct = *ov == c.box && view.device().is_cpu() && view.is_contiguous() && b0 == 0 && b1 == nbytes;
+  at::Tensor buf = direct ? view : at::empty({static_cast<int64_t>((b1 - b0) / is)}, at::TensorOptions().dtype(e.dtype));
   auto* p = static_cast<char*>(buf.data_ptr());
   r.file().pread_exact(c.begin + b0, p, b1 - b0);
   if (!c.crcs.empty()) {
@@ -170,9 +174,10 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
                     c.begin + off + len, ") — the checkpoint is corrupt");
     }
   }
+  if (direct) return ov->numel();
   std::vector<int64_t> sizes = ov->sizes;
   at::Tensor src = buf.as_strided(sizes, strides, first - static_cast<int64_t>(b0 / is));
-  sharding::narrow_to(dst, dst_box, *ov).copy_(src);
+  view.copy_(src);
   return ov->numel();
 }
 
