@@ -1,0 +1,340 @@
+#include "tessera/fabric/fabric.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+
+#include "tessera/core/env.h"
+#include "tessera/core/log.h"
+#include "tessera/dist/launcher.h"
+#include "tessera/strategy/ddp.h"
+#include "tessera/strategy/fsdp.h"
+
+// Declared, never defined: they only make the names below resolvable when one of the
+// two autocast APIs is absent. At global scope so that, through the using-directives,
+// they are found together with at::autocast's (a using-directive makes names visible
+// in the nearest namespace enclosing both).
+namespace tessera_autocast_missing {
+struct Missing {};
+void set_autocast_dtype(Missing, Missing);
+void set_autocast_cpu_dtype(Missing);
+void set_autocast_gpu_dtype(Missing);
+}  // namespace tessera_autocast_missing
+
+namespace tessera::fabric {
+
+// --- autocast, across libtorch versions -------------------------------------------
+// Enabling is the same everywhere (the Autocast dispatch key excluded or not in
+// thread-local state). The dtype setter is set_autocast_dtype(device, dtype) on newer
+// libtorch and set_autocast_{cpu,gpu}_dtype(dtype) on 1.13; whichever exists is picked
+// by overload resolution on dependent calls (the declarations taking `Missing` only
+// make the names resolvable when one API is absent).
+namespace autocast_compat {
+using namespace at::autocast;
+using namespace ::tessera_autocast_missing;
+
+template <typename D, typename T>
+auto set_dtype(D device, T dtype, int) -> decltype(set_autocast_dtype(device, dtype), void()) {
+  set_autocast_dtype(device, dtype);
+}
+template <typename D, typename T>
+auto set_dtype(D device, T dtype, long) -> decltype(set_autocast_cpu_dtype(dtype), set_autocast_gpu_dtype(dtype), void()) {
+  if (device == c10::DeviceType::CUDA) set_autocast_gpu_dtype(dtype);
+  else set_autocast_cpu_dtype(dtype);
+}
+}  // namespace autocast_compat
+
+namespace {
+c10::DispatchKey autocast_key(bool cuda) { return cuda ? c10::DispatchKey::AutocastCUDA : c10::DispatchKey::AutocastCPU; }
+}  // namespace
+
+AutocastGuard::AutocastGuard(bool cuda, at::ScalarType dtype) : active_(true), cuda_(cuda) {
+  const auto key = autocast_key(cuda);
+  prev_enabled_ = !c10::impl::tls_is_dispatch_key_excluded(key);
+  autocast_compat::set_dtype(cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, dtype, 0);
+  c10::impl::tls_set_dispatch_key_excluded(key, false);
+  at::autocast::increment_nesting();
+}
+
+AutocastGuard::AutocastGuard(AutocastGuard&& o) noexcept
+    : active_(o.active_), cuda_(o.cuda_), prev_enabled_(o.prev_enabled_), prev_dtype_(o.prev_dtype_) {
+  o.active_ = false;
+}
+
+AutocastGuard::~AutocastGuard() {
+  if (!active_) return;
+  c10::impl::tls_set_dispatch_key_excluded(autocast_key(cuda_), !prev_enabled_);
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+}
+
+// --- construction and launch -------------------------------------------------------
+
+namespace {
+
+std::vector<std::string> own_command_line() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  TESSERA_CHECK(in, "Fabric::launch: cannot read /proc/self/cmdline to re-run this program");
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::string> args;
+  std::string cur;
+  for (char c : all) {
+    if (c == '\0') {
+      args.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (!cur.empty()) args.push_back(cur);
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  TESSERA_CHECK(n > 0, "Fabric::launch: cannot resolve /proc/self/exe to re-run this program");
+  buf[n] = '\0';
+  if (args.empty()) args.emplace_back();
+  args[0] = buf;
+  return args;
+}
+
+}  // namespace
+
+Fabric::Fabric(FabricOptions options) : opts_(resolve(options, cuda_device_count())) {}
+
+Fabric::~Fabric() = default;
+
+void Fabric::launch() {
+  if (strategy_) return;
+  const int want = opts_.world_size();
+  world_ = dist::World::from_env();
+  if (!world_.is_distributed() && want > 1) {
+    TESSERA_CHECK(opts_.options.num_nodes == 1, "FabricOptions.num_nodes=", opts_.options.num_nodes,
+                  ": a multi-node job must be started on every node by `tessera run`, torchrun, srun or mpirun; "
+                  "launch() only starts the ranks of one node");
+    TESSERA_CHECK(!env::get("TESSERA_LAUNCHED"), "Fabric::launch: this process was started by a launcher with ",
+                  "WORLD_SIZE=1 but FabricOptions.devices=", opts_.options.devices);
+    dist::LaunchOptions lo;
+    lo.command = own_command_line();
+    lo.nproc_per_node = opts_.options.devices;
+    dist::LaunchResult res = dist::launch(lo);
+    if (res.exit_code != 0) std::cerr << "[tessera fabric] " << res.message << std::endl;
+    std::cout.flush();
+    std::exit(res.exit_code);
+  }
+  TESSERA_CHECK(world_.world_size == want, "FabricOptions.devices=", opts_.options.devices, " num_nodes=",
+                opts_.options.num_nodes, " asks for ", want, " processes, but this job was started with ",
+                world_.world_size, " (", world_.describe(), "); make them agree");
+  if (world_.is_distributed()) log::set_rank(world_.rank);
+
+  comm_ = dist::Communicator::create(world_, opts_.options.comm);
+  const c10::Device dev = device();
+  if (opts_.strategy == "single") {
+    strategy_ = std::make_unique<strategy::SingleDeviceStrategy>(dev);
+  } else if (opts_.strategy == "ddp") {
+    strategy_ = std::make_unique<strategy::DdpStrategy>(comm_, opts_.options.ddp);
+  } else {
+    strategy::FsdpOptions fo = opts_.options.fsdp;
+    if (fo.device.is_cuda() && !fo.device.has_index()) fo.device = dev;
+    strategy_ = std::make_unique<strategy::FsdpStrategy>(comm_, fo);
+  }
+}
+
+void Fabric::require_launched(const char* what) const {
+  TESSERA_CHECK(strategy_ != nullptr, "Fabric::", what, ": call fabric.launch() first (devices=",
+                opts_.options.devices, ", strategy \"", opts_.strategy, "\")");
+}
+
+strategy::Strategy& Fabric::strategy() {
+  require_launched("strategy");
+  return *strategy_;
+}
+
+const std::shared_ptr<dist::Communicator>& Fabric::comm() {
+  require_launched("comm");
+  return comm_;
+}
+
+c10::Device Fabric::device() const {
+  if (opts_.accelerator == "cuda") return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(world_.local_rank));
+  return c10::Device(c10::kCPU);
+}
+
+int Fabric::global_rank() const { return world_.rank; }
+int Fabric::local_rank() const { return world_.local_rank; }
+int Fabric::node_rank() const { return world_.node_rank; }
+int Fabric::world_size() const { return world_.world_size; }
+
+// --- setup --------------------------------------------------------------------------
+
+torch::nn::AnyModule Fabric::setup_module(torch::nn::AnyModule module) {
+  require_launched("setup_module");
+  TESSERA_CHECK(!module.is_empty(), "Fabric::setup_module: the module is empty");
+  TESSERA_CHECK(!setup_original_, "Fabric::setup_module: a module is already set up (", setup_original_->name(),
+                "); one Fabric drives one model: put the pieces in one parent module");
+  if (opts_.strategy == "ddp" && !device().is_cpu()) module.ptr()->to(device());
+  std::shared_ptr<torch::nn::Module> original = module.ptr();
+  torch::nn::AnyModule out = strategy_->setup(std::move(module), {});
+  setup_original_ = original;
+  setup_returned_ = out.ptr();
+  return out;
+}
+
+torch::nn::AnyModule Fabric::setup(torch::nn::AnyModule module, std::vector<OptimizerPtr> optimizers) {
+  torch::nn::AnyModule out = setup_module(std::move(module));
+  setup_optimizers(optimizers);
+  return out;
+}
+
+void Fabric::setup_optimizers(const std::vector<OptimizerPtr>& optimizers) {
+  for (auto& o : optimizers) setup_optimizer(o);
+}
+
+OptimizerPtr Fabric::setup_optimizer(OptimizerPtr optimizer) {
+  require_launched("setup_optimizer");
+  TESSERA_CHECK(optimizer != nullptr, "Fabric::setup_optimizer: null optimizer");
+  TESSERA_CHECK(setup_original_, "Fabric::setup_optimizer: call setup_module(model) first");
+  for (auto& o : strategy_->optimizers())
+    TESSERA_CHECK(o.get() != optimizer.get(), "Fabric::setup_optimizer: this optimizer is already set up");
+  strategy_->add_optimizer(optimizer);
+  return optimizer;
+}
+
+torch::nn::AnyModule Fabric::init_module(const std::function<torch::nn::AnyModule()>& build, bool empty_init) {
+  require_launched("init_module");
+  (void)empty_init;
+  return strategy_->init_module(build);
+}
+
+// --- training step ------------------------------------------------------------------
+
+void Fabric::backward(const at::Tensor& loss) {
+  require_launched("backward");
+  TESSERA_CHECK(setup_original_, "Fabric::backward: call setup_module(model) first");
+  strategy_->backward(loss);
+}
+
+void Fabric::step(torch::optim::Optimizer& optimizer) {
+  require_launched("step");
+  optimizer_index(&optimizer, "step");
+  strategy_->optimizer_step(optimizer);
+}
+
+std::optional<double> Fabric::clip_gradients(const GradClip& clip) {
+  require_launched("clip_gradients");
+  TESSERA_CHECK(clip.max_norm.has_value() != clip.max_value.has_value(),
+                "Fabric::clip_gradients: set exactly one of GradClip.max_norm and GradClip.max_value");
+  if (clip.max_value) {
+    TESSERA_CHECK(*clip.max_value > 0, "Fabric::clip_gradients: GradClip.max_value must be positive, got ",
+                  *clip.max_value);
+    strategy_->clip_grad_value(*clip.max_value);
+    return std::nullopt;
+  }
+  TESSERA_CHECK(*clip.max_norm > 0, "Fabric::clip_gradients: GradClip.max_norm must be positive, got ", *clip.max_norm);
+  const double norm = strategy_->clip_grad_norm(*clip.max_norm, clip.norm_type);
+  TESSERA_CHECK(!clip.error_if_nonfinite || std::isfinite(norm), "Fabric::clip_gradients: the total gradient norm ",
+                "is non-finite (", norm, "); set GradClip.error_if_nonfinite=false to clip anyway");
+  return norm;
+}
+
+double Fabric::clip_grad_norm(double max_norm, double norm_type) {
+  GradClip c;
+  c.max_norm = max_norm;
+  c.norm_type = norm_type;
+  return *clip_gradients(c);
+}
+
+void Fabric::clip_grad_value(double max_value) {
+  GradClip c;
+  c.max_value = max_value;
+  clip_gradients(c);
+}
+
+void Fabric::check_is_setup_module(const std::shared_ptr<torch::nn::Module>& m, const std::string& what) const {
+  TESSERA_CHECK(setup_original_, "Fabric::", what, ": no module is set up yet (call setup_module first)");
+  TESSERA_CHECK(m && (m == setup_original_ || m == setup_returned_), "Fabric::", what,
+                ": the module is not the one given to (or returned by) setup_module");
+}
+
+NoBackwardSync Fabric::no_backward_sync(const torch::nn::AnyModule& module, bool enabled) {
+  return no_backward_sync(module.ptr(), enabled);
+}
+
+NoBackwardSync Fabric::no_backward_sync(const std::shared_ptr<torch::nn::Module>& module, bool enabled) {
+  require_launched("no_backward_sync");
+  check_is_setup_module(module, "no_backward_sync");
+  if (!enabled) return NoBackwardSync();
+  return NoBackwardSync(strategy_.get());
+}
+
+AutocastGuard Fabric::autocast() const {
+  if (!opts_.autocast_dtype) return AutocastGuard();
+  return AutocastGuard(opts_.accelerator == "cuda", *opts_.autocast_dtype);
+}
+
+int Fabric::optimizer_index(const torch::optim::Optimizer* opt, const std::string& what) const {
+  const auto& opts = strategy_->optimizers();
+  for (size_t i = 0; i < opts.size(); ++i)
+    if (opts[i].get() == opt) return static_cast<int>(i);
+  throw Error(concat("Fabric::", what, ": the optimizer was not set up with this Fabric (pass it to setup() or ",
+                     "setup_optimizer())"));
+}
+
+// --- data and randomness ------------------------------------------------------------
+
+DistributedSampler Fabric::distributed_sampler(size_t dataset_size, SamplerOptions options) const {
+  return DistributedSampler(dataset_size, world_.world_size, world_.rank, options);
+}
+
+uint64_t Fabric::seed_everything(uint64_t seed, bool rank_aware) {
+  const uint64_t s = seed + (rank_aware ? static_cast<uint64_t>(world_.rank) : 0);
+  at::manual_seed(s);
+  std::srand(static_cast<unsigned>(s));
+  return s;
+}
+
+// --- collectives --------------------------------------------------------------------
+
+at::Tensor Fabric::all_reduce(const at::Tensor& t, dist::ReduceOp op) {
+  require_launched("all_reduce");
+  at::Tensor out = t.detach().clone();
+  comm_->all_reduce(out, op);
+  return out;
+}
+
+double Fabric::all_reduce(double value, dist::ReduceOp op) {
+  require_launched("all_reduce");
+  return comm_->all_reduce_double(value, op);
+}
+
+at::Tensor Fabric::all_gather(const at::Tensor& t) {
+  require_launched("all_gather");
+  at::Tensor one = t.detach().unsqueeze(0).contiguous();
+  return comm_->all_gather(one, std::vector<int64_t>(static_cast<size_t>(comm_->size()), 1));
+}
+
+at::Tensor Fabric::broadcast(const at::Tensor& t, int src) {
+  require_launched("broadcast");
+  TESSERA_CHECK(src >= 0 && src < comm_->size(), "Fabric::broadcast: src rank ", src, " is outside [0, ",
+                comm_->size(), ")");
+  at::Tensor out = t.detach().clone();
+  comm_->broadcast(out, src);
+  return out;
+}
+
+std::string Fabric::broadcast(const std::string& bytes, int src) {
+  require_launched("broadcast");
+  TESSERA_CHECK(src >= 0 && src < comm_->size(), "Fabric::broadcast: src rank ", src, " is outside [0, ",
+                comm_->size(), ")");
+  return comm_->broadcast_bytes(bytes, src);
+}
+
+void Fabric::barrier() {
+  require_launched("barrier");
+  comm_->barrier();
+}
+
+}  // namespace tessera::fabric
