@@ -1,0 +1,185 @@
+#include "tessera/strategy/ddp.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "tessera/core/log.h"
+#include "tessera/strategy/grad_hooks.h"
+
+namespace tessera::strategy {
+
+struct DdpStrategy::Impl {
+  struct Param {
+    std::string fqn;
+    at::Tensor p;
+    int bucket = -1;
+    int64_t offset = 0;  // in the bucket's flat buffer (elements)
+    bool ready = false;
+    detail::AccumulatorHook hook;
+  };
+  struct Bucket {
+    std::vector<int> params;
+    int64_t numel = 0;
+    at::ScalarType dtype = at::kFloat;
+    int pending_count = 0;
+    at::Tensor buffer;
+    dist::Pending work;
+    bool launched = false;
+  };
+  std::vector<std::unique_ptr<Param>> params;
+  std::vector<Bucket> buckets;
+  int next_bucket = 0;
+  int launched_in_backward = 0;
+  bool in_backward = false;
+  DdpStrategy* self = nullptr;
+
+  void reset_step() {
+    for (auto& p : params) p->ready = false;
+    for (auto& b : buckets) {
+      b.pending_count = static_cast<int>(b.params.size());
+      b.launched = false;
+      b.work = dist::Pending();
+      b.buffer = at::Tensor();
+    }
+    next_bucket = 0;
+  }
+
+  void launch(Bucket& b) {
+    b.buffer = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype).device(params[b.params[0]]->p.device()));
+    for (int i : b.params) {
+      auto& P = *params[i];
+      at::Tensor dst = b.buffer.narrow(0, P.offset, P.p.numel());
+      const at::Tensor& g = P.p.grad();
+      if (g.defined())
+        dst.copy_(g.reshape({-1}));
+      else
+        dst.zero_();
+    }
+    b.work = self->comm_->all_reduce_async(b.buffer, dist::ReduceOp::Avg);
+    b.launched = true;
+  }
+
+  // Launches every consecutive ready bucket from next_bucket (same order on all ranks).
+  void launch_ready() {
+    while (next_bucket < static_cast<int>(buckets.size()) && buckets[next_bucket].pending_count == 0) {
+      launch(buckets[next_bucket]);
+      if (in_backward) ++launched_in_backward;
+      ++next_bucket;
+    }
+  }
+
+  void on_grad_ready(int i) {
+    if (!self->sync_grads_ || !in_backward) return;
+    auto& P = *params[i];
+    if (P.ready) return;  // a second accumulation in the same backward (reentrant)
+    P.ready = true;
+    if (--buckets[P.bucket].pending_count == 0 && !self->options_.find_unused_parameters) launch_ready();
+  }
+};
+
+DdpStrategy::DdpStrategy(std::shared_ptr<dist::Communicator> comm, DdpOptions options)
+    : Strategy(std::move(comm)), options_(options), impl_(std::make_unique<Impl>()) {
+  impl_->self = this;
+}
+
+DdpStrategy::~DdpStrategy() {
+  for (auto& p : impl_->params) p->hook.remove();
+}
+
+torch::nn::AnyModule DdpStrategy::setup(torch::nn::AnyModule module, std::vector<OptimizerPtr> optimizers) {
+  set_module(module.ptr());
+  for (auto& o : optimizers) add_optimizer(o);
+  auto& I = *impl_;
+  {
+    at::NoGradGuard ng;
+    for (auto& kv : detail::named_params(*module_, false, "DDP")) comm_->broadcast(kv.second, 0);
+    if (options_.broadcast_buffers_at_setup)
+      for (auto& b : module_->buffers()) comm_->broadcast(b, 0);
+  }
+  for (auto& [fqn, p] : detail::named_params(*module_, false, "DDP")) {
+    if (!p.requires_grad()) continue;
+    auto P = std::make_unique<Impl::Param>();
+    P->fqn = fqn;
+    P->p = p;
+    I.params.push_back(std::move(P));
+  }
+  // Buckets in reverse registration order, split by capacity and dtype.
+  int64_t bytes = 0;
+  for (int i = static_cast<int>(I.params.size()) - 1; i >= 0; --i) {
+    auto& P = *I.params[i];
+    const int64_t nb = P.p.numel() * static_cast<int64_t>(P.p.element_size());
+    if (I.buckets.empty() || I.buckets.back().dtype != P.p.scalar_type() ||
+        (bytes + nb > options_.bucket_cap_bytes && !I.buckets.back().params.empty())) {
+      I.buckets.emplace_back();
+      I.buckets.back().dtype = P.p.scalar_type();
+      bytes = 0;
+    }
+    auto& b = I.buckets.back();
+    P.bucket = static_cast<int>(I.buckets.size()) - 1;
+    P.offset = b.numel;
+    b.numel += P.p.numel();
+    b.params.push_back(i);
+    bytes += nb;
+  }
+  for (size_t i = 0; i < I.params.size(); ++i) {
+    Impl* ip = impl_.get();
+    I.params[i]->hook.attach(I.params[i]->p, [ip, i] { ip->on_grad_ready(static_cast<int>(i)); });
+  }
+  I.reset_step();
+  return module;
+}
+
+void DdpStrategy::backward(const at::Tensor& loss) {
+  TESSERA_CHECK(module_, "DDP: backward before setup()");
+  auto& I = *impl_;
+  I.reset_step();
+  I.launched_in_backward = 0;
+  I.in_backward = true;
+  try {
+    torch::autograd::backward({loss});
+  } catch (...) {
+    I.in_backward = false;
+    throw;
+  }
+  I.in_backward = false;
+  if (!sync_grads_) return;
+  // Parameters that got no gradient on this rank.
+  at::Tensor used;
+  if (options_.find_unused_parameters) {
+    used = at::zeros({static_cast<int64_t>(I.params.size())}, at::kInt);
+    for (size_t i = 0; i < I.params.size(); ++i) used[i] = I.params[i]->ready ? 1 : 0;
+    comm_->all_reduce(used, dist::ReduceOp::Max);
+    for (auto& b : I.buckets) b.pending_count = 0;
+  } else {
+    for (auto& P : I.params)
+      TESSERA_CHECK(P->ready, "DDP: parameter '", P->fqn, "' received no gradient in this step on rank ", rank(),
+                    "; set DdpOptions::find_unused_parameters if some parameters are legitimately unused");
+  }
+  I.launch_ready();
+  for (auto& b : I.buckets) {
+    b.work.wait();
+    for (int i : b.params) {
+      auto& P = *I.params[i];
+      if (used.defined() && used[i].item<int>() == 0) continue;  // no rank used it: keep no gradient
+      at::Tensor avg = b.buffer.narrow(0, P.offset, P.p.numel()).view(P.p.sizes());
+      if (P.p.grad().defined())
+        P.p.mutable_grad().copy_(avg);
+      else
+        P.p.mutable_grad() = avg.clone();
+    }
+    b.buffer = at::Tensor();
+  }
+}
+
+std::vector<std::vector<std::string>> DdpStrategy::buckets() const {
+  std::vector<std::vector<std::string>> out;
+  for (auto& b : impl_->buckets) {
+    out.emplace_back();
+    for (int i : b.params) out.back().push_back(impl_->params[i]->fqn);
+  }
+  return out;
+}
+
+int DdpStrategy::launched_during_backward() const { return impl_->launched_in_backward; }
+
+}  // namespace tessera::strategy

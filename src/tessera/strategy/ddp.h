@@ -1,0 +1,48 @@
+// Distributed data parallel: every rank holds the whole model; parameters (and
+// buffers) are broadcast from rank 0 at setup; gradients are averaged by bucketed
+// all-reduce. Buckets are filled in reverse registration order (roughly the order
+// backward produces gradients); a bucket's asynchronous all-reduce starts from a
+// gradient-accumulator hook as soon as all its gradients are ready (and every
+// earlier bucket has started, so all ranks issue collectives in the same order),
+// overlapping communication with the rest of backward. backward() waits for all of
+// them and writes the averages back into .grad.
+#pragma once
+#include "tessera/strategy/strategy.h"
+
+namespace tessera::strategy {
+
+struct DdpOptions {
+  // Bucket capacity in bytes (PyTorch's default is 25 MiB).
+  int64_t bucket_cap_bytes = 25 * 1024 * 1024;
+  // Parameters that receive no gradient in a step (on some or all ranks) are
+  // allowed: they count as zero on the ranks that did not use them, and a parameter
+  // no rank used keeps no gradient. Costs one small all-reduce per step. When false, a
+  // parameter without a gradient is an error naming it.
+  bool find_unused_parameters = false;
+  // Broadcast buffers from rank 0 before every forward is not done; buffers are
+  // broadcast at setup only.
+  bool broadcast_buffers_at_setup = true;
+};
+
+class DdpStrategy : public Strategy {
+ public:
+  explicit DdpStrategy(std::shared_ptr<dist::Communicator> comm, DdpOptions options = {});
+  ~DdpStrategy() override;
+  std::string name() const override { return "ddp"; }
+  using Strategy::setup;
+  torch::nn::AnyModule setup(torch::nn::AnyModule module, std::vector<OptimizerPtr> optimizers = {}) override;
+  void backward(const at::Tensor& loss) override;
+
+  // Number of buckets and the FQNs in each (diagnostics, tests).
+  std::vector<std::vector<std::string>> buckets() const;
+  // Collectives launched from hooks during the last backward (before backward's end).
+  int launched_during_backward() const;
+
+  struct Impl;
+
+ private:
+  DdpOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tessera::strategy

@@ -1,0 +1,379 @@
+// FSDP setup (units, wrap policy, sharding groups), clipping and state dicts.
+#include "tessera/strategy/fsdp.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cmath>
+#include <set>
+
+#include "tessera/core/log.h"
+#include "tessera/strategy/fsdp_impl.h"
+
+namespace tessera::strategy {
+
+const char* to_string(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::FullShard: return "FULL_SHARD";
+    case ShardingStrategy::ShardGradOp: return "SHARD_GRAD_OP";
+    case ShardingStrategy::NoShard: return "NO_SHARD";
+    case ShardingStrategy::HybridShard: return "HYBRID_SHARD";
+  }
+  return "?";
+}
+
+WrapPolicy wrap_by_size(int64_t min_numel) {
+  return [min_numel](const torch::nn::Module&, int64_t numel) { return numel >= min_numel; };
+}
+WrapPolicy wrap_all() {
+  return [](const torch::nn::Module&, int64_t) { return true; };
+}
+
+// --- FsdpUnitImpl -------------------------------------------------------------
+
+FsdpUnitImpl::FsdpUnitImpl(torch::nn::AnyModule inner) : WrappedModuleImpl(std::move(inner), "FsdpUnit") {
+  TESSERA_CHECK(!dynamic_cast<FsdpUnitImpl*>(wrapped().get()), "FsdpUnit: wrapping a unit in a unit");
+}
+FsdpUnitImpl::FsdpUnitImpl(torch::nn::Sequential inner) : WrappedModuleImpl(std::move(inner), "FsdpUnit") {}
+
+at::Tensor FsdpUnitImpl::forward(const at::Tensor& x) {
+  if (!strategy) return run_wrapped(x);
+  return strategy->unit_forward(*this, x);
+}
+
+// --- setup --------------------------------------------------------------------
+
+namespace {
+
+struct Found {
+  FsdpUnitImpl* unit;
+  std::string prefix;
+};
+
+// Parameters of `m` outside nested units (FQNs under `prefix`), and the nested units.
+void collect(torch::nn::Module& m, const std::string& prefix, std::vector<std::pair<std::string, at::Tensor>>& params,
+             std::vector<Found>& units) {
+  for (auto& kv : m.named_parameters(false)) params.emplace_back(prefix + kv.key(), kv.value());
+  for (auto& kv : m.named_children()) {
+    if (auto* u = dynamic_cast<FsdpUnitImpl*>(kv.value().get()))
+      units.push_back({u, prefix + kv.key() + "."});
+    else
+      collect(*kv.value(), prefix + kv.key() + ".", params, units);
+  }
+}
+
+int64_t numel_outside_units(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> ps;
+  std::vector<Found> us;
+  collect(m, "", ps, us);
+  int64_t n = 0;
+  for (auto& p : ps) n += p.second.numel();
+  return n;
+}
+
+void apply_wrap(torch::nn::Module& m, const WrapPolicy& policy, int& wrapped) {
+  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m)) {
+    auto names = seq->named_children();
+    TESSERA_CHECK(names.size() == seq->size(), "FSDP auto-wrap: Sequential has ", names.size(), " children but ",
+                  seq->size(), " elements");
+    size_t i = 0;
+    for (auto it = seq->begin(); it != seq->end(); ++it, ++i) {
+      auto child = it->ptr();
+      if (dynamic_cast<FsdpUnitImpl*>(child.get())) {
+        apply_wrap(*child, policy, wrapped);
+        continue;
+      }
+      if (policy(*child, numel_outside_units(*child))) {
+        FsdpUnit unit(*it);
+        *it = torch::nn::AnyModule(unit);
+        seq->replace_module(names[i].key(), unit.ptr());
+        ++wrapped;
+        continue;
+      }
+      apply_wrap(*child, policy, wrapped);
+    }
+    return;
+  }
+  for (auto& kv : m.named_children()) apply_wrap(*kv.value(), policy, wrapped);
+}
+
+}  // namespace
+
+FsdpStrategy::FsdpStrategy(std::shared_ptr<dist::Communicator> comm, FsdpOptions options)
+    : Strategy(std::move(comm)), options_(std::move(options)), impl_(std::make_unique<Impl>()) {
+  impl_->self = this;
+  auto single = dist::Communicator::create(dist::World{});
+  const int n = comm_->size();
+  switch (options_.sharding) {
+    case ShardingStrategy::FullShard:
+    case ShardingStrategy::ShardGradOp:
+      shard_comm_ = comm_;
+      replicate_comm_ = single;
+      break;
+    case ShardingStrategy::NoShard:
+      shard_comm_ = single;
+      replicate_comm_ = comm_;
+      break;
+    case ShardingStrategy::HybridShard: {
+      int per = options_.ranks_per_node > 0 ? options_.ranks_per_node : comm_->world().local_world_size;
+      TESSERA_CHECK(per >= 1 && n % per == 0, "FSDP HYBRID_SHARD: world size ", n,
+                    " is not a multiple of ranks_per_node ", per);
+      std::vector<std::vector<int>> nodes(n / per), replicas(per);
+      for (int r = 0; r < n; ++r) {
+        nodes[r / per].push_back(r);
+        replicas[r % per].push_back(r);
+      }
+      const int groups = n / per;
+      shard_comm_ = per == 1 ? single : (groups == 1 ? comm_ : comm_->split(nodes));
+      replicate_comm_ = groups == 1 ? single : (per == 1 ? comm_ : comm_->split(replicas));
+      break;
+    }
+  }
+  auto& I = *impl_;
+  const auto& mp = options_.mixed_precision;
+  I.compute_dtype = mp.param_dtype.value_or(at::kFloat);
+  I.reduce_dtype = mp.reduce_dtype.value_or(at::kFloat);
+  I.trivial_gather = shard_comm_->size() == 1 && !mp.param_dtype && !options_.cpu_offload;
+  I.grad_path = !(I.trivial_gather && replicate_comm_->size() == 1 && !mp.reduce_dtype);
+}
+
+FsdpStrategy::~FsdpStrategy() {
+  for (auto& u : impl_->units) {
+    if (u->module) u->module->strategy = nullptr;
+    for (auto& P : u->params) P->hook.remove();
+  }
+}
+
+static void register_unit(FsdpStrategy::Impl& I, FsdpUnitImpl& m, bool root) {
+  auto st = std::make_unique<FsdpUnitState>();
+  st->index = static_cast<int>(I.units.size());
+  st->module = &m;
+  st->root = root;
+  std::vector<std::pair<std::string, at::Tensor>> ps;
+  std::vector<Found> nested;
+  collect(m, "", ps, nested);
+  for (auto& [name, p] : ps) {
+    auto P = std::make_unique<FsdpParam>();
+    P->fqn = name;
+    P->p = p;
+    st->params.push_back(std::move(P));
+  }
+  m.strategy = I.self;
+  m.unit_index = st->index;
+  I.units.push_back(std::move(st));
+  I.shard_unit(*I.units.back());
+}
+
+FsdpUnit FsdpStrategy::unit(const std::function<torch::nn::AnyModule()>& build) {
+  TESSERA_CHECK(!module_, "FSDP: init_module/unit after setup()");
+  FsdpUnit u(build());
+  // Nested units built earlier are already registered; only this unit's own params.
+  register_unit(*impl_, *u, false);
+  return u;
+}
+
+torch::nn::AnyModule FsdpStrategy::init_module(const std::function<torch::nn::AnyModule()>& build) {
+  return torch::nn::AnyModule(unit(build));
+}
+
+torch::nn::AnyModule FsdpStrategy::setup(torch::nn::AnyModule module, std::vector<OptimizerPtr> optimizers) {
+  TESSERA_CHECK(!module.is_empty(), "FSDP: setup() got an empty module");
+  for (auto& o : optimizers) add_optimizer(o);
+  auto& I = *impl_;
+  std::shared_ptr<FsdpUnitImpl> root = std::dynamic_pointer_cast<FsdpUnitImpl>(module.ptr());
+  if (options_.device != c10::Device(c10::kCPU) && !options_.cpu_offload) module.ptr()->to(options_.device);
+  if (options_.auto_wrap) {
+    int wrapped = 0;
+    apply_wrap(*module.ptr(), options_.auto_wrap, wrapped);
+    log::debug("FSDP auto-wrap made ", wrapped, " units");
+  }
+  torch::nn::AnyModule result = module;
+  if (!root) {
+    FsdpUnit r(module);
+    root = r.ptr();
+    result = torch::nn::AnyModule(r);
+  }
+  set_module(root);
+  detail::named_params(*root, /*refuse_tied=*/true, "FSDP");
+  if (options_.sync_module_states && comm_->size() > 1) {
+    at::NoGradGuard ng;
+    for (auto& b : root->buffers()) comm_->broadcast(b, 0);
+  }
+  // Units in pre-order; those made by init_module()/unit() are already sharded.
+  std::vector<Found> todo;
+  {
+    std::vector<std::pair<std::string, at::Tensor>> ps;
+    collect(*root, "", ps, todo);
+  }
+  std::vector<Found> all;
+  for (size_t i = 0; i < todo.size(); ++i) {
+    all.push_back(todo[i]);
+    std::vector<std::pair<std::string, at::Tensor>> ps;
+    std::vector<Found> nested;
+    collect(*todo[i].unit, "", ps, nested);
+    for (auto& f : nested) todo.push_back({f.unit, todo[i].prefix + f.prefix});
+  }
+  for (auto& f : all) {
+    if (f.unit->strategy != this) {
+      TESSERA_CHECK(f.unit->strategy == nullptr, "FSDP: unit '", f.prefix, "' belongs to another strategy");
+      register_unit(I, *f.unit, false);
+    }
+    auto& st = *I.units[f.unit->unit_index];
+    st.prefix = f.prefix;
+    // FQNs relative to the root (unit-local names were used until now).
+    for (auto& P : st.params) P->fqn = f.prefix + P->fqn;
+  }
+  register_unit(I, *root, true);
+  return result;
+}
+
+// --- training step helpers --------------------------------------------------------
+
+void FsdpStrategy::optimizer_step(torch::optim::Optimizer& opt) {
+  if (impl_->needs_finalize) impl_->finalize();
+  TESSERA_CHECK(!any_gathered(), "FSDP: optimizer_step while parameters are gathered");
+  opt.step();
+}
+
+double FsdpStrategy::clip_grad_norm(double max_norm, double norm_type) {
+  TESSERA_CHECK(module_, "FSDP: clip_grad_norm before setup()");
+  auto& I = *impl_;
+  if (I.needs_finalize) I.finalize();
+  const bool inf = std::isinf(norm_type);
+  double local = 0.0;
+  std::vector<at::Tensor> grads;
+  for (auto& u : I.units)
+    for (auto& P : u->params) {
+      at::Tensor g = P->p.grad();
+      if (!g.defined()) continue;
+      grads.push_back(g);
+      if (g.numel() == 0) continue;
+      at::Tensor gd = g.detach().to(at::kDouble);
+      if (inf)
+        local = std::max(local, gd.abs().max().item<double>());
+      else
+        local += gd.abs().pow(norm_type).sum().item<double>();
+    }
+  double total = local;
+  if (shard_comm_->size() > 1)
+    total = shard_comm_->all_reduce_double(local, inf ? dist::ReduceOp::Max : dist::ReduceOp::Sum);
+  if (!inf) total = std::pow(total, 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    at::NoGradGuard ng;
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return total;
+}
+
+// --- introspection ----------------------------------------------------------------
+
+int FsdpStrategy::num_units() const { return static_cast<int>(impl_->units.size()); }
+
+std::vector<std::vector<std::string>> FsdpStrategy::unit_params() const {
+  std::vector<std::vector<std::string>> out;
+  for (auto& u : impl_->units) {
+    out.emplace_back();
+    for (auto& P : u->params) out.back().push_back(P->fqn);
+  }
+  return out;
+}
+
+int64_t FsdpStrategy::local_param_bytes() const {
+  int64_t b = 0;
+  for (auto& u : impl_->units)
+    for (auto& P : u->params) b += P->shard.numel() * static_cast<int64_t>(P->shard.element_size());
+  return b;
+}
+
+int64_t FsdpStrategy::local_grad_bytes() const {
+  int64_t b = 0;
+  for (auto& u : impl_->units)
+    for (auto& P : u->params) {
+      const at::Tensor& g = P->p.grad();
+      if (g.defined()) b += g.numel() * static_cast<int64_t>(g.element_size());
+    }
+  return b;
+}
+
+bool FsdpStrategy::any_gathered() const {
+  if (impl_->trivial_gather) return false;
+  for (auto& u : impl_->units)
+    if (u->gathered || u->gather_pending) return true;
+  return false;
+}
+
+int64_t FsdpStrategy::prefetches() const { return impl_->prefetch_count; }
+
+// --- state dicts ------------------------------------------------------------------
+
+state::StateDict FsdpStrategy::state_dict(StateDictType type, bool with_optimizers) {
+  TESSERA_CHECK(module_, "FSDP: state_dict before setup()");
+  auto& I = *impl_;
+  if (I.needs_finalize) I.finalize();
+  state::StateDict sd;
+  at::NoGradGuard ng;
+  for (auto& u : I.units)
+    for (auto& P : u->params) {
+      at::Tensor full;
+      if (I.trivial_gather) {
+        full = P->shard.clone();
+      } else {
+        full = shard_comm_->all_gather(P->shard.reshape({-1}).to(at::kFloat), [&] {
+          std::vector<int64_t> n;
+          for (auto r : P->rank_rows) n.push_back(r * P->row_numel);
+          return n;
+        }());
+        full = full.view(P->shape).to(P->shard.scalar_type());
+      }
+      sd.set(P->fqn, full);
+    }
+  for (auto& kv : module_->named_buffers()) sd.set(kv.key(), kv.value().detach().clone());
+  (void)type;
+  (void)with_optimizers;
+  return sd;
+}
+
+std::vector<std::string> FsdpStrategy::load_state_dict(const state::StateDict& sd, bool strict) {
+  TESSERA_CHECK(module_, "FSDP: load_state_dict before setup()");
+  auto& I = *impl_;
+  if (I.needs_finalize) I.finalize();
+  const int s = shard_comm_->rank();
+  std::set<std::string> used;
+  std::vector<std::string> missing;
+  at::NoGradGuard ng;
+  for (auto& u : I.units)
+    for (auto& P : u->params) {
+      if (!sd.contains(P->fqn)) {
+        missing.push_back(P->fqn);
+        continue;
+      }
+      const auto& v = sd.at(P->fqn);
+      const at::Tensor* t = std::get_if<at::Tensor>(&v);
+      TESSERA_CHECK(t, "FSDP load_state_dict: key '", P->fqn, "' holds a ", state::kind_name(v), ", expected a tensor");
+      TESSERA_CHECK(t->sizes().vec() == P->shape, "FSDP load_state_dict: key '", P->fqn, "' has shape ", t->sizes(),
+                    " but the parameter has shape ", at::IntArrayRef(P->shape));
+      at::Tensor rows = t->reshape({P->rows, P->row_numel}).narrow(0, P->row_begin, P->rank_rows[s]);
+      P->shard.copy_(rows.reshape(P->shard.sizes()));
+      used.insert(P->fqn);
+    }
+  for (auto& kv : module_->named_buffers()) {
+    if (!sd.contains(kv.key())) {
+      missing.push_back(kv.key());
+      continue;
+    }
+    kv.value().copy_(sd.tensor(kv.key()));
+    used.insert(kv.key());
+  }
+  if (strict && !missing.empty()) {
+    std::string names;
+    for (auto& k : missing) names += (names.empty() ? "" : ", ") + k;
+    throw Error(concat("FSDP load_state_dict: missing keys: ", names));
+  }
+  std::vector<std::string> rest;
+  for (auto& k : sd.keys())
+    if (!used.count(k)) rest.push_back(k);
+  return rest;
+}
+
+}  // namespace tessera::strategy

@@ -1,0 +1,84 @@
+// FSDP internals shared by fsdp.cpp (setup, state dicts, clipping) and
+// fsdp_runtime.cpp (gather, free, hooks, reduce-scatter). Not a public header.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/strategy/fsdp.h"
+#include "tessera/strategy/grad_hooks.h"
+
+namespace tessera::strategy {
+
+struct FsdpParam {
+  std::string fqn;
+  at::Tensor p;                   // the module's parameter (identity kept)
+  std::vector<int64_t> shape;     // global shape
+  int64_t rows = 0;               // dim-0 size (1 for a 0-dim parameter)
+  int64_t row_numel = 0;          // elements per row
+  std::vector<int64_t> rank_rows; // rows of each shard-group rank (torch.chunk rule)
+  int64_t row_begin = 0;          // first row of this rank
+  at::Tensor shard;               // fp32 master shard [local rows, shape[1:]...]
+  at::Tensor full;                // gathered buffer (compute dtype); storage freed when resharded
+  at::Tensor stash_grad;          // shard grad held across a forward/backward
+  at::Tensor unsynced;            // full-size grad accumulated under no_sync
+  at::Tensor new_grad;            // reduced shard grad of this backward
+  bool ready = false;
+  detail::AccumulatorHook hook;
+
+  int64_t local_rows(int r) const { return rank_rows[r]; }
+  std::vector<int64_t> shard_shape(int64_t local_rows) const;
+};
+
+struct FsdpUnitState {
+  int index = -1;
+  FsdpUnitImpl* module = nullptr;
+  std::string prefix;  // FQN prefix of the unit's module ("" for the root)
+  bool root = false;
+  std::vector<std::unique_ptr<FsdpParam>> params;
+  std::vector<int64_t> rank_numel;  // flat elements per shard-group rank
+  int grad_params = 0;              // params that require grad
+  bool has_frozen = false;
+  // runtime
+  bool gathered = false;
+  dist::Pending gather_work;
+  bool gather_pending = false;
+  int ready_count = 0;
+  bool reduced = false;
+  bool forwarded = false;
+  dist::Pending rs_work;
+  at::Tensor rs_buffer;
+};
+
+struct FsdpStrategy::Impl {
+  FsdpStrategy* self = nullptr;
+  std::vector<std::unique_ptr<FsdpUnitState>> units;  // root (after setup) is last
+  std::vector<int> forward_order;                     // unit indices in forward order
+  bool order_recorded = false;
+  std::vector<int> reduce_order;  // units whose reduce-scatter was launched this backward
+  bool in_backward = false;
+  bool needs_finalize = false;
+  bool trivial_gather = false;  // shard group of 1 and no mixed precision: params stay full
+  bool grad_path = false;       // gradients go through hooks (anything but 1 rank in fp32)
+  at::ScalarType compute_dtype = at::kFloat;
+  at::ScalarType reduce_dtype = at::kFloat;
+  int64_t prefetch_count = 0;
+
+  // fsdp_runtime.cpp
+  void shard_unit(FsdpUnitState& u);
+  void start_gather(FsdpUnitState& u);
+  void finish_gather(FsdpUnitState& u);
+  void gather(FsdpUnitState& u);
+  void reshard(FsdpUnitState& u);
+  void stash_grads(FsdpUnitState& u);
+  void attach_hooks(FsdpUnitState& u);
+  void on_grad_ready(int unit, int param);
+  void post_backward(FsdpUnitState& u);
+  void pre_backward(FsdpUnitState& u);
+  void finalize();
+  void prefetch_after(int unit, bool forward);
+};
+
+}  // namespace tessera::strategy

@@ -1,0 +1,391 @@
+// FSDP at run time: all-gather before a unit computes, free after, re-gather before
+// its backward, reduce-scatter its gradients once they are all accumulated, and the
+// end-of-backward bookkeeping (wait, install shard gradients, reshard).
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "tessera/core/log.h"
+#include "tessera/strategy/fsdp_impl.h"
+
+namespace tessera::strategy {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// Frees a tensor's storage but keeps the StorageImpl (and so every view and saved
+// tensor that shares it); alloc_storage gives it memory again. This is how a
+// gathered parameter is "freed" while autograd still holds views of it.
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == 0) return;
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+
+void alloc_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t nb = static_cast<size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == nb) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(nb));
+  s->set_nbytes(nb);
+}
+
+FsdpStrategy::Impl* impl_of(AutogradContext* ctx) {
+  return reinterpret_cast<FsdpStrategy::Impl*>(ctx->saved_data["impl"].toInt());
+}
+
+// Identity on a unit's output; its backward runs before any of the unit's own
+// backward nodes (they all need this output's gradient) and re-gathers the unit.
+struct PreBackwardFn : public torch::autograd::Function<PreBackwardFn> {
+  static at::Tensor forward(AutogradContext* ctx, int64_t impl, int64_t unit, const at::Tensor& y) {
+    ctx->saved_data["impl"] = impl;
+    ctx->saved_data["unit"] = unit;
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* I = impl_of(ctx);
+    I->pre_backward(*I->units.at(ctx->saved_data["unit"].toInt()));
+    return {at::Tensor(), at::Tensor(), grads[0]};
+  }
+};
+
+// Activation checkpointing: the unit's forward runs without saving activations; its
+// backward (after PreBackwardFn re-gathered the parameters) recomputes the forward
+// with grad enabled and back-propagates through it (re-entrant backward, which
+// accumulates the parameters' gradients and so fires the FSDP gradient hooks).
+struct CheckpointFn : public torch::autograd::Function<CheckpointFn> {
+  static at::Tensor forward(AutogradContext* ctx, int64_t impl, int64_t unit, const at::Tensor& x,
+                            at::TensorList params) {
+    ctx->saved_data["impl"] = impl;
+    ctx->saved_data["unit"] = unit;
+    ctx->saved_data["x_requires_grad"] = x.requires_grad();
+    ctx->saved_data["n"] = static_cast<int64_t>(params.size());
+    ctx->save_for_backward({x});
+    auto* I = reinterpret_cast<FsdpStrategy::Impl*>(impl);
+    return I->units.at(unit)->module->run_wrapped(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* I = impl_of(ctx);
+    auto& u = *I->units.at(ctx->saved_data["unit"].toInt());
+    at::Tensor x = ctx->get_saved_variables()[0].detach();
+    const bool xrg = ctx->saved_data["x_requires_grad"].toBool();
+    if (xrg) x.requires_grad_(true);
+    at::Tensor y;
+    {
+      at::AutoGradMode on(true);
+      y = u.module->run_wrapped(x);
+    }
+    if (y.requires_grad()) torch::autograd::backward({y}, {grads[0]});
+    variable_list out(3 + ctx->saved_data["n"].toInt());
+    if (xrg) out[2] = x.grad();
+    return out;
+  }
+};
+
+}  // namespace
+
+std::vector<int64_t> FsdpParam::shard_shape(int64_t local) const {
+  std::vector<int64_t> s{local};
+  for (size_t d = 1; d < shape.size(); ++d) s.push_back(shape[d]);
+  return s;
+}
+
+void FsdpStrategy::Impl::shard_unit(FsdpUnitState& u) {
+  auto& sc = *self->shard_comm_;
+  const int S = sc.size(), s = sc.rank();
+  const auto& o = self->options_;
+  u.rank_numel.assign(S, 0);
+  u.grad_params = 0;
+  u.has_frozen = false;
+  at::NoGradGuard ng;
+  for (auto& Pp : u.params) {
+    auto& P = *Pp;
+    if (o.sync_module_states && self->comm_->size() > 1) self->comm_->broadcast(P.p, 0);
+    P.shape = P.p.sizes().vec();
+    P.rows = P.p.dim() == 0 ? 1 : P.p.size(0);
+    P.row_numel = 1;
+    for (size_t d = 1; d < P.shape.size(); ++d) P.row_numel *= P.shape[d];
+    P.rank_rows = sharding::chunk_sizes(P.rows, S);
+    P.row_begin = sharding::chunk_range(P.rows, S, s).begin;
+    for (int r = 0; r < S; ++r) u.rank_numel[r] += P.rank_rows[r] * P.row_numel;
+    if (P.p.requires_grad())
+      ++u.grad_params;
+    else
+      u.has_frozen = true;
+    if (trivial_gather) {
+      P.shard = P.p.detach();
+      continue;
+    }
+    const c10::Device shard_dev = o.cpu_offload ? c10::Device(c10::kCPU) : o.device;
+    at::Tensor local = P.p.detach()
+                           .reshape({P.rows, P.row_numel})
+                           .narrow(0, P.row_begin, P.rank_rows[s])
+                           .to(shard_dev, /*non_blocking=*/false, /*copy=*/true)
+                           .view(P.shard_shape(P.rank_rows[s]));
+    P.full = at::empty(P.shape, P.p.options().dtype(compute_dtype).device(o.device));
+    free_storage(P.full);
+    P.p.set_data(local);
+    P.shard = local;
+  }
+  if (trivial_gather) {
+    u.gathered = true;
+    attach_hooks(u);
+  }
+}
+
+void FsdpStrategy::Impl::attach_hooks(FsdpUnitState& u) {
+  if (!grad_path) return;
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    const int ui = u.index, pk = static_cast<int>(k);
+    u.params[k]->hook.attach(u.params[k]->p, [this, ui, pk] { on_grad_ready(ui, pk); });
+  }
+}
+
+void FsdpStrategy::Impl::start_gather(FsdpUnitState& u) {
+  if (u.gathered || u.gather_pending || trivial_gather) return;
+  at::NoGradGuard ng;
+  std::vector<at::Tensor> pieces;
+  for (auto& P : u.params) pieces.push_back(P->shard.reshape({-1}).to(self->options_.device, compute_dtype));
+  at::Tensor flat = pieces.empty() ? at::empty({0}, at::TensorOptions().dtype(compute_dtype)) : at::cat(pieces);
+  u.gather_work = self->shard_comm_->all_gather_async(flat, u.rank_numel);
+  u.gather_pending = true;
+}
+
+void FsdpStrategy::Impl::finish_gather(FsdpUnitState& u) {
+  if (!u.gather_pending) return;
+  at::NoGradGuard ng;
+  at::Tensor flat = u.gather_work.wait();
+  u.gather_pending = false;
+  u.gather_work = dist::Pending();
+  const int S = static_cast<int>(u.rank_numel.size());
+  std::vector<int64_t> base(S, 0);  // start of each rank's segment
+  for (int r = 1; r < S; ++r) base[r] = base[r - 1] + u.rank_numel[r - 1];
+  std::vector<int64_t> within(S, 0);  // running offset inside each rank's segment
+  for (auto& Pp : u.params) {
+    auto& P = *Pp;
+    alloc_storage(P.full);
+    at::Tensor dst = P.full.view({-1});
+    int64_t row = 0;
+    for (int r = 0; r < S; ++r) {
+      const int64_t n = P.rank_rows[r] * P.row_numel;
+      if (n > 0) dst.narrow(0, row * P.row_numel, n).copy_(flat.narrow(0, base[r] + within[r], n));
+      within[r] += n;
+      row += P.rank_rows[r];
+    }
+    P.p.set_data(P.full);
+  }
+  u.gathered = true;
+  attach_hooks(u);
+}
+
+void FsdpStrategy::Impl::gather(FsdpUnitState& u) {
+  if (u.gathered || trivial_gather) return;
+  start_gather(u);
+  finish_gather(u);
+}
+
+void FsdpStrategy::Impl::reshard(FsdpUnitState& u) {
+  if (trivial_gather) return;
+  if (u.gather_pending) finish_gather(u);
+  if (!u.gathered) return;
+  for (auto& P : u.params) {
+    P->p.set_data(P->shard);
+    free_storage(P->full);
+  }
+  u.gathered = false;
+}
+
+void FsdpStrategy::Impl::stash_grads(FsdpUnitState& u) {
+  if (!grad_path) return;
+  for (auto& P : u.params) {
+    at::Tensor g = P->p.grad();
+    if (!g.defined()) continue;
+    TESSERA_CHECK(g.sizes() == P->shard.sizes(), "FSDP: parameter '", P->fqn, "' has a gradient of shape ", g.sizes(),
+                  " where its shard has shape ", P->shard.sizes(),
+                  " (a previous backward was not finished by strategy.backward())");
+    P->stash_grad = P->stash_grad.defined() ? P->stash_grad + g : g;
+    P->p.mutable_grad() = at::Tensor();
+  }
+}
+
+void FsdpStrategy::Impl::prefetch_after(int ui, bool forward) {
+  if (!self->options_.prefetch || !order_recorded) return;
+  auto it = std::find(forward_order.begin(), forward_order.end(), ui);
+  if (it == forward_order.end()) return;
+  const auto pos = it - forward_order.begin();
+  // Backward runs units in reverse forward order; the root (first forward, first
+  // backward) hands over to the last unit.
+  auto next = forward ? pos + 1 : pos - 1;
+  if (!forward && units[ui]->root) next = static_cast<decltype(next)>(forward_order.size()) - 1;
+  if (next < 0 || next >= static_cast<decltype(next)>(forward_order.size())) return;
+  auto& v = *units[forward_order[next]];
+  if (v.gathered || v.gather_pending) return;
+  start_gather(v);
+  ++prefetch_count;
+}
+
+void FsdpStrategy::Impl::pre_backward(FsdpUnitState& u) {
+  gather(u);
+  prefetch_after(u.index, /*forward=*/false);
+}
+
+void FsdpStrategy::Impl::on_grad_ready(int ui, int pk) {
+  auto& u = *units[ui];
+  auto& P = *u.params[pk];
+  if (P.ready) return;
+  P.ready = true;
+  if (++u.ready_count == u.grad_params && !u.reduced) post_backward(u);
+}
+
+void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
+  at::NoGradGuard ng;
+  const bool sync = self->sync_grads_;
+  std::vector<at::Tensor> grads;
+  bool any = false;
+  for (auto& P : u.params) {
+    at::Tensor g = P->p.grad();
+    P->p.mutable_grad() = at::Tensor();
+    if (g.defined()) any = true;
+    if (!sync) {
+      if (g.defined()) P->unsynced = P->unsynced.defined() ? P->unsynced + g.to(at::kFloat) : g.to(at::kFloat);
+      continue;
+    }
+    if (!g.defined()) g = at::zeros(P->shape, at::TensorOptions().dtype(reduce_dtype).device(self->options_.device));
+    if (P->unsynced.defined()) {
+      g = g.to(at::kFloat) + P->unsynced;
+      P->unsynced = at::Tensor();
+    }
+    grads.push_back(g.to(reduce_dtype).reshape({P->rows, P->row_numel}));
+  }
+  if (sync && (any || u.ready_count > 0)) {
+    const int S = static_cast<int>(u.rank_numel.size());
+    std::vector<at::Tensor> pieces;
+    for (int r = 0; r < S; ++r) {
+      for (size_t k = 0; k < u.params.size(); ++k) {
+        auto& P = *u.params[k];
+        int64_t begin = 0;
+        for (int q = 0; q < r; ++q) begin += P.rank_rows[q];
+        if (P.rank_rows[r] > 0) pieces.push_back(grads[k].narrow(0, begin, P.rank_rows[r]).reshape({-1}));
+      }
+    }
+    u.rs_buffer = pieces.empty() ? at::empty({0}, at::TensorOptions().dtype(reduce_dtype)) : at::cat(pieces);
+    u.rs_work = self->shard_comm_->reduce_scatter_async(u.rs_buffer, u.rank_numel, dist::ReduceOp::Avg);
+    u.reduced = true;
+    reduce_order.push_back(u.index);
+  }
+  if (!u.root && !u.has_frozen) reshard(u);
+}
+
+void FsdpStrategy::Impl::finalize() {
+  in_backward = false;
+  needs_finalize = false;
+  const bool sync = self->sync_grads_;
+  if (grad_path) {
+    // Units whose gradients were only partly produced (unused parameters), and in
+    // no-sync mode whatever gradients are still full-size.
+    for (auto& up : units) {
+      auto& u = *up;
+      if (!u.forwarded || u.reduced) continue;
+      bool has_grad = u.ready_count > 0;
+      for (auto& P : u.params) has_grad = has_grad || P->p.grad().defined();
+      if (has_grad) post_backward(u);
+    }
+    at::NoGradGuard ng;
+    for (int ui : reduce_order) {
+      auto& u = *units[ui];
+      at::Tensor piece = u.rs_work.wait();
+      u.rs_work = dist::Pending();
+      u.rs_buffer = at::Tensor();
+      if (self->replicate_comm_->size() > 1) self->replicate_comm_->all_reduce(piece, dist::ReduceOp::Avg);
+      const int s = self->shard_comm_->rank();
+      int64_t off = 0;
+      for (auto& P : u.params) {
+        const int64_t n = P->rank_rows[s] * P->row_numel;
+        P->new_grad = piece.narrow(0, off, n).to(P->shard.device(), at::kFloat).view(P->shard_shape(P->rank_rows[s]));
+        if (P->shard.scalar_type() != at::kFloat) P->new_grad = P->new_grad.to(P->shard.scalar_type());
+        off += n;
+      }
+    }
+  }
+  for (auto& up : units) reshard(*up);
+  for (auto& up : units) {
+    auto& u = *up;
+    for (auto& P : u.params) {
+      if (grad_path) {
+        at::Tensor g = P->stash_grad;
+        if (P->new_grad.defined()) g = g.defined() ? g + P->new_grad : P->new_grad.clone();
+        if (g.defined()) P->p.mutable_grad() = g;
+      }
+      P->stash_grad = at::Tensor();
+      P->new_grad = at::Tensor();
+      P->ready = false;
+    }
+    u.ready_count = 0;
+    u.reduced = false;
+    u.forwarded = false;
+  }
+  reduce_order.clear();
+  (void)sync;
+}
+
+at::Tensor FsdpStrategy::unit_forward(FsdpUnitImpl& m, const at::Tensor& x_in) {
+  auto& I = *impl_;
+  TESSERA_CHECK(m.unit_index >= 0 && m.unit_index < static_cast<int>(I.units.size()),
+                "FSDP: unit ", m.name(), " is not registered with this strategy");
+  auto& u = *I.units[m.unit_index];
+  const bool grad = at::GradMode::is_enabled();
+  if (grad) I.stash_grads(u);
+  I.gather(u);
+  if (!I.order_recorded && std::find(I.forward_order.begin(), I.forward_order.end(), u.index) == I.forward_order.end())
+    I.forward_order.push_back(u.index);
+  I.prefetch_after(u.index, /*forward=*/true);
+  at::Tensor x = x_in;
+  if (options_.mixed_precision.param_dtype && x.is_floating_point()) x = x.to(I.compute_dtype);
+  at::Tensor y;
+  const int64_t ip = reinterpret_cast<int64_t>(&I);
+  if (grad && options_.activation_checkpointing && !u.root) {
+    std::vector<at::Tensor> ps;
+    for (auto& P : u.params)
+      if (P->p.requires_grad()) ps.push_back(P->p);
+    y = CheckpointFn::apply(ip, static_cast<int64_t>(u.index), x, at::TensorList(ps));
+  } else {
+    y = m.run_wrapped(x);
+  }
+  const bool free_after = options_.sharding == ShardingStrategy::FullShard ||
+                          options_.sharding == ShardingStrategy::HybridShard;
+  if (!u.root && free_after) I.reshard(u);
+  const bool will_backward = grad && y.requires_grad();
+  if (will_backward && I.grad_path) {
+    if (!I.trivial_gather) y = PreBackwardFn::apply(ip, static_cast<int64_t>(u.index), y);
+    u.forwarded = true;
+    I.needs_finalize = true;
+  }
+  if (u.root) {
+    if (!will_backward) {
+      for (auto& up : I.units) I.reshard(*up);
+    } else {
+      I.order_recorded = true;
+    }
+    if (options_.mixed_precision.param_dtype && y.is_floating_point()) y = y.to(options_.mixed_precision.output_dtype);
+  }
+  return y;
+}
+
+void FsdpStrategy::backward(const at::Tensor& loss) {
+  TESSERA_CHECK(module_, "FSDP: backward before setup()");
+  auto& I = *impl_;
+  I.in_backward = true;
+  try {
+    torch::autograd::backward({loss});
+  } catch (...) {
+    I.in_backward = false;
+    throw;
+  }
+  I.finalize();
+}
+
+}  // namespace tessera::strategy

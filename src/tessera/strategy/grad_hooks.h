@@ -1,0 +1,65 @@
+// Gradient-ready hooks: a post hook on a parameter's AccumulateGrad node runs after
+// the gradient has been accumulated into .grad (what DDP and FSDP need; a tensor
+// hook runs before accumulation). Internal to the strategy layer.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace tessera::strategy::detail {
+
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& inputs) override {
+    // An undefined incoming gradient (e.g. a path that produced none) is not "ready".
+    if (!inputs.empty() && inputs[0].defined()) fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+// Keeps one hook on a parameter's grad accumulator. libtorch drops a parameter's
+// accumulator when set_data changes its dtype or device (FSDP mixed precision swaps
+// fp32 shards and low-precision gathered tensors), so attach() re-installs the
+// hooked node whenever the parameter holds data of the node's dtype/device again.
+class AccumulatorHook {
+ public:
+  AccumulatorHook() = default;
+  AccumulatorHook(const AccumulatorHook&) = delete;
+  AccumulatorHook& operator=(const AccumulatorHook&) = delete;
+  ~AccumulatorHook() { remove(); }
+
+  void attach(const at::Tensor& param, const std::function<void()>& fn) {
+    if (!param.requires_grad()) return;
+    if (node_ && dtype_ == param.scalar_type() && device_ == param.device()) {
+      torch::autograd::impl::set_grad_accumulator(param, node_);
+      return;
+    }
+    remove();
+    node_ = torch::autograd::impl::grad_accumulator(param);
+    dtype_ = param.scalar_type();
+    device_ = param.device();
+    key_ = node_->add_post_hook(std::make_unique<GradReadyHook>(fn));
+  }
+  void remove() {
+    if (node_) node_->del_post_hook(key_);
+    node_.reset();
+  }
+
+ private:
+  std::shared_ptr<torch::autograd::Node> node_;
+  uintptr_t key_ = 0;
+  at::ScalarType dtype_ = at::kFloat;
+  c10::Device device_ = c10::kCPU;
+};
+
+}  // namespace tessera::strategy::detail
