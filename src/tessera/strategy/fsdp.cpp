@@ -5,9 +5,11 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <cmath>
+#include <map>
 #include <set>
 
 #include "tessera/core/log.h"
+#include "tessera/state/module_state.h"
 #include "tessera/strategy/fsdp_impl.h"
 
 namespace tessera::strategy {
@@ -224,6 +226,7 @@ torch::nn::AnyModule FsdpStrategy::setup(torch::nn::AnyModule module, std::vecto
     for (auto& P : st.params) P->fqn = f.prefix + P->fqn;
   }
   register_unit(I, *root, true);
+  register_sharded_params();
   return result;
 }
 
@@ -307,73 +310,39 @@ int64_t FsdpStrategy::prefetches() const { return impl_->prefetch_count; }
 
 // --- state dicts ------------------------------------------------------------------
 
-state::StateDict FsdpStrategy::state_dict(StateDictType type, bool with_optimizers) {
-  TESSERA_CHECK(module_, "FSDP: state_dict before setup()");
+void FsdpStrategy::prepare_state() {
   auto& I = *impl_;
   if (I.needs_finalize) I.finalize();
-  state::StateDict sd;
-  at::NoGradGuard ng;
-  for (auto& u : I.units)
-    for (auto& P : u->params) {
-      at::Tensor full;
-      if (I.trivial_gather) {
-        full = P->shard.clone();
-      } else {
-        full = shard_comm_->all_gather(P->shard.reshape({-1}).to(at::kFloat), [&] {
-          std::vector<int64_t> n;
-          for (auto r : P->rank_rows) n.push_back(r * P->row_numel);
-          return n;
-        }());
-        full = full.view(P->shape).to(P->shard.scalar_type());
-      }
-      sd.set(P->fqn, full);
-    }
-  for (auto& kv : module_->named_buffers()) sd.set(kv.key(), kv.value().detach().clone());
-  (void)type;
-  (void)with_optimizers;
-  return sd;
+  for (auto& u : I.units) I.reshard(*u);
 }
 
-std::vector<std::string> FsdpStrategy::load_state_dict(const state::StateDict& sd, bool strict) {
-  TESSERA_CHECK(module_, "FSDP: load_state_dict before setup()");
+// Each sharded parameter is registered on its module as a ShardedTensor whose only
+// local shard IS the parameter (between steps the parameter holds its shard), so the
+// state layer's module and optimizer state dicts see original FQNs and global shapes.
+void FsdpStrategy::register_sharded_params() {
   auto& I = *impl_;
-  if (I.needs_finalize) I.finalize();
-  const int s = shard_comm_->rank();
-  std::set<std::string> used;
-  std::vector<std::string> missing;
-  at::NoGradGuard ng;
+  const int S = shard_comm_->size();
+  if (S == 1) return;  // parameters are whole: plain tensors
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> by_path;
+  for (auto& kv : module_->named_modules()) by_path[kv.key()] = kv.value();
   for (auto& u : I.units)
     for (auto& P : u->params) {
-      if (!sd.contains(P->fqn)) {
-        missing.push_back(P->fqn);
-        continue;
-      }
-      const auto& v = sd.at(P->fqn);
-      const at::Tensor* t = std::get_if<at::Tensor>(&v);
-      TESSERA_CHECK(t, "FSDP load_state_dict: key '", P->fqn, "' holds a ", state::kind_name(v), ", expected a tensor");
-      TESSERA_CHECK(t->sizes().vec() == P->shape, "FSDP load_state_dict: key '", P->fqn, "' has shape ", t->sizes(),
-                    " but the parameter has shape ", at::IntArrayRef(P->shape));
-      at::Tensor rows = t->reshape({P->rows, P->row_numel}).narrow(0, P->row_begin, P->rank_rows[s]);
-      P->shard.copy_(rows.reshape(P->shard.sizes()));
-      used.insert(P->fqn);
+      TESSERA_CHECK(!P->shape.empty(), "FSDP: parameter '", P->fqn,
+                    "' is 0-dimensional; FSDP shards along dim 0 (make it shape [1])");
+      const auto dot = P->fqn.rfind('.');
+      const std::string path = dot == std::string::npos ? "" : P->fqn.substr(0, dot);
+      const std::string leaf = dot == std::string::npos ? P->fqn : P->fqn.substr(dot + 1);
+      auto it = by_path.find(path);
+      TESSERA_CHECK(it != by_path.end(), "FSDP: no module at '", path, "' for parameter '", P->fqn, "'");
+      const c10::Device dev = P->shard.device();
+      auto all = sharding::build_shards(sharding::ChunkSpec::over_ranks(0, S, dev), P->shape);
+      std::vector<sharding::Shard> local;
+      for (auto& m : all)
+        if (m.placement.rank == shard_comm_->rank()) local.push_back({P->p, m});
+      state::register_sharded_tensor(*it->second, leaf,
+                                     sharding::ShardedTensor::from_parts(std::move(local), all, P->shape,
+                                                                         P->shard.scalar_type(), shard_comm_));
     }
-  for (auto& kv : module_->named_buffers()) {
-    if (!sd.contains(kv.key())) {
-      missing.push_back(kv.key());
-      continue;
-    }
-    kv.value().copy_(sd.tensor(kv.key()));
-    used.insert(kv.key());
-  }
-  if (strict && !missing.empty()) {
-    std::string names;
-    for (auto& k : missing) names += (names.empty() ? "" : ", ") + k;
-    throw Error(concat("FSDP load_state_dict: missing keys: ", names));
-  }
-  std::vector<std::string> rest;
-  for (auto& k : sd.keys())
-    if (!used.count(k)) rest.push_back(k);
-  return rest;
 }
 
 }  // namespace tessera::strategy

@@ -105,8 +105,6 @@ class FsdpStrategy : public Strategy {
   void optimizer_step(torch::optim::Optimizer& opt) override;
   double clip_grad_norm(double max_norm, double norm_type = 2.0) override;
 
-  state::StateDict state_dict(StateDictType type = StateDictType::Sharded, bool with_optimizers = true) override;
-  std::vector<std::string> load_state_dict(const state::StateDict& sd, bool strict = true) override;
 
   const FsdpOptions& options() const { return options_; }
   // Group parameters are sharded over, and the group they are replicated over.
@@ -130,7 +128,11 @@ class FsdpStrategy : public Strategy {
 
   struct Impl;
 
+ protected:
+  void prepare_state() override;
+
  private:
+  void register_sharded_params();
   FsdpOptions options_;
   std::shared_ptr<dist::Communicator> shard_comm_, replicate_comm_;
   std::unique_ptr<Impl> impl_;

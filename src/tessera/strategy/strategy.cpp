@@ -9,6 +9,8 @@
 #include <set>
 
 #include "tessera/core/log.h"
+#include "tessera/state/module_state.h"
+#include "tessera/state/optimizer_state.h"
 
 namespace tessera::strategy {
 
@@ -75,18 +77,62 @@ void Strategy::clip_grad_value(double clip_value) {
     if (p.grad().defined()) p.mutable_grad().clamp_(-clip_value, clip_value);
 }
 
-state::StateDict Strategy::state_dict(StateDictType, bool with_optimizers) {
+namespace {
+const std::string kOptimPrefix = "optim.";
+
+// Replaces every ShardedTensor (also in nested dicts) by its full value (collective).
+void make_full(state::StateDict& sd) {
+  for (const auto& key : std::vector<std::string>(sd.keys())) {
+    state::Value& v = sd.at(key);
+    if (auto* st = std::get_if<sharding::ShardedTensor>(&v)) {
+      sd.set(key, st->full_tensor());
+    } else if (auto* d = std::get_if<std::shared_ptr<state::StateDict>>(&v)) {
+      auto copy = std::make_shared<state::StateDict>(**d);
+      make_full(*copy);
+      sd.set(key, copy);
+    }
+  }
+}
+}  // namespace
+
+state::StateDict Strategy::state_dict(StateDictType type, bool with_optimizers) {
   TESSERA_CHECK(module_, name(), ": state_dict before setup()");
-  state::StateDict sd;
-  for (auto& kv : module_->named_parameters()) sd.set(kv.key(), kv.value().detach().clone());
-  for (auto& kv : module_->named_buffers()) sd.set(kv.key(), kv.value().detach().clone());
-  (void)with_optimizers;
+  prepare_state();
+  state::StateDict sd = state::state_dict(*module_);
+  if (with_optimizers)
+    for (size_t i = 0; i < optimizers_.size(); ++i)
+      sd.set(kOptimPrefix + std::to_string(i),
+             std::make_shared<state::StateDict>(state::optimizer_state_dict(*optimizers_[i], *module_)));
+  if (type == StateDictType::Full) make_full(sd);
   return sd;
 }
 
 std::vector<std::string> Strategy::load_state_dict(const state::StateDict& sd, bool strict) {
   TESSERA_CHECK(module_, name(), ": load_state_dict before setup()");
-  return detail::load_module_full(*module_, sd, strict);
+  prepare_state();
+  state::StateDict model_part;
+  std::vector<std::string> rest;
+  for (const auto& key : sd.keys())
+    if (key.rfind(kOptimPrefix, 0) != 0) model_part.set(key, sd.at(key));
+  state::LoadOptions lo;
+  lo.strict = strict;
+  lo.allow_reshard = true;
+  state::LoadReport report = state::load_state_dict(*module_, model_part, lo);
+  for (auto& k : report.unexpected) rest.push_back(k);
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    const std::string key = kOptimPrefix + std::to_string(i);
+    if (sd.contains(key)) {
+      state::load_optimizer_state_dict(*optimizers_[i], *module_, sd.dict(key));
+    } else {
+      TESSERA_CHECK(!strict, name(), ": load_state_dict: no state for optimizer ", i, " (key '", key, "')");
+    }
+  }
+  for (const auto& key : sd.keys())
+    if (key.rfind(kOptimPrefix, 0) == 0) {
+      const size_t i = std::stoul(key.substr(kOptimPrefix.size()));
+      if (i >= optimizers_.size()) rest.push_back(key);
+    }
+  return rest;
 }
 
 void Strategy::rank_zero_log(const std::string& message) const {
@@ -121,42 +167,6 @@ std::vector<std::pair<std::string, at::Tensor>> named_params(const torch::nn::Mo
     out.emplace_back(kv.key(), kv.value());
   }
   return out;
-}
-
-namespace {
-at::Tensor full_value(const state::StateDict& sd, const std::string& key) {
-  const auto& v = sd.at(key);
-  if (auto* t = std::get_if<at::Tensor>(&v)) return *t;
-    throw Error(concat("state dict key '", key, "' holds a ", state::kind_name(v), ", expected a tensor"));
-}
-}  // namespace
-
-std::vector<std::string> load_module_full(torch::nn::Module& m, const state::StateDict& sd, bool strict) {
-  std::set<std::string> used;
-  std::vector<std::string> missing;
-  at::NoGradGuard ng;
-  auto load_one = [&](const std::string& key, at::Tensor& dst) {
-    if (!sd.contains(key)) {
-      missing.push_back(key);
-      return;
-    }
-    at::Tensor v = full_value(sd, key);
-    TESSERA_CHECK(v.sizes() == dst.sizes(), "state dict key '", key, "' has shape ", v.sizes(),
-                  " but the module's tensor has shape ", dst.sizes());
-    dst.copy_(v);
-    used.insert(key);
-  };
-  for (auto& kv : m.named_parameters()) load_one(kv.key(), kv.value());
-  for (auto& kv : m.named_buffers()) load_one(kv.key(), kv.value());
-  if (strict && !missing.empty()) {
-    std::string names;
-    for (auto& k : missing) names += (names.empty() ? "" : ", ") + k;
-    throw Error(concat("load_state_dict: missing keys: ", names));
-  }
-  std::vector<std::string> rest;
-  for (auto& k : sd.keys())
-    if (!used.count(k)) rest.push_back(k);
-  return rest;
 }
 
 }  // namespace detail

@@ -111,12 +111,16 @@ class Strategy {
   virtual void set_grad_sync(bool enabled) { sync_grads_ = enabled; }
 
   // --- state ---
-  // Module parameters and buffers under their FQNs (and, with `with_optimizers`, one
-  // nested dict "optim.<i>" per optimizer). Sharded: FSDP parameters become
-  // ShardedTensors; Full: plain tensors (FSDP gathers one tensor at a time).
+  // Module parameters and buffers under their FQNs (tessera::state::state_dict) and,
+  // with `with_optimizers`, one nested dict "optim.<i>" per optimizer
+  // (tessera::state::optimizer_state_dict, keyed by parameter FQN). Sharded: FSDP
+  // parameters and their optimizer state are ShardedTensors under the original FQN
+  // and global shape (values alias the live tensors); Full: every ShardedTensor is
+  // replaced by its full value, gathered one tensor at a time on every rank.
   virtual state::StateDict state_dict(StateDictType type = StateDictType::Full, bool with_optimizers = true);
-  // Loads values from `sd` (full tensors or ShardedTensors of any layout); returns the
-  // keys it did not consume. strict: missing module keys are an error naming them.
+  // Loads values from `sd` (full tensors, or ShardedTensors of any layout: resharded,
+  // a collective) into the module and the optimizers; returns the keys it did not
+  // consume. strict: missing/unexpected/mismatched keys are one error naming them.
   virtual std::vector<std::string> load_state_dict(const state::StateDict& sd, bool strict = true);
 
   // --- collectives and rank helpers ---
@@ -136,6 +140,8 @@ class Strategy {
   void rank_zero_log(const std::string& message) const;
 
  protected:
+  // Brings parameters into their at-rest layout before state dicts (FSDP: reshard).
+  virtual void prepare_state() {}
   void set_module(const std::shared_ptr<torch::nn::Module>& m);
   std::shared_ptr<dist::Communicator> comm_;
   std::shared_ptr<torch::nn::Module> module_;
@@ -160,12 +166,6 @@ namespace detail {
 // registered under two names (tied weights) and `refuse_tied` is set.
 std::vector<std::pair<std::string, at::Tensor>> named_params(const torch::nn::Module& m, bool refuse_tied,
                                                               const std::string& who);
-// Copies tensor values of a state dict into parameters/buffers of `m` (full tensors
-// or ShardedTensors gathered); returns the unconsumed keys.
-std::vector<std::string> load_module_full(torch::nn::Module& m, const state::StateDict& sd, bool strict);
-// Optimizer state as a nested StateDict keyed "<param FQN>.<state name>" (+ "step")
-// and back; `param_view` maps a parameter to the value to store (identity, or the
-// FSDP shard wrapped as a ShardedTensor).
 }  // namespace detail
 
 }  // namespace tessera::strategy
