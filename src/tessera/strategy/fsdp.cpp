@@ -96,6 +96,12 @@ void apply_wrap(torch::nn::Module& m, const WrapPolicy& policy, int& wrapped) {
     }
     return;
   }
+  if (auto* w = dynamic_cast<WrappedModuleImpl*>(&m)) {
+    // The wrapped module itself is not in the tree (its children are adopted).
+    apply_wrap(*w->wrapped(), policy, wrapped);
+    w->refresh_children();
+    return;
+  }
   for (auto& kv : m.named_children()) apply_wrap(*kv.value(), policy, wrapped);
 }
 

@@ -34,6 +34,16 @@ void WrappedModuleImpl::adopt() {
   for (auto& kv : wrapped_->named_children()) register_module(kv.key(), kv.value());
 }
 
+void WrappedModuleImpl::refresh_children() {
+  for (auto& kv : wrapped_->named_children()) {
+    auto mine = named_children();
+    if (!mine.contains(kv.key()))
+      register_module(kv.key(), kv.value());
+    else if (mine[kv.key()] != kv.value())
+      replace_module(kv.key(), kv.value());
+  }
+}
+
 void WrappedModuleImpl::train(bool on) {
   torch::nn::Module::train(on);
   wrapped_->train(on);

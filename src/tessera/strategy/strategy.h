@@ -48,6 +48,8 @@ class WrappedModuleImpl : public torch::nn::Module {
   void train(bool on = true) override;
   const std::shared_ptr<torch::nn::Module>& wrapped() const { return wrapped_; }
   at::Tensor run_wrapped(const at::Tensor& x) { return fn_(x); }
+  // Re-registers the wrapped module's children (after one was replaced in it).
+  void refresh_children();
 
  private:
   void adopt();
