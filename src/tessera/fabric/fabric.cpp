@@ -5,6 +5,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -179,7 +180,21 @@ torch::nn::AnyModule Fabric::setup_module(torch::nn::AnyModule module) {
   std::shared_ptr<torch::nn::Module> original = module.ptr();
   torch::nn::AnyModule out = strategy_->setup(std::move(module), {});
   setup_original_ = original;
-  setup_returned_ = out.ptr();
+  for (const auto& m : {original, out.ptr()}) {
+    setup_aliases_.push_back(m);
+    if (auto* w = dynamic_cast<strategy::WrappedModuleImpl*>(m.get())) setup_aliases_.push_back(w->wrapped());
+  }
+  return out;
+}
+
+torch::nn::AnyModule Fabric::setup_module(torch::nn::Sequential seq) {
+  TESSERA_CHECK(!seq.is_empty(), "Fabric::setup_module: the Sequential is empty (null)");
+  return setup_module(torch::nn::AnyModule(strategy::WrappedModule(std::move(seq))));
+}
+
+torch::nn::AnyModule Fabric::setup(torch::nn::Sequential seq, std::vector<OptimizerPtr> optimizers) {
+  torch::nn::AnyModule out = setup_module(std::move(seq));
+  setup_optimizers(optimizers);
   return out;
 }
 
@@ -255,8 +270,8 @@ void Fabric::clip_grad_value(double max_value) {
 
 void Fabric::check_is_setup_module(const std::shared_ptr<torch::nn::Module>& m, const std::string& what) const {
   TESSERA_CHECK(setup_original_, "Fabric::", what, ": no module is set up yet (call setup_module first)");
-  TESSERA_CHECK(m && (m == setup_original_ || m == setup_returned_), "Fabric::", what,
-                ": the module is not the one given to (or returned by) setup_module");
+  TESSERA_CHECK(m && std::find(setup_aliases_.begin(), setup_aliases_.end(), m) != setup_aliases_.end(), "Fabric::",
+                what, ": the module is not the one given to (or returned by) setup_module");
 }
 
 NoBackwardSync Fabric::no_backward_sync(const torch::nn::AnyModule& module, bool enabled) {

@@ -19,6 +19,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 
 #include <functional>
@@ -103,7 +104,12 @@ class Fabric {
   torch::nn::AnyModule setup_module(torch::nn::ModuleHolder<M> module) {
     return setup_module(torch::nn::AnyModule(std::move(module)));
   }
+  // A Sequential (whose templated forward an AnyModule cannot hold) is set up through a
+  // strategy::WrappedModule with the same FQNs; `seq` itself stays usable in
+  // FabricState and no_backward_sync.
+  torch::nn::AnyModule setup_module(torch::nn::Sequential seq);
   torch::nn::AnyModule setup(torch::nn::AnyModule module, std::vector<OptimizerPtr> optimizers);
+  torch::nn::AnyModule setup(torch::nn::Sequential seq, std::vector<OptimizerPtr> optimizers);
   template <typename M>
   torch::nn::AnyModule setup(torch::nn::ModuleHolder<M> module, std::vector<OptimizerPtr> optimizers) {
     return setup(torch::nn::AnyModule(std::move(module)), std::move(optimizers));
@@ -191,7 +197,10 @@ class Fabric {
   dist::World world_;
   std::shared_ptr<dist::Communicator> comm_;
   std::unique_ptr<strategy::Strategy> strategy_;
-  std::shared_ptr<torch::nn::Module> setup_original_, setup_returned_;
+  std::shared_ptr<torch::nn::Module> setup_original_;
+  // The modules that name the set-up model: what was passed, what setup returned, and
+  // the modules they wrap.
+  std::vector<std::shared_ptr<torch::nn::Module>> setup_aliases_;
 };
 
 }  // namespace tessera::fabric

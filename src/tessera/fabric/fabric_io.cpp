@@ -318,7 +318,9 @@ StateDict Fabric::load(const std::string& path, FabricState& st, bool strict) {
       target.dict(module_names.front()).for_each([&](const std::string& k, const Value& v) { apply.set(k, v); });
     }
     for (auto& [name, i] : opts) apply.set(optim_key(i), std::make_shared<StateDict>(target.dict(name)));
-    std::vector<std::string> rest = strategy_->load_state_dict(apply, strict && !module_names.empty());
+    // Strictness was checked above against what `st` names; the strategy must not
+    // insist on optimizers `st` does not name.
+    std::vector<std::string> rest = strategy_->load_state_dict(apply, /*strict=*/false);
     for (auto& [name, i] : opts) {
       const std::string k = optim_key(i);
       if (std::find(rest.begin(), rest.end(), k) == rest.end()) continue;  // the strategy restored it
