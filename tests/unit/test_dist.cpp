@@ -162,3 +162,10 @@ TEST(Environments, MpirunStyleVariablesAloneAreEnough) {
   });
   EXPECT_EQ(codes, (std::vector<int>{0, 0, 0}));
 }
+
+TEST(Collectives, AllToAllUnevenAndEmpty) {
+  for (int n : {1, 2, 3}) {
+    auto res = run_ranks(n, {"all_to_all"});
+    EXPECT_RANKS_OK(res);
+  }
+}

@@ -499,6 +499,33 @@ Pending Communicator::broadcast_async(at::Tensor tensor, int src) {
 
 void Communicator::broadcast(at::Tensor& tensor, int src) { broadcast_async(tensor, src).wait(); }
 
+at::Tensor Communicator::all_to_all(const at::Tensor& send, const std::vector<int64_t>& send_sizes,
+                                    const std::vector<int64_t>& recv_sizes) {
+  Impl& I = *impl_;
+  const int n = I.size;
+  TESSERA_CHECK(send.dim() >= 1, "all_to_all needs a tensor of at least one dimension");
+  TESSERA_CHECK(static_cast<int>(send_sizes.size()) == n && static_cast<int>(recv_sizes.size()) == n,
+                "all_to_all: ", send_sizes.size(), " send and ", recv_sizes.size(), " receive sizes for a group of ",
+                n, " ranks");
+  const int64_t total_send = std::accumulate(send_sizes.begin(), send_sizes.end(), int64_t{0});
+  const int64_t total_recv = std::accumulate(recv_sizes.begin(), recv_sizes.end(), int64_t{0});
+  TESSERA_CHECK(send.size(0) == total_send, "all_to_all: the tensor has ", send.size(0),
+                " rows but the send sizes add up to ", total_send);
+  if (n == 1) return send;
+  at::Tensor in = send.contiguous();
+  at::Tensor out = at::empty(rest_shape(in, total_recv), in.options());
+  // A backend without bf16 kernels still moves the bits: carry them as 16-bit halves.
+  const bool as_half = in.scalar_type() == at::kBFloat16 && I.caps(send).bf16 == 0;
+  at::Tensor in_w = as_half ? in.view(at::kHalf) : in;
+  at::Tensor out_w = as_half ? out.view(at::kHalf) : out;
+  std::vector<int64_t> ss(send_sizes.begin(), send_sizes.end()), rs(recv_sizes.begin(), recv_sizes.end());
+  c10d::AllToAllOptions o;
+  o.timeout = I.options.timeout;
+  auto work = I.guarded("all_to_all", send, [&] { return I.backend(send).alltoall_base(out_w, in_w, rs, ss, o); });
+  I.wait_work(work, "all_to_all", send);
+  return out;
+}
+
 void Communicator::barrier() {
   Impl& I = *impl_;
   if (I.size == 1) return;

@@ -88,6 +88,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Even split: `full`'s dim 0 must be divisible by size().
   at::Tensor reduce_scatter(const at::Tensor& full, ReduceOp op = ReduceOp::Sum);
   void broadcast(at::Tensor& tensor, int src = 0);
+  // Personalized exchange: `send` (dim 0 split into send_sizes[r] rows for rank r) goes
+  // out, and the result holds recv_sizes[r] rows from each rank r, in rank order.
+  // Every rank's send_sizes[r] must equal rank r's recv_sizes[me]; zeros allowed.
+  at::Tensor all_to_all(const at::Tensor& send, const std::vector<int64_t>& send_sizes,
+                        const std::vector<int64_t>& recv_sizes);
   void barrier();
 
   std::string broadcast_bytes(const std::string& bytes, int src = 0);
