@@ -30,6 +30,7 @@ using namespace tessera::strategy;
 namespace {
 
 at::ScalarType g_seen_weight_dtype = at::kFloat;  // dtype of q.weight during the last forward
+int64_t g_block_forwards = 0;                      // Block::forward calls (recomputation counts)
 
 // Pre-norm attention block, model dim 7, MLP dim 13.
 struct BlockImpl : torch::nn::Module {
@@ -48,6 +49,7 @@ struct BlockImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     g_seen_weight_dtype = q->weight.scalar_type();
+    ++g_block_forwards;
     at::Tensor h = ln(x);
     at::Tensor att = at::softmax(at::matmul(q(h), k(h).transpose(-2, -1)) / std::sqrt(7.0), -1);
     at::Tensor y = x + o(at::matmul(att, v(h)));
@@ -185,6 +187,7 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
     if (S > 1) WCHECK(local < full, kind, ": rank holds ", local, " of ", full, " elements");
   }
   Trace t;
+  g_block_forwards = 0;
   for (int s = 0; s < steps; ++s) {
     auto [gx, gy] = global_batch(s);
     at::Tensor x = rows_of(gx, c->rank(), c->size()), y = rows_of(gy, c->rank(), c->size());
@@ -209,6 +212,9 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
     strat->optimizer_step(*opt);
     opt->zero_grad();
   }
+  // Activation checkpointing runs each block's forward again in backward.
+  const int64_t want_forwards = 2 * steps * micro * (kind == "full_ckpt" ? 2 : 1);
+  WCHECK(g_block_forwards == want_forwards, kind, ": ", g_block_forwards, " block forwards, expected ", want_forwards);
   if (fsdp && fsdp->options().prefetch && fsdp->shard_comm()->size() > 1)
     WCHECK(fsdp->prefetches() > 0, kind, ": no prefetch issued");
   if (ddp && kind == "ddp_small_buckets") WCHECK(ddp->buckets().size() >= 3, kind, ": ", ddp->buckets().size(), " buckets");
