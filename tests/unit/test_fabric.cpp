@@ -264,6 +264,7 @@ TEST(FabricDist, SaveAndResumeContinuesWithIdenticalLosses) {
     EXPECT_RANKS_OK(a);
     EXPECT_TRUE(fs::exists(dir)) << what;
     if (std::string(c.type) == "sharded") EXPECT_TRUE(fs::is_directory(dir)) << what;
+    else EXPECT_TRUE(fs::is_regular_file(dir)) << what << ": a full checkpoint is one consolidated file";
     auto b = run_ranks(c.load_ranks, {"fabric_resume", c.strategy, c.type, dir, "resume", "5", "2"}, 60);
     EXPECT_RANKS_OK(b);
     auto full = losses(a), resumed = losses(b);
@@ -303,6 +304,12 @@ TEST(FabricLaunch, ExampleProgramRunsTwoRanksWithoutALauncher) {
   EXPECT_NE(out.find("[rank 1] rank 1 of 2"), std::string::npos) << out;
   EXPECT_NE(out.find("saved"), std::string::npos) << out;
   EXPECT_TRUE(fs::is_directory(tmp.path + "/ckpt")) << out;
+  // Run again with more steps: it resumes from the checkpoint.
+  auto [rc2, out2] = run_command(std::string(kNoLauncherEnv) + exe + " --devices 2 --strategy fsdp --steps 6 --ckpt " +
+                                 tmp.path + "/ckpt");
+  EXPECT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find("[rank 0] resumed at step 4"), std::string::npos) << out2;
+  EXPECT_NE(out2.find("[rank 0] saved " + tmp.path + "/ckpt at step 6"), std::string::npos) << out2;
 }
 
 TEST(FabricDocs, DocQuotesTheCompiledExample) {
