@@ -46,7 +46,7 @@ struct ShardedLookup : public torch::autograd::Function<ShardedLookup> {
     at::Tensor flat = all_bags.reshape({-1});
     at::Tensor owned = (flat >= row_begin).logical_and(flat < row_begin + rows).nonzero().reshape({-1});
     at::Tensor local_rows = flat.index_select(0, owned) - row_begin;
-    at::Tensor bag_of = at::floor_divide(owned, std::max<int64_t>(len, 1));
+    at::Tensor bag_of = owned.div(std::max<int64_t>(len, 1), "floor");  // integer division
     at::Tensor partial = at::zeros({total, dim}, weight.options());
     partial.index_add_(0, bag_of, weight.index_select(0, local_rows));
     if (mean && len > 0) partial.div_(static_cast<double>(len));
