@@ -2,6 +2,7 @@
 // resume (in-process), and DDP/FSDP fits with resume through real processes.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -9,7 +10,9 @@
 
 #include <cmath>
 #include <filesystem>
+#include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 
@@ -235,4 +238,51 @@ TEST(TrainerDist, DdpAndFsdpFitAndResumeExactlyOnTwoRanks) {
   auto fsdp2 = run_ranks(2, {"trainer_fit", "fsdp", tmp.path + "/fsdp", "7", "last"}, 60);
   EXPECT_RANKS_OK(fsdp2);
   expect_same(losses_of(read_csv(logdir_of(fsdp2) + "/metrics.csv")), want, 4, "fsdp resume");
+}
+
+namespace {
+std::pair<int, std::string> run_command(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  int st = ::pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out};
+}
+std::string slurp(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  EXPECT_TRUE(in) << "cannot read " << p;
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+}  // namespace
+
+TEST(TrainerLaunch, ExampleRunsAndResumes) {
+  const std::string exe = std::string(TESSERA_BINARY_DIR) + "/bin/trainer_mlp";
+  if (!fs::exists(exe)) GTEST_SKIP() << exe << " not built (examples disabled)";
+  TempDir tmp;
+  const std::string env =
+      "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u TESSERA_LAUNCHED ";
+  auto [rc, out] = run_command(env + exe + " --devices 2 --steps 20 --root " + tmp.path);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("[rank 0] epoch 0 done at step 16"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 0] finished at step 20"), std::string::npos) << out;
+  EXPECT_TRUE(fs::is_regular_file(tmp.path + "/checkpoints/last.ckpt")) << out;
+  auto [rc2, out2] = run_command(env + exe + " --devices 2 --steps 25 --root " + tmp.path + " --resume");
+  EXPECT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find("[rank 0] finished at step 25"), std::string::npos) << out2;
+  Csv c = read_csv(tmp.path + "/lightning_logs/version_1/metrics.csv");
+  ASSERT_EQ(c.rows.size(), 1u);  // log_every_n_steps=5: only step 25 after resuming at 20
+  EXPECT_EQ(c.col(0, "step"), "25");
+  EXPECT_EQ(c.col(0, "epoch"), "1");
+  EXPECT_EQ(c.col(0, "batch_rows"), "16");
+}
+
+TEST(TrainerDocs, DocQuotesTheCompiledExample) {
+  const std::string doc = slurp(std::string(TESSERA_SOURCE_DIR) + "/docs/trainer.md");
+  const std::string code = slurp(std::string(TESSERA_SOURCE_DIR) + "/examples/trainer_mlp/main.cpp");
+  const std::string cmake = slurp(std::string(TESSERA_SOURCE_DIR) + "/examples/trainer_mlp/CMakeLists.txt");
+  EXPECT_NE(doc.find("```cpp\n" + code + "```"), std::string::npos) << "docs/trainer.md does not quote main.cpp verbatim";
+  EXPECT_NE(doc.find("```cmake\n" + cmake + "```"), std::string::npos) << "docs/trainer.md does not quote CMakeLists.txt";
 }

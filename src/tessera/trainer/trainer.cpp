@@ -160,6 +160,7 @@ void Trainer::fit(TrainingModule& module, const TensorData& train, const std::st
         o->zero_grad();
       }
       ++global_step_;
+      module.global_step_ = global_step_;
       pending_metrics_["train_loss"] = f.all_reduce(loss.item<double>(), dist::ReduceOp::Avg);
       if (logger_ && global_step_ % options_.log_every_n_steps == 0) {
         logger_->log_metrics(pending_metrics_, global_step_, epoch_);
