@@ -201,6 +201,7 @@ TEST(FabricLocal, SaveLoadRoundTripWithValues) {
     EXPECT_TRUE(at::equal(net[0]->as<torch::nn::Linear>()->weight, saved_w));
     EXPECT_EQ(st.values().integer("epoch"), 4);
     EXPECT_TRUE(st.values().boolean("done"));
+    EXPECT_EQ(st.values().dict("meta").number("lr_sched"), 0.5);  // a dict value takes what it did not name
     ASSERT_TRUE(rest.contains("unasked"));
     EXPECT_EQ(rest.number("unasked"), 1.25);
     EXPECT_DOUBLE_EQ(opt->param_groups()[0].options().get_lr(), 0.1);

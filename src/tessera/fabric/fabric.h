@@ -179,7 +179,8 @@ class Fabric {
   // consolidated file, saved at any world size) and returns the plain values in the
   // checkpoint that `state` did not ask for. strict: an entry of `state` missing from
   // the checkpoint, or a tensor under one of its names that the state does not have,
-  // is an error naming the keys, and nothing is modified. Collective.
+  // is an error naming the keys, and nothing is modified. A requested dict value
+  // receives every plain value the checkpoint holds below its name. Collective.
   state::StateDict load(const std::string& path, FabricState& state, bool strict = true);
 
   // --- access ---

@@ -338,8 +338,19 @@ StateDict Fabric::load(const std::string& path, FabricState& st, bool strict) {
   }
   for (const auto& name : value_names) st.values().set(name, target.at(name));
 
+  // Plain values under a requested dict value that the dict did not name are restored
+  // into it (flattened key below the dict); other entries' leftovers are dropped.
   StateDict leftovers;
   res.leftovers.for_each([&](const std::string& k, const Value& v) {
+    for (const auto& name : value_names) {
+      if (k.rfind(name + ".", 0) != 0) continue;
+      if (auto* d = std::get_if<std::shared_ptr<StateDict>>(&st.values().at(name)); d && *d) {
+        auto merged = std::make_shared<StateDict>(**d);
+        merged->set(k.substr(name.size() + 1), v);
+        st.values().set(name, merged);
+      }
+      return;
+    }
     for (const auto& name : st.names())
       if (under(k, name)) return;
     leftovers.set(k, v);
