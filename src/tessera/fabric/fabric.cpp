@@ -104,7 +104,10 @@ std::vector<std::string> own_command_line() {
 
 }  // namespace
 
-Fabric::Fabric(FabricOptions options) : opts_(resolve(options, cuda_device_count())) {}
+// GPUs are only counted when the accelerator may be CUDA (counting initializes the
+// CUDA driver in this process).
+Fabric::Fabric(FabricOptions options)
+    : opts_(resolve(options, options.accelerator == "cpu" ? 0 : cuda_device_count())) {}
 
 Fabric::~Fabric() = default;
 

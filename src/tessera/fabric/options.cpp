@@ -1,7 +1,6 @@
 #include "tessera/fabric/options.h"
 
-#include <ATen/Context.h>
-#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/cuda.h>
 
 #include "tessera/core/error.h"
 
@@ -21,10 +20,7 @@ const char* to_string(strategy::StateDictType t) {
   return t == strategy::StateDictType::Sharded ? "sharded" : "full";
 }
 
-int cuda_device_count() {
-  if (!at::globalContext().hasCUDA()) return 0;
-  return static_cast<int>(at::detail::getCUDAHooks().getNumGPUs());
-}
+int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
 
 ResolvedOptions resolve(const FabricOptions& o, int cuda_devices) {
   ResolvedOptions r;
