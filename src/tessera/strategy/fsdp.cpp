@@ -146,6 +146,12 @@ FsdpStrategy::FsdpStrategy(std::shared_ptr<dist::Communicator> comm, FsdpOptions
 }
 
 FsdpStrategy::~FsdpStrategy() {
+  for (auto& [w, leaf] : impl_->registered) {
+    try {
+      if (auto m = w.lock()) state::unregister_sharded_tensor(*m, leaf);
+    } catch (...) {
+    }
+  }
   for (auto& u : impl_->units) {
     if (u->module) u->module->strategy = nullptr;
     for (auto& P : u->params) P->hook.remove();
@@ -345,6 +351,7 @@ void FsdpStrategy::register_sharded_params() {
       std::vector<sharding::Shard> local;
       for (auto& m : all)
         if (m.placement.rank == shard_comm_->rank()) local.push_back({P->p, m});
+      I.registered.emplace_back(it->second, leaf);
       state::register_sharded_tensor(*it->second, leaf,
                                      sharding::ShardedTensor::from_parts(std::move(local), all, P->shape,
                                                                          P->shard.scalar_type(), shard_comm_));

@@ -65,6 +65,8 @@ struct FsdpStrategy::Impl {
   at::ScalarType compute_dtype = at::kFloat;
   at::ScalarType reduce_dtype = at::kFloat;
   int64_t prefetch_count = 0;
+  // ShardedTensors registered on modules (unregistered when the strategy goes).
+  std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::string>> registered;
 
   // fsdp_runtime.cpp
   void shard_unit(FsdpUnitState& u);
