@@ -13,6 +13,7 @@
 #include "scenario.h"
 #include "tessera/core/env.h"
 #include "tessera/fabric/fabric.h"
+#include "tessera/strategy/ddp.h"
 
 using namespace tessera;
 using namespace tessera::testing;
@@ -65,11 +66,16 @@ struct Loop {
         f.backward(loss);
         loss_sum += loss.item<double>();
       };
+      // DDP reports the gradient collectives its hooks started during the last backward:
+      // none inside no_backward_sync, some for the synchronizing one.
+      auto* ddp = dynamic_cast<strategy::DdpStrategy*>(&f.strategy());
       if (k + 1 < accum) {
         auto guard = f.no_backward_sync(model);
         run();
+        if (ddp) WCHECK(ddp->launched_during_backward() == 0, "no_backward_sync still communicated");
       } else {
         run();
+        if (ddp && f.world_size() > 1) WCHECK(ddp->launched_during_backward() > 0, "the last micro-batch did not sync");
       }
     }
     if (clip) {
