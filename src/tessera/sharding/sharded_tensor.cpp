@@ -1,13 +1,14 @@
 // ShardedTensor. Data movement (gather, full_tensor, reshard, copy_from, scatter) packs
 // the pieces that cross ranks into one byte buffer per rank and moves them with ONE
-// collective of the Communicator (which has no point-to-point ops):
-//  - gather / full_tensor: all_gather of every rank's non-empty shards; every rank
-//    receives the whole tensor once (gather(dst) drops it on ranks != dst);
+// collective of the Communicator:
+//  - full_tensor: all_gather of every rank's non-empty shards (everyone needs all);
+//  - gather(dst): all_to_all in which only `dst` receives: the other ranks send their
+//    shards and receive nothing, so no rank but dst ever holds the full tensor;
 //  - reshard / copy_from: pieces whose source and destination rank are the same are
-//    copied locally; only the overlaps that change rank are packed, and one
-//    all_gather of those bytes (sizes known from the global metadata, so no size
-//    exchange) delivers them: each rank receives the sum of all moving bytes, of
-//    which it keeps its own. No collective at all when nothing changes rank;
+//    copied locally; every overlap that changes rank is packed by its sender, grouped
+//    by destination, and one all_to_all (sizes known from the global metadata, so no
+//    size exchange) delivers to each rank exactly the bytes it needs. No collective
+//    at all when nothing changes rank;
 //  - scatter: one small broadcast (shape, dtype) plus one broadcast of the tensor.
 // Bytes are copied, never converted, so every path is bit-exact for every dtype.
 #include "tessera/sharding/sharded_tensor.h"
@@ -81,10 +82,8 @@ void exchange(const std::vector<ShardMetadata>& src_all, const std::vector<Shard
   struct Piece {
     size_t i, j;
     Box box;
-    int64_t offset;  // in the sender's buffer
   };
   std::vector<Piece> pieces;
-  std::vector<int64_t> send(n, 0);
   for (size_t i = 0; i < src_all.size(); ++i) {
     if (src_all[i].box.empty()) continue;
     const int a = src_all[i].placement.rank;
@@ -100,24 +99,38 @@ void exchange(const std::vector<ShardMetadata>& src_all, const std::vector<Shard
         }
         continue;
       }
-      pieces.push_back(Piece{i, j, *ov, send[a]});
-      send[a] += ov->numel() * es;
+      pieces.push_back(Piece{i, j, *ov});
     }
   }
   if (pieces.empty()) return;
+  // Offsets within the sender's buffer follow (destination rank, piece order); the
+  // receiver walks (source rank, piece order): the same pieces in the same order.
+  std::vector<int64_t> send_sizes(n, 0), recv_sizes(n, 0);
+  for (auto& p : pieces) {
+    const int a = src_all[p.i].placement.rank, b = dst_all[p.j].placement.rank;
+    const int64_t bytes = p.box.numel() * es;
+    if (a == me) send_sizes[b] += bytes;
+    if (b == me) recv_sizes[a] += bytes;
+  }
   const c10::Device dev = buffer_device({&src_all, &dst_all}, me);
-  at::Tensor mine = at::empty({send[me]}, at::TensorOptions().dtype(at::kByte).device(dev));
+  const auto byte_opts = at::TensorOptions().dtype(at::kByte).device(dev);
+  at::Tensor out_buf = at::empty({std::accumulate(send_sizes.begin(), send_sizes.end(), int64_t{0})}, byte_opts);
+  std::vector<int64_t> cursor(n, 0);
+  for (int b = 1; b < n; ++b) cursor[b] = cursor[b - 1] + send_sizes[b - 1];
   for (const auto& p : pieces) {
     if (src_all[p.i].placement.rank != me) continue;
-    typed_view(mine, p.offset, p.box.sizes, dt).copy_(narrow_to(src_local[spos[p.i]].tensor, src_all[p.i].box, p.box));
+    int64_t& c = cursor[dst_all[p.j].placement.rank];
+    typed_view(out_buf, c, p.box.sizes, dt).copy_(narrow_to(src_local[spos[p.i]].tensor, src_all[p.i].box, p.box));
+    c += p.box.numel() * es;
   }
-  at::Tensor all = comm.all_gather(mine, send);
+  at::Tensor in_buf = comm.all_to_all(out_buf, send_sizes, recv_sizes);
   std::vector<int64_t> start(n, 0);
-  for (int r = 1; r < n; ++r) start[r] = start[r - 1] + send[r - 1];
+  for (int a = 1; a < n; ++a) start[a] = start[a - 1] + recv_sizes[a - 1];
   for (const auto& p : pieces) {
     if (dst_all[p.j].placement.rank != me) continue;
-    narrow_to(dst_local[dpos[p.j]].tensor, dst_all[p.j].box, p.box)
-        .copy_(typed_view(all, start[src_all[p.i].placement.rank] + p.offset, p.box.sizes, dt));
+    int64_t& c = start[src_all[p.i].placement.rank];
+    narrow_to(dst_local[dpos[p.j]].tensor, dst_all[p.j].box, p.box).copy_(typed_view(in_buf, c, p.box.sizes, dt));
+    c += p.box.numel() * es;
   }
 }
 
@@ -328,8 +341,17 @@ at::Tensor ShardedTensor::gather_impl(bool everywhere, int dst) const {
     typed_view(mine, off, s.meta.box.sizes, dtype_).copy_(s.tensor);
     off += s.meta.box.numel() * es;
   }
-  at::Tensor all = comm_->all_gather(mine, send);
-  if (!everywhere && me != dst) return at::Tensor();
+  at::Tensor all;
+  if (everywhere) {
+    all = comm_->all_gather(mine, send);
+  } else {
+    // Only dst receives; every other rank sends its shards to dst and gets nothing.
+    std::vector<int64_t> to(n, 0), from(n, 0);
+    to[dst] = send[me];
+    if (me == dst) from = send;
+    all = comm_->all_to_all(mine, to, from);
+    if (me != dst) return at::Tensor();
+  }
   at::Tensor out = at::empty(shape_, opts);
   std::vector<int64_t> cursor(n, 0);
   for (int r = 1; r < n; ++r) cursor[r] = cursor[r - 1] + send[r - 1];
