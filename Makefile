@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all setup configure build test demo bench clean
+.PHONY: all setup configure build test demo bench fuzz test-asan clean
 
 all: build
 
@@ -27,6 +27,17 @@ demo: build
 
 bench: build
 	bash bench/run.sh $(BUILD)
+
+# libFuzzer targets (clang, ASan+UBSan), FUZZ_SECONDS each (default 60).
+fuzz:
+	bash fuzz/run.sh
+
+# The unit suite under ASan+UBSan in its own build folder.
+test-asan:
+	@bash scripts/setup.sh
+	cmake -S . -B build-asan -G Ninja -DTESSERA_SANITIZE=ON -DTESSERA_BUILD_BENCH=OFF -DTESSERA_BUILD_EXAMPLES=OFF
+	cmake --build build-asan -j $(JOBS)
+	cd build-asan && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -j $(JOBS) --timeout 900
 
 clean:
 	rm -rf $(BUILD)

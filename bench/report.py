@@ -19,10 +19,21 @@ def fmt(v):
     return str(v)
 
 
+def flatten(prefix, v, out):
+    if isinstance(v, dict):
+        for k, x in v.items():
+            flatten(f"{prefix}.{k}" if prefix else k, x, out)
+    else:
+        out.append((prefix, v))
+
+
 def table(doc):
     rows = doc.get("rows", [])
     if not rows:
-        return "(no rows)\n"
+        # A result without rows: one "measure | value" line per leaf.
+        pairs = []
+        flatten("", {k: v for k, v in doc.items() if k != "benchmark"}, pairs)
+        return "| measure | value |\n|---|---|\n" + "".join(f"| {k} | {fmt(v)} |\n" for k, v in pairs)
     cols = list(rows[0].keys())
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:

@@ -8,10 +8,10 @@ cd "$ROOT"
 mkdir -p bench/results
 echo "== collectives (2 ranks, gloo) =="
 "$BUILD/bin/tessera" run -n 2 -- "$BUILD/bin/bench_collectives" bench/results/collectives.json
-# Area benchmarks add themselves as bench/*/run.sh.
-for s in bench/*/run.sh; do
-  [ -f "$s" ] || continue
-  echo "== $s =="
-  bash "$s" "$BUILD"
-done
+echo "== checkpoints: save/load ~1 GiB vs dd and torch.save/torch.load =="
+bash bench/checkpoint/run_checkpoint_bench.sh "$BUILD" "${CKPT_BENCH_MIB:-1024}"
+if [ -f bench/strategy/run.sh ]; then
+  echo "== strategies: step time vs a plain loop and Python DDP =="
+  bash bench/strategy/run.sh "$BUILD"
+fi
 /usr/bin/python3 bench/report.py
