@@ -161,12 +161,13 @@ VerifyReport verify(const std::string& path) {
   return rep;
 }
 
-void consolidate(const std::string& src, const std::string& out, bool force) {
-  CheckpointMetadata m = open_checkpoint(src);
-  check_output(out, force, false);
+// Writes `out` through a temporary sibling: `write(tmp)` fills it, then one atomic
+// rename publishes it; on any error the temporary is removed and `out` is untouched.
+template <typename F>
+void publish_via_temp(const std::string& out, F&& write) {
   const std::string tmp = temp_sibling(out);
   try {
-    write_consolidated(m, tmp);
+    write(tmp);
     commit_rename(tmp, out);
   } catch (...) {
     remove_all(tmp);
@@ -174,14 +175,19 @@ void consolidate(const std::string& src, const std::string& out, bool force) {
   }
 }
 
+void consolidate(const std::string& src, const std::string& out, bool force) {
+  CheckpointMetadata m = open_checkpoint(src);
+  check_output(out, force, false);
+  publish_via_temp(out, [&](const std::string& tmp) { write_consolidated(m, tmp); });
+}
+
 void reshard(const std::string& src, int world_size, const std::string& out, bool force) {
   TESSERA_CHECK(world_size >= 1, "reshard: world size must be at least 1, got ", world_size);
   CheckpointMetadata m = open_checkpoint(src);
   check_output(out, force, false);
   ChunkReader reader(m);
-  const std::string tmp = temp_sibling(out);
-  make_dir(tmp);
-  try {
+  publish_via_temp(out, [&](const std::string& tmp) {
+    make_dir(tmp);
     CheckpointMetadata o;
     o.world_size = world_size;
     o.crc_block = kCrcBlock;
@@ -213,32 +219,20 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
       for (auto& [fqn, c] : d.chunks) o.entries.at(fqn).chunks.push_back(std::move(c));
     }
     write_metadata_file(tmp, o);
-    commit_rename(tmp, out);
-  } catch (...) {
-    remove_all(tmp);
-    throw;
-  }
+  });
 }
 
 void export_checkpoint(const std::string& src, ExportFormat format, const std::string& out, bool force) {
   if (format == ExportFormat::Safetensors) {
     CheckpointMetadata m = open_checkpoint(src);
     check_output(out, force, true);
-    const std::string tmp = temp_sibling(out);
-    try {
-      write_consolidated(m, tmp);
-      commit_rename(tmp, out);
-    } catch (...) {
-      remove_all(tmp);
-      throw;
-    }
+    publish_via_temp(out, [&](const std::string& tmp) { write_consolidated(m, tmp); });
     return;
   }
   CheckpointMetadata m = open_checkpoint(src);
   check_output(out, force, true);
   ChunkReader reader(m);
-  const std::string tmp = temp_sibling(out);
-  try {
+  publish_via_temp(out, [&](const std::string& tmp) {
     {
       TorchExportWriter w(tmp);
       for (const auto& k : m.keys) {
@@ -248,11 +242,7 @@ void export_checkpoint(const std::string& src, ExportFormat format, const std::s
       w.finish();
     }
     File(tmp, "r").fsync();  // PyTorchStreamWriter does not fsync
-    commit_rename(tmp, out);
-  } catch (...) {
-    remove_all(tmp);
-    throw;
-  }
+  });
 }
 
 }  // namespace tessera::checkpoint

@@ -119,6 +119,24 @@ std::unique_ptr<optim::OptimizerParamState> make_state(const std::string& kind, 
   return out;
 }
 
+// Adam and AdamW share their hyperparameters.
+template <typename AdamLike>
+void adam_options_to(const AdamLike& p, StateDict& g) {
+  g.set("lr", p.lr());
+  g.set("beta1", std::get<0>(p.betas()));
+  g.set("beta2", std::get<1>(p.betas()));
+  g.set("eps", p.eps());
+  g.set("weight_decay", p.weight_decay());
+  g.set("amsgrad", p.amsgrad());
+}
+
+template <typename AdamLike, typename Num, typename Flag>
+std::function<void()> adam_options_from(AdamLike* p, const Num& d, const Flag& b) {
+  AdamLike v(d("lr"));
+  v.betas({d("beta1"), d("beta2")}).eps(d("eps")).weight_decay(d("weight_decay")).amsgrad(b("amsgrad"));
+  return [p, v] { *p = v; };
+}
+
 void options_to(const optim::OptimizerOptions& o, StateDict& g) {
   if (auto* p = dynamic_cast<const optim::SGDOptions*>(&o)) {
     g.set("lr", p->lr());
@@ -127,19 +145,9 @@ void options_to(const optim::OptimizerOptions& o, StateDict& g) {
     g.set("weight_decay", p->weight_decay());
     g.set("nesterov", p->nesterov());
   } else if (auto* p = dynamic_cast<const optim::AdamOptions*>(&o)) {
-    g.set("lr", p->lr());
-    g.set("beta1", std::get<0>(p->betas()));
-    g.set("beta2", std::get<1>(p->betas()));
-    g.set("eps", p->eps());
-    g.set("weight_decay", p->weight_decay());
-    g.set("amsgrad", p->amsgrad());
+    adam_options_to(*p, g);
   } else if (auto* p = dynamic_cast<const optim::AdamWOptions*>(&o)) {
-    g.set("lr", p->lr());
-    g.set("beta1", std::get<0>(p->betas()));
-    g.set("beta2", std::get<1>(p->betas()));
-    g.set("eps", p->eps());
-    g.set("weight_decay", p->weight_decay());
-    g.set("amsgrad", p->amsgrad());
+    adam_options_to(*p, g);
   } else if (auto* p = dynamic_cast<const optim::AdagradOptions*>(&o)) {
     g.set("lr", p->lr());
     g.set("lr_decay", p->lr_decay());
@@ -166,16 +174,8 @@ std::function<void()> options_from(optim::OptimizerOptions& o, const StateDict& 
       v.momentum(d("momentum")).dampening(d("dampening")).weight_decay(d("weight_decay")).nesterov(b("nesterov"));
       return [p, v] { *p = v; };
     }
-    if (auto* p = dynamic_cast<optim::AdamOptions*>(&o)) {
-      optim::AdamOptions v(d("lr"));
-      v.betas({d("beta1"), d("beta2")}).eps(d("eps")).weight_decay(d("weight_decay")).amsgrad(b("amsgrad"));
-      return [p, v] { *p = v; };
-    }
-    if (auto* p = dynamic_cast<optim::AdamWOptions*>(&o)) {
-      optim::AdamWOptions v(d("lr"));
-      v.betas({d("beta1"), d("beta2")}).eps(d("eps")).weight_decay(d("weight_decay")).amsgrad(b("amsgrad"));
-      return [p, v] { *p = v; };
-    }
+    if (auto* p = dynamic_cast<optim::AdamOptions*>(&o)) return adam_options_from(p, d, b);
+    if (auto* p = dynamic_cast<optim::AdamWOptions*>(&o)) return adam_options_from(p, d, b);
     if (auto* p = dynamic_cast<optim::AdagradOptions*>(&o)) {
       optim::AdagradOptions v(d("lr"));
       v.lr_decay(d("lr_decay")).weight_decay(d("weight_decay")).initial_accumulator_value(d("initial_accumulator_value")).eps(d("eps"));
