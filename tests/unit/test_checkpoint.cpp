@@ -7,6 +7,7 @@
 
 #include <fstream>
 
+#include "test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/metadata.h"
@@ -17,31 +18,10 @@
 using namespace tessera;
 namespace ck = tessera::checkpoint;
 
+using namespace tessera::testing;
+
 namespace {
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/tessera-ck-XXXXXX";
-  const char* d = ::mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d;
-}
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
-std::string read_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(f)), {});
-}
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 std::shared_ptr<dist::Communicator> solo() {
   static auto c = dist::Communicator::create(dist::World{});

@@ -6,34 +6,18 @@
 #include <regex>
 
 #include "harness.h"
+#include "test_util.h"
 #include "tessera/nn/sharded_embedding_bag.h"
 
 using namespace tessera;
 using tessera::testing::run_ranks;
 
+using namespace tessera::testing;
+
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
-#define EXPECT_CONTAINS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
 
-std::pair<int, std::string> sh(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return {-1, ""};
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  int st = ::pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
 
 }  // namespace
 
@@ -93,7 +77,7 @@ TEST(ShardedEmbeddingExample, TrainsAcrossThreeRanks) {
   std::string worker = TESSERA_WORKER;
   const std::string example = worker.substr(0, worker.rfind('/')) + "/sharded_embedding";
   ASSERT_EQ(::access(example.c_str(), X_OK), 0) << example << " is not built (TESSERA_BUILD_EXAMPLES=ON builds it)";
-  auto [code, out] = sh(std::string(TESSERA_CLI) + " run -n 3 -- " + example + " 40 2>&1");
+  auto [code, out] = run_command(std::string(TESSERA_CLI) + " run -n 3 -- " + example + " 40 2>&1");
   ASSERT_EQ(code, 0) << out;
   for (const char* part : {"[rank 0] rank 0 of 3 owns rows [0, 334)", "[rank 2] rank 2 of 3 owns rows [668, 1000)",
                            "state dict: emb.weight(sharded) head.weight(tensor) head.bias(tensor)"})

@@ -16,6 +16,7 @@
 #include <map>
 #include <sstream>
 
+#include "test_util.h"
 #include "tessera/fabric/fabric.h"
 #include "unit/harness.h"
 
@@ -23,6 +24,8 @@ using namespace tessera;
 using namespace tessera::fabric;
 using tessera::testing::run_ranks;
 namespace fs = std::filesystem;
+
+using namespace tessera::testing;
 
 namespace {
 
@@ -70,17 +73,6 @@ tessera::testing::RanksResult train(int n, const std::string& strategy, int step
   return run_ranks(n, {"fabric_train", strategy, std::to_string(steps), std::to_string(accum), std::to_string(clip)}, 60);
 }
 
-// Runs `cmd` through the shell; returns its exit status and combined output.
-std::pair<int, std::string> run_command(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return {-1, "popen failed"};
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int st = ::pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out};
-}
 
 // A launcher-free environment for the self-spawn tests (the test itself may run
 // under a launcher).
@@ -314,14 +306,9 @@ TEST(FabricLaunch, ExampleProgramRunsTwoRanksWithoutALauncher) {
 }
 
 TEST(FabricDocs, DocQuotesTheCompiledExample) {
-  auto slurp = [](const std::string& p) {
-    std::ifstream in(p, std::ios::binary);
-    EXPECT_TRUE(in) << "cannot read " << p;
-    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  };
-  const std::string doc = slurp(std::string(TESSERA_SOURCE_DIR) + "/docs/fabric.md");
-  const std::string code = slurp(std::string(TESSERA_SOURCE_DIR) + "/examples/fabric_mlp/main.cpp");
-  const std::string cmake = slurp(std::string(TESSERA_SOURCE_DIR) + "/examples/fabric_mlp/CMakeLists.txt");
+  const std::string doc = read_bytes(std::string(TESSERA_SOURCE_DIR) + "/docs/fabric.md");
+  const std::string code = read_bytes(std::string(TESSERA_SOURCE_DIR) + "/examples/fabric_mlp/main.cpp");
+  const std::string cmake = read_bytes(std::string(TESSERA_SOURCE_DIR) + "/examples/fabric_mlp/CMakeLists.txt");
   EXPECT_NE(doc.find("```cpp\n" + code + "```"), std::string::npos) << "docs/fabric.md does not quote main.cpp verbatim";
   EXPECT_NE(doc.find("```cmake\n" + cmake + "```"), std::string::npos) << "docs/fabric.md does not quote CMakeLists.txt";
 }

@@ -9,37 +9,29 @@
 #include <filesystem>
 #include <string>
 
+#include "test_util.h"
+
 namespace fs = std::filesystem;
 
-namespace {
-std::pair<int, std::string> sh(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  int st = ::pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out};
-}
-}  // namespace
+using tessera::testing::run_command;
 
 TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
   fs::path tmp = fs::temp_directory_path() / ("tessera-install-" + std::to_string(::getpid()));
   fs::remove_all(tmp);
   const std::string prefix = (tmp / "prefix").string();
-  auto [rc, out] = sh("cmake --install " TESSERA_BINARY_DIR " --prefix " + prefix);
+  auto [rc, out] = run_command("cmake --install " TESSERA_BINARY_DIR " --prefix " + prefix);
   ASSERT_EQ(rc, 0) << out;
   EXPECT_TRUE(fs::exists(tmp / "prefix/bin/tessera"));
   EXPECT_TRUE(fs::exists(tmp / "prefix/include/tessera/dist/communicator.h"));
   EXPECT_TRUE(fs::exists(tmp / "prefix/include/tessera/config.h"));
   EXPECT_FALSE(fs::exists(tmp / "prefix/include/tessera/core/pch.h"));
   const std::string build = (tmp / "consumer-build").string();
-  std::tie(rc, out) = sh("cmake -S " TESSERA_SOURCE_DIR "/tests/consumer -B " + build + " -G Ninja -DCMAKE_PREFIX_PATH=" +
+  std::tie(rc, out) = run_command("cmake -S " TESSERA_SOURCE_DIR "/tests/consumer -B " + build + " -G Ninja -DCMAKE_PREFIX_PATH=" +
                          prefix);
   ASSERT_EQ(rc, 0) << out;
-  std::tie(rc, out) = sh("cmake --build " + build);
+  std::tie(rc, out) = run_command("cmake --build " + build);
   ASSERT_EQ(rc, 0) << out;
-  std::tie(rc, out) = sh(prefix + "/bin/tessera run -n 2 -- " + build + "/consumer");
+  std::tie(rc, out) = run_command(prefix + "/bin/tessera run -n 2 -- " + build + "/consumer");
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("[rank 1] consumer ok: world 2 sum 6 chunks 4"), std::string::npos) << out;
   fs::remove_all(tmp);

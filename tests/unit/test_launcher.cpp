@@ -10,9 +10,12 @@
 #include <regex>
 #include <thread>
 
+#include "test_util.h"
 #include "harness.h"
 
 using tessera::testing::run_ranks;
+
+using tessera::testing::run_command;
 
 namespace {
 
@@ -43,15 +46,6 @@ std::vector<int> pids_in(const std::string& text, const std::string& word) {
 }
 
 // Runs a shell command, returns (exit status, stdout).
-std::pair<int, std::string> sh(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  int st = ::pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out};
-}
 
 }  // namespace
 
@@ -118,24 +112,24 @@ TEST(Launcher, MissingProgramFailsWithCode127) {
 }
 
 TEST(TesseraRun, PrefixesOutputAndPropagatesExitCode) {
-  auto [code, out] = sh(std::string(TESSERA_CLI) + " run -n 2 -- " + TESSERA_WORKER + " echo 2>&1");
+  auto [code, out] = run_command(std::string(TESSERA_CLI) + " run -n 2 -- " + TESSERA_WORKER + " echo 2>&1");
   EXPECT_EQ(code, 0) << out;
   EXPECT_NE(out.find("[rank 0] out line 1 from 0"), std::string::npos) << out;
   EXPECT_NE(out.find("[rank 1] out line 2 from 1"), std::string::npos) << out;
   EXPECT_NE(out.find("[rank 1] err line from 1"), std::string::npos) << out;
   EXPECT_NE(out.find("[rank 0] omp=1 world=2 local=0 group=0 tail-without-newline"), std::string::npos) << out;
 
-  auto [code2, out2] = sh(std::string(TESSERA_CLI) + " run -n 2 " + TESSERA_WORKER + " exit_code 1 4 2>&1");
+  auto [code2, out2] = run_command(std::string(TESSERA_CLI) + " run -n 2 " + TESSERA_WORKER + " exit_code 1 4 2>&1");
   EXPECT_EQ(code2, 4) << out2;
   EXPECT_NE(out2.find("tessera run: rank 1"), std::string::npos) << out2;
 
-  auto [code3, out3] = sh(std::string(TESSERA_CLI) + " run -n 0 -- true 2>&1");
+  auto [code3, out3] = run_command(std::string(TESSERA_CLI) + " run -n 0 -- true 2>&1");
   EXPECT_NE(code3, 0);
   EXPECT_NE(out3.find("nproc-per-node"), std::string::npos) << out3;
 }
 
 TEST(TesseraRun, MultiNodeFlagsComputeGlobalRanks) {
-  auto [code, out] = sh(std::string(TESSERA_CLI) + " run -n 2 --nnodes 3 --node-rank 2 --master-port 1 " +
+  auto [code, out] = run_command(std::string(TESSERA_CLI) + " run -n 2 --nnodes 3 --node-rank 2 --master-port 1 " +
                         "--threads-per-rank 3 -- sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK g=$GROUP_RANK " +
                         "t=$OMP_NUM_THREADS' 2>&1");
   EXPECT_EQ(code, 0) << out;

@@ -6,6 +6,7 @@
 
 #include <fstream>
 
+#include "test_util.h"
 #include "tessera/checkpoint/crc32c.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/safetensors.h"
@@ -14,23 +15,11 @@
 using namespace tessera;
 using namespace tessera::checkpoint;
 
+using namespace tessera::testing;
+
 namespace {
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/tessera-st-XXXXXX";
-  const char* d = ::mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d;
-}
 
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
-std::string read_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(f)), {});
-}
 
 // A safetensors file from a header JSON text and a data section.
 std::string make_file(const std::string& header, const std::string& data) {
@@ -40,15 +29,6 @@ std::string make_file(const std::string& header, const std::string& data) {
   return s + header + data;
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 }  // namespace
 

@@ -4,11 +4,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "harness.h"
+#include "test_util.h"
 #include "tessera/sharding/sharded_tensor.h"
 
 using namespace tessera;
 using namespace tessera::sharding;
 using tessera::testing::run_ranks;
+
+using namespace tessera::testing;
 
 namespace {
 
@@ -18,14 +21,6 @@ ShardMetadata shard(std::vector<int64_t> off, std::vector<int64_t> size, int ran
   return ShardMetadata{Box{std::move(off), std::move(size)}, Placement{rank}};
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 bool bits_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
@@ -33,7 +28,6 @@ bool bits_equal(const at::Tensor& a, const at::Tensor& b) {
   return at::equal(a.contiguous().view(as), b.contiguous().view(as));
 }
 
-#define EXPECT_CONTAINS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
 
 }  // namespace
 

@@ -3,12 +3,15 @@
 #include <torch/torch.h>
 
 #include "harness.h"
+#include "test_util.h"
 #include "tessera/sharding/sharded_tensor.h"
 #include "tessera/state/module_state.h"
 #include "tessera/state/optimizer_state.h"
 
 using namespace tessera;
 using tessera::testing::run_ranks;
+
+using namespace tessera::testing;
 
 namespace {
 
@@ -34,16 +37,7 @@ struct Net : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
-#define EXPECT_CONTAINS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
 
 std::vector<at::Tensor> values(const torch::nn::Module& m) {
   std::vector<at::Tensor> v;

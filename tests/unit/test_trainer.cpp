@@ -16,12 +16,15 @@
 #include <map>
 #include <sstream>
 
+#include "test_util.h"
 #include "tessera/trainer/trainer.h"
 #include "unit/harness.h"
 
 using namespace tessera;
 using tessera::testing::run_ranks;
 namespace fs = std::filesystem;
+
+using namespace tessera::testing;
 
 namespace {
 
@@ -241,21 +244,6 @@ TEST(TrainerDist, DdpAndFsdpFitAndResumeExactlyOnTwoRanks) {
 }
 
 namespace {
-std::pair<int, std::string> run_command(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return {-1, "popen failed"};
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int st = ::pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out};
-}
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in) << "cannot read " << p;
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
 }  // namespace
 
 TEST(TrainerLaunch, ExampleRunsAndResumes) {
@@ -280,9 +268,9 @@ TEST(TrainerLaunch, ExampleRunsAndResumes) {
 }
 
 TEST(TrainerDocs, DocQuotesTheCompiledExample) {
-  const std::string doc = slurp(std::string(TESSERA_SOURCE_DIR) + "/docs/trainer.md");
-  const std::string code = slurp(std::string(TESSERA_SOURCE_DIR) + "/examples/trainer_mlp/main.cpp");
-  const std::string cmake = slurp(std::string(TESSERA_SOURCE_DIR) + "/examples/trainer_mlp/CMakeLists.txt");
+  const std::string doc = read_bytes(std::string(TESSERA_SOURCE_DIR) + "/docs/trainer.md");
+  const std::string code = read_bytes(std::string(TESSERA_SOURCE_DIR) + "/examples/trainer_mlp/main.cpp");
+  const std::string cmake = read_bytes(std::string(TESSERA_SOURCE_DIR) + "/examples/trainer_mlp/CMakeLists.txt");
   EXPECT_NE(doc.find("```cpp\n" + code + "```"), std::string::npos) << "docs/trainer.md does not quote main.cpp verbatim";
   EXPECT_NE(doc.find("```cmake\n" + cmake + "```"), std::string::npos) << "docs/trainer.md does not quote CMakeLists.txt";
 }
