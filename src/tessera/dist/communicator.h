@@ -100,7 +100,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int64_t all_reduce_int(int64_t value, ReduceOp op = ReduceOp::Sum);
   double all_reduce_double(double value, ReduceOp op = ReduceOp::Sum);
 
-  // --- asynchronous variants (for overlap); tensors must stay alive until wait() ---
+  // --- asynchronous variants (for overlap); the tensors and this Communicator must
+  // stay alive until wait() ---
   Pending all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::Sum);
   Pending all_gather_async(const at::Tensor& local, const std::vector<int64_t>& dim0_sizes);
   Pending reduce_scatter_async(const at::Tensor& full, const std::vector<int64_t>& dim0_sizes,

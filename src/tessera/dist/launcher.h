@@ -29,7 +29,8 @@ struct LaunchOptions {
   std::chrono::milliseconds grace{std::chrono::seconds(5)};
   // Stop everything and fail (exit code 124) after this long; none by default.
   std::optional<std::chrono::milliseconds> deadline;
-  // Forward SIGINT/SIGTERM/SIGHUP received by this process to the ranks.
+  // Forward SIGINT/SIGTERM/SIGHUP received by this process to the ranks (installs
+  // process-wide handlers for the duration: one such launch at a time per process).
   bool forward_signals = true;
   // Receives each complete output line of a rank. Default: written to this process's
   // stdout/stderr as "[rank R] line".
