@@ -35,7 +35,7 @@ fuzz:
 # The unit suite under ASan+UBSan in its own build folder.
 test-asan:
 	@bash scripts/setup.sh
-	cmake -S . -B build-asan -G Ninja -DTESSERA_SANITIZE=ON -DTESSERA_BUILD_BENCH=OFF -DTESSERA_BUILD_EXAMPLES=OFF
+	cmake -S . -B build-asan -G Ninja -DTESSERA_SANITIZE=ON -DTESSERA_BUILD_BENCH=OFF
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -j $(JOBS) --timeout 900
 
