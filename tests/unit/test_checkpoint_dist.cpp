@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "harness.h"
+#include "test_util.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/offline.h"
 
@@ -23,16 +24,10 @@ extern char** environ;
 
 using namespace tessera;
 using tessera::testing::run_ranks;
+using tessera::testing::temp_dir;
 namespace ck = tessera::checkpoint;
 
 namespace {
-
-std::string temp_dir() {
-  char tmpl[] = "/tmp/tessera-ckd-XXXXXX";
-  const char* d = ::mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d;
-}
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "harness.h"
+#include "test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/offline.h"
@@ -17,31 +18,18 @@
 
 using namespace tessera;
 using tessera::testing::run_ranks;
+using tessera::testing::temp_dir;
 namespace ck = tessera::checkpoint;
 
 namespace {
-
-std::string temp_dir() {
-  char tmpl[] = "/tmp/tessera-io-XXXXXX";
-  const char* d = ::mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d;
-}
 
 struct Cmd {
   int code = -1;
   std::string out;
 };
 Cmd sh(const std::string& cmd) {
-  Cmd r;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int st = ::pclose(p);
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
+  auto [code, out] = tessera::testing::run_command(cmd);
+  return Cmd{code, out};
 }
 Cmd cli(const std::string& args) { return sh(std::string(TESSERA_CLI) + " " + args); }
 
