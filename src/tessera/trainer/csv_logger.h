@@ -1,36 +1,67 @@
-// CSV logger: <root>/<name>/version_<N>/metrics.csv (one row per logged step; columns
-// "step", "epoch" and every metric name in order of first appearance, empty cells where
-// a step did not log a metric) and hparams.yaml. Only global rank 0 writes; the run
-// directory (next free version) is chosen by rank 0 and shared with the other ranks.
+// CSV logger: <save_dir>/<name>/version_<N>/metrics.csv (one row per logged step;
+// columns "step", "epoch" and then every metric name in order of first appearance;
+// empty cells where a row has no value) and hparams.yaml. Only global rank 0 writes;
+// the run directory (next free version) is chosen by rank 0 in setup() and shared with
+// the other ranks. metrics.csv is rewritten atomically (temporary file + rename) on every
+// save(), so a reader never sees a torn file.
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include "tessera/trainer/logger.h"
 
 namespace tessera::trainer {
 
-class CsvLogger {
+class CsvLogger : public Logger {
  public:
-  // `dir`: the run directory (already versioned); `write`: whether this rank writes.
-  CsvLogger(std::string dir, bool write);
-  // The first free "version_N" below root/name.
-  static std::string next_version_dir(const std::string& root, const std::string& name = "lightning_logs");
+  // log_dir = save_dir/name/version_N (N = version, or the next free one); with an
+  // empty name, save_dir/version_N.
+  explicit CsvLogger(std::string save_dir = ".", std::string name = "lightning_logs",
+                     std::optional<int> version = {});
+  // A logger whose log_dir is `dir` exactly (no versioning), e.g. for
+  // options.loggers.push_back(CsvLogger::flat(dir)).
+  static std::shared_ptr<CsvLogger> flat(std::string dir);
 
-  void log_hparams(const std::map<std::string, std::string>& hparams);
-  void log_metrics(const std::map<std::string, double>& metrics, int64_t step, int64_t epoch);
-  // Rewrites metrics.csv with every row so far (columns may have grown).
-  void save();
-  const std::string& dir() const { return dir_; }
+  void setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) override;
+  std::string name() const override { return "csv"; }
+  std::string log_dir() const override { return dir_; }
+  void log_hyperparams(const std::map<std::string, std::string>& hparams) override;
+  // Names "step" and "epoch" are columns of their own: "epoch" fills the epoch column;
+  // "step" is refused (the step is the argument). Names may not contain a comma, quote
+  // or newline.
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override;
+  void save() override;
+  void finalize() override { save(); }
+
   std::string metrics_path() const { return dir_ + "/metrics.csv"; }
 
+  // --- Deprecated (the pre-Logger interface; kept until the Trainer has switched) ---
+  // A logger already set up on `dir` (created when `write`). A template so that
+  // CsvLogger("logs", "run") picks the (save_dir, name) constructor, not this one.
+  template <typename B, std::enable_if_t<std::is_same_v<B, bool>, int> = 0>
+  CsvLogger(std::string dir, B write) : CsvLogger(std::move(dir), static_cast<bool>(write), Legacy{}) {}
+  static std::string next_version_dir(const std::string& root, const std::string& name = "lightning_logs") {
+    return trainer::next_version_dir(root, name);
+  }
+  void log_hparams(const std::map<std::string, std::string>& hparams) { log_hyperparams(hparams); }
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step, int64_t epoch);
+  const std::string& dir() const { return dir_; }
+
  private:
+  struct Legacy {};
+  CsvLogger(std::string dir, bool write, Legacy);
   struct Row {
-    int64_t step, epoch;
+    int64_t step;
+    std::optional<double> epoch;
     std::map<std::string, double> values;
   };
+  RunDirSpec spec_;
   std::string dir_;
-  bool write_;
+  bool write_ = false, set_up_ = false;
   std::vector<std::string> columns_;
   std::vector<Row> rows_;
 };
