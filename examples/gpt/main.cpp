@@ -1,0 +1,324 @@
+// gpt: a byte-level GPT trained with the Trainer (single process, DDP or FSDP with one
+// unit per transformer block), and sampled from its checkpoints.
+//
+//   gpt train --devices 2 --strategy fsdp --max-steps 300 --out runs/gpt
+//   gpt train --devices 2 --strategy fsdp --max-steps 600 --out runs/gpt --resume last
+//   gpt sample --ckpt runs/gpt/checkpoints/last.ckpt --prompt "This License" --tokens 200
+//
+// Started without a launcher, `train` re-runs itself on --devices ranks; started by
+// `tessera run -n N` (or torchrun/srun) it uses the launcher's ranks. --batch-size is the
+// global batch (split evenly over the ranks), so runs at any world size see the same data.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data.h"
+#include "model.h"
+#include "tessera/checkpoint/checkpoint.h"
+#include "tessera/state/module_state.h"
+#include "tessera/trainer/csv_logger.h"
+#include "tessera/trainer/trainer.h"
+
+using namespace tessera;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TrainArgs {
+  int devices = 0;  // 0: the launcher's LOCAL_WORLD_SIZE, else 1
+  std::string strategy = "fsdp", sharding = "full", precision = "32", state_dict, resume;
+  int64_t max_steps = 300, batch_size = 16, seq_len = 64, n_layer = 4, n_head = 4, d_model = 128;
+  int64_t warmup_steps = -1, ckpt_every = 0, val_every = 50, log_every = 10;
+  double lr = 2e-3, min_lr_ratio = 0.1, weight_decay = 0.01, grad_clip = 1.0, val_fraction = 0.1;
+  uint64_t seed = 1234;
+  std::vector<std::string> data;
+  std::string out = "gpt-run";
+  bool tie_weights = false, progress_bar = true;
+  int threads = 0;  // 0: cores / ranks on this node
+};
+
+std::string lowercase(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, gpt::kVocab}), targets.reshape({-1}));
+}
+
+// The TrainingModule: the model, AdamW with linear warmup + cosine decay (stepped after
+// every optimizer step, saved in checkpoints by the Trainer), next-byte cross-entropy.
+struct GptModule : trainer::TrainingModule {
+  TrainArgs args;
+  gpt::Config cfg;
+  gpt::Gpt net{nullptr};
+  std::shared_ptr<torch::optim::AdamW> opt;
+  int64_t start_step = 0;
+
+  GptModule(TrainArgs a, gpt::Config c) : args(std::move(a)), cfg(c) {}
+
+  torch::nn::AnyModule configure_model() override {
+    at::manual_seed(args.seed);  // the same initial weights on every rank
+    net = gpt::Gpt(cfg);
+    return torch::nn::AnyModule(net);
+  }
+  trainer::OptimizerConfig configure_optimizers() override {
+    opt = std::make_shared<torch::optim::AdamW>(
+        net->parameters(), torch::optim::AdamWOptions(args.lr).betas({0.9, 0.95}).weight_decay(args.weight_decay));
+    auto sched = std::make_shared<trainer::WarmupCosineLR>(opt, args.warmup_steps, args.max_steps, args.min_lr_ratio);
+    return {opt, sched};
+  }
+  at::Tensor training_step(const trainer::Batch& b, int64_t) override {
+    log("lr", opt->param_groups()[0].options().get_lr());  // the lr this step uses
+    auto ac = fabric().autocast();
+    return lm_loss(model().forward<at::Tensor>(b.inputs), b.targets);
+  }
+  void validation_step(const trainer::Batch& b, int64_t) override {
+    auto ac = fabric().autocast();
+    log("val_loss", lm_loss(model().forward<at::Tensor>(b.inputs), b.targets).item<double>(), /*prog_bar=*/true,
+        /*sync_dist=*/true);
+  }
+  std::map<std::string, std::string> hparams() const override {
+    return {{"n_layer", std::to_string(cfg.n_layer)}, {"n_head", std::to_string(cfg.n_head)},
+            {"d_model", std::to_string(cfg.d_model)}, {"seq_len", std::to_string(cfg.seq_len)},
+            {"tie_weights", cfg.tie_weights ? "true" : "false"}, {"lr", std::to_string(args.lr)},
+            {"batch_size", std::to_string(args.batch_size)}, {"seed", std::to_string(args.seed)}};
+  }
+  void on_train_start() override { start_step = global_step(); }
+};
+
+void check(bool ok, const std::string& msg) {
+  if (!ok) throw CLI::ValidationError(msg);
+}
+
+int run_train(TrainArgs a) {
+  // Ranks and batch split (the launcher's environment when started by one).
+  const bool launched = std::getenv("WORLD_SIZE") != nullptr;
+  const int world = launched ? env_int("WORLD_SIZE", 1) : (a.devices > 0 ? a.devices : 1);
+  const int local = launched ? env_int("LOCAL_WORLD_SIZE", world) : world;
+  if (launched && a.devices > 0 && a.devices != local)
+    throw CLI::ValidationError("--devices " + std::to_string(a.devices) + " disagrees with the launcher's " +
+                               std::to_string(local) + " ranks per node (omit --devices under tessera run)");
+  check(a.batch_size % world == 0, "--batch-size " + std::to_string(a.batch_size) + " (the global batch) must be a " +
+                                       "multiple of the " + std::to_string(world) + " ranks");
+  check(a.d_model % a.n_head == 0, "--d-model " + std::to_string(a.d_model) + " must be a multiple of --n-head " +
+                                       std::to_string(a.n_head));
+  if (a.strategy == "single") check(world == 1, "--strategy single runs one process, but " + std::to_string(world) +
+                                                    " ranks were asked for (--devices / the launcher)");
+  if (a.warmup_steps < 0) a.warmup_steps = std::min<int64_t>(30, a.max_steps / 10);
+  check(a.warmup_steps < a.max_steps, "--warmup-steps " + std::to_string(a.warmup_steps) +
+                                          " must be smaller than --max-steps " + std::to_string(a.max_steps));
+  if (a.sharding != "full") check(a.strategy == "fsdp", "--sharding " + a.sharding + " needs --strategy fsdp");
+
+  trainer::TrainerOptions o;
+  o.fabric.accelerator = "cpu";
+  o.fabric.strategy = a.strategy;
+  o.fabric.devices = local;
+  o.fabric.num_nodes = std::max(1, world / std::max(1, local));
+  o.fabric.precision = a.precision;
+  using SS = strategy::ShardingStrategy;
+  o.fabric.fsdp.sharding = a.sharding == "full"      ? SS::FullShard
+                           : a.sharding == "grad-op" ? SS::ShardGradOp
+                           : a.sharding == "none"    ? SS::NoShard
+                                                     : SS::HybridShard;
+  o.fabric.fsdp.auto_wrap = strategy::wrap_by_type<gpt::BlockImpl>();
+  const std::string sd = a.state_dict.empty() ? (a.strategy == "fsdp" ? "sharded" : "full") : a.state_dict;
+  o.fabric.state_dict_type = sd == "sharded" ? strategy::StateDictType::Sharded : strategy::StateDictType::Full;
+  o.max_steps = a.max_steps;
+  o.batch_size = a.batch_size / world;
+  o.seed = a.seed;
+  o.gradient_clip_val = a.grad_clip > 0 ? std::optional<double>(a.grad_clip) : std::nullopt;
+  o.log_every_n_steps = a.log_every;
+  o.eval_batch_size = o.batch_size;
+  o.default_root_dir = a.out;  // checkpoints in OUT/checkpoints
+  o.checkpoint_every_n_train_steps = a.ckpt_every;
+  o.loggers = {trainer::CsvLogger::flat(a.out)};  // OUT/metrics.csv, OUT/hparams.yaml
+  if (a.val_every > 0) o.val_check_interval = trainer::BatchCount(a.val_every);
+  o.enable_progress_bar = a.progress_bar;
+
+  trainer::Trainer t(o);  // without a launcher and devices > 1: runs the ranks and exits
+  const int threads = a.threads > 0 ? a.threads
+                                    : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local);
+  at::set_num_threads(threads);
+
+  const std::vector<std::string> files = a.data.empty() ? gpt::default_data_files() : a.data;
+  gpt::Dataset data = gpt::make_dataset(gpt::read_text(files), a.seq_len, a.val_fraction);
+  gpt::Config cfg{a.n_layer, a.n_head, a.d_model, a.seq_len, a.tie_weights};
+  auto& f = t.fabric();
+  f.print("gpt: ", data.total_bytes, " bytes from ", files.size(), " file(s): ", data.train.size(),
+          " training / ", data.val.size(), " validation windows of ", a.seq_len, "+1 bytes");
+  f.print("gpt: ", a.n_layer, " layers, ", a.n_head, " heads, d_model ", a.d_model, ", strategy ", a.strategy,
+          " on ", world, " rank(s), global batch ", a.batch_size, ", ", threads, " thread(s) per rank");
+
+  GptModule m(a, cfg);
+  const trainer::TensorData val{data.val.inputs, data.val.targets};
+  const auto t0 = std::chrono::steady_clock::now();
+  t.fit(m, {data.train.inputs, data.train.targets}, a.val_every > 0 ? val : trainer::TensorData{}, a.resume);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // The final validation loss over the whole held-out split.
+  double val_loss = std::nan("");
+  if (!val.empty()) {
+    const trainer::Metrics vm = t.validate(m, val);
+    if (vm.count("val_loss")) val_loss = vm.at("val_loss");
+  }
+  const int64_t steps = t.global_step() - m.start_step;
+  const double tok_s = static_cast<double>(steps * a.batch_size * a.seq_len) / std::max(secs, 1e-9);
+  std::ostringstream s;
+  s << std::setprecision(6) << "gpt: done step=" << t.global_step() << " steps_this_run=" << steps
+    << " val_loss=" << val_loss << " tokens_per_s=" << std::setprecision(4) << tok_s << " seconds=" << secs
+    << " params=" << gpt::count_parameters(cfg);
+  f.print(s.str());
+  f.print("gpt: metrics ", t.log_dir(), "/metrics.csv; checkpoint ", t.last_checkpoint_path());
+  return 0;
+}
+
+// --- sampling -----------------------------------------------------------------------
+
+struct SampleArgs {
+  std::string ckpt, prompt = "\n";
+  int64_t tokens = 200, top_k = 0;
+  double temperature = 0.8;
+  uint64_t seed = 0;
+};
+
+int run_sample(const SampleArgs& a) {
+  at::set_num_threads(std::max(1u, std::thread::hardware_concurrency()));
+  if (!fs::exists(a.ckpt)) throw CLI::ValidationError("--ckpt: '" + a.ckpt + "' does not exist");
+  // The model's shape comes from the hyper-parameters the Trainer saved with it.
+  state::StateDict none;
+  checkpoint::LoadOptions lax;
+  lax.strict = false;
+  state::StateDict hp = checkpoint::load_local(none, a.ckpt, lax).leftovers;
+  auto hparam = [&](const std::string& k) {
+    const std::string key = "hparams." + k;
+    if (!hp.contains(key))
+      throw CLI::ValidationError("--ckpt: '" + a.ckpt + "' has no '" + key + "' (not a checkpoint of gpt train)");
+    return hp.string(key);
+  };
+  gpt::Config cfg{std::stoll(hparam("n_layer")), std::stoll(hparam("n_head")), std::stoll(hparam("d_model")),
+                  std::stoll(hparam("seq_len")), hparam("tie_weights") == "true"};
+  gpt::Gpt net(cfg);
+  state::StateDict target;
+  const state::StateDict own = state::state_dict(*net);
+  own.for_each([&](const std::string& k, const state::Value& v) { target.set("model." + k, v); });
+  checkpoint::load_local(target, a.ckpt);  // strict: every weight must be there
+  net->eval();
+
+  std::string prompt = a.prompt;
+  if (prompt.empty()) prompt = "\n";
+  std::vector<int64_t> ctx;
+  for (unsigned char c : prompt) ctx.push_back(c);
+  auto gen = at::detail::createCPUGenerator(a.seed);
+  at::NoGradGuard ng;
+  std::string outtext;
+  for (int64_t i = 0; i < a.tokens; ++i) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(ctx.size()), cfg.seq_len);
+    at::Tensor x = at::tensor(std::vector<int64_t>(ctx.end() - n, ctx.end()), at::kLong).unsqueeze(0);
+    at::Tensor logits = net->forward(x).select(1, n - 1).squeeze(0).to(at::kFloat);
+    int64_t next;
+    if (a.temperature <= 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      logits = logits / a.temperature;
+      if (a.top_k > 0 && a.top_k < gpt::kVocab) {
+        const double kth = std::get<0>(logits.topk(a.top_k)).min().item<double>();
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+      }
+      next = at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>();
+    }
+    ctx.push_back(next);
+    outtext.push_back(static_cast<char>(next));
+  }
+  std::cout << prompt << outtext << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"gpt: a byte-level GPT trained with Tessera (single, DDP or FSDP) and sampled from its checkpoints",
+               "gpt"};
+  app.require_subcommand(1);
+  TrainArgs ta;
+  auto* train = app.add_subcommand("train", "train on text files (default: the license texts of Debian's base-files)");
+  train->add_option("--devices", ta.devices, "processes on this machine (default 1, or the launcher's)")
+      ->check(CLI::PositiveNumber);
+  train->add_option("--strategy", ta.strategy, "single|ddp|fsdp")->check(CLI::IsMember({"single", "ddp", "fsdp"}))
+      ->capture_default_str();
+  train->add_option("--sharding", ta.sharding, "FSDP sharding: full|grad-op|none|hybrid")
+      ->check(CLI::IsMember({"full", "grad-op", "none", "hybrid"}))->capture_default_str();
+  train->add_option("--precision", ta.precision, "32|bf16-mixed")->check(CLI::IsMember({"32", "bf16-mixed"}))
+      ->capture_default_str();
+  train->add_option("--max-steps", ta.max_steps, "optimizer steps to train to (counted from step 0)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--batch-size", ta.batch_size, "global batch in sequences (split over the ranks)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--seq-len", ta.seq_len, "context length in bytes")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--n-layer", ta.n_layer, "transformer blocks")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--n-head", ta.n_head, "attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--d-model", ta.d_model, "model width")->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--lr", ta.lr, "peak learning rate (AdamW; linear warmup, cosine decay)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  train->add_option("--warmup-steps", ta.warmup_steps, "learning-rate warmup steps (default min(30, max-steps/10))")
+      ->check(CLI::NonNegativeNumber);
+  train->add_option("--seed", ta.seed, "initial weights and data order")->capture_default_str();
+  train->add_option("--data", ta.data, "text file(s) to train on (repeatable)")->check(CLI::ExistingFile);
+  train->add_option("--val-fraction", ta.val_fraction, "held-out share of the bytes (the end of the text)")
+      ->check(CLI::Range(0.0, 0.9))->capture_default_str();
+  train->add_option("--val-every", ta.val_every, "validate every K steps (0: only at the end)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  train->add_option("--log-every", ta.log_every, "write a metrics row every K steps")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  train->add_option("--out", ta.out, "run directory: metrics.csv, checkpoints/")->capture_default_str();
+  train->add_option("--ckpt-every", ta.ckpt_every, "save checkpoints/last.ckpt every K steps (0: at the end only)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  train->add_option("--state-dict", ta.state_dict, "checkpoint kind: sharded|full (default: sharded for fsdp)")
+      ->check(CLI::IsMember({"sharded", "full"}));
+  train->add_option("--resume", ta.resume, "'last' (OUT/checkpoints/last.ckpt) or a checkpoint path");
+  train->add_flag("--tie-weights", ta.tie_weights, "share the token embedding with the output head");
+  train->add_option("--grad-clip", ta.grad_clip, "global gradient-norm clipping (0: off)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  train->add_option("--threads", ta.threads, "intra-op threads per rank (default: cores / ranks)")
+      ->check(CLI::NonNegativeNumber);
+  train->add_flag("!--no-progress-bar", ta.progress_bar, "no progress bar");
+
+  SampleArgs sa;
+  auto* sample = app.add_subcommand("sample", "print a continuation of --prompt from a checkpoint");
+  sample->add_option("--ckpt", sa.ckpt, "a sharded checkpoint directory or a consolidated file")->required();
+  sample->add_option("--prompt", sa.prompt, "text to continue")->capture_default_str();
+  sample->add_option("--tokens", sa.tokens, "bytes to generate")->check(CLI::NonNegativeNumber)->capture_default_str();
+  sample->add_option("--temperature", sa.temperature, "softmax temperature (0: greedy)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  sample->add_option("--top-k", sa.top_k, "sample among the k most likely bytes (0: all)")
+      ->check(CLI::Range(0, 256))->capture_default_str();
+  sample->add_option("--seed", sa.seed, "sampling seed")->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+    if (train->parsed()) return run_train(ta);
+    return run_sample(sa);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    std::cerr << "gpt: error: " << e.what() << std::endl;
+    return 1;
+  }
+}
