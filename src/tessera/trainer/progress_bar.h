@@ -21,6 +21,9 @@ struct ProgressBarOptions {
   bool enabled = true;
   std::optional<bool> tty;  // unset: isatty(stderr) (or of stdout when writing to std::cout)
   int refresh_rate = 1;     // redraw every n batches (>= 1)
+  // Longest line drawn on a terminal (longer lines are cut so '\r' can redraw them);
+  // 0: the terminal's width when writing to std::cerr/std::cout on a terminal, else no limit.
+  int width = 0;
   // Seconds on a monotonic clock; unset: std::chrono::steady_clock. Tests inject one.
   std::function<double()> clock;
 };
@@ -41,16 +44,18 @@ class ProgressBar {
 
  private:
   double now() const;
-  std::string line(bool final_line) const;
+  std::string line(bool final_line, double t) const;
+  void draw(const std::string& text);
   ProgressBarOptions opt_;
   std::ostream* out_;
   bool tty_ = false, active_ = false;
   std::string stage_;
   int64_t epoch_ = 0, total_ = -1, max_steps_ = -1;
   int64_t done_ = 0, step_ = 0, start_step_ = 0;
-  double t0_ = 0, last_print_ = -1e300;
-  int64_t last_print_batch_ = -1;
-  size_t last_width_ = 0;
+  double t0_ = 0, last_print_ = 0, t_first_ = 0;
+  int64_t step_first_ = -1;
+  bool printed_ = false;
+  size_t last_width_ = 0, max_width_ = 0;
   std::map<std::string, double> metrics_;
 };
 

@@ -1,0 +1,598 @@
+// Trainer loggers and progress bar: CsvLogger (versioned run directories, metrics.csv
+// columns and cells, atomic rewrite, YAML quoting of hparams.yaml), TensorBoardLogger
+// (event files parsed back by an independent TFRecord + protobuf reader written here,
+// with its own bitwise CRC32C), setup across real rank processes, and ProgressBar in
+// terminal and plain mode with an injected clock.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+
+#include "test_util.h"
+#include "tessera/trainer/csv_logger.h"
+#include "tessera/trainer/progress_bar.h"
+#include "tessera/trainer/tensorboard_logger.h"
+#include "unit/harness.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+// ------------------------------------------------------------------ independent reader
+// CRC32C, one bit at a time (reflected polynomial 0x82F63B78).
+uint32_t crc32c_bitwise(const std::string& s) {
+  uint32_t c = 0xffffffffu;
+  for (unsigned char b : s) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1u)));
+  }
+  return ~c;
+}
+uint32_t masked(uint32_t c) { return ((c >> 15) | (c << 17)) + 0xa282ead8u; }
+uint64_t le(const std::string& s, size_t pos, int n) {
+  uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(s[pos + i]);
+  return v;
+}
+
+struct Records {
+  std::vector<std::string> data;
+  std::string error;  // "" when every byte was a whole, valid record
+};
+
+Records read_tfrecords(const std::string& bytes) {
+  Records r;
+  size_t pos = 0;
+  while (pos < bytes.size()) {
+    if (bytes.size() - pos < 12) {
+      r.error = "truncated header at offset " + std::to_string(pos);
+      return r;
+    }
+    const uint64_t len = le(bytes, pos, 8);
+    if (static_cast<uint32_t>(le(bytes, pos + 8, 4)) != masked(crc32c_bitwise(bytes.substr(pos, 8)))) {
+      r.error = "length crc mismatch at offset " + std::to_string(pos);
+      return r;
+    }
+    if (bytes.size() - pos - 12 < len + 4) {
+      r.error = "truncated record at offset " + std::to_string(pos);
+      return r;
+    }
+    std::string data = bytes.substr(pos + 12, len);
+    if (static_cast<uint32_t>(le(bytes, pos + 12 + len, 4)) != masked(crc32c_bitwise(data))) {
+      r.error = "data crc mismatch at offset " + std::to_string(pos);
+      return r;
+    }
+    r.data.push_back(std::move(data));
+    pos += 12 + len + 4;
+  }
+  return r;
+}
+
+// Protocol buffer fields of one message (throws std::runtime_error on malformed input).
+struct Field {
+  int number, wire;
+  uint64_t value = 0;  // varint, fixed32, fixed64
+  std::string bytes;   // length-delimited
+};
+uint64_t varint(const std::string& s, size_t& pos) {
+  uint64_t v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (pos >= s.size()) throw std::runtime_error("truncated varint");
+    const unsigned char b = s[pos++];
+    v |= static_cast<uint64_t>(b & 0x7f) << shift;
+    if (!(b & 0x80)) return v;
+  }
+  throw std::runtime_error("varint too long");
+}
+std::vector<Field> fields(const std::string& s) {
+  std::vector<Field> out;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    const uint64_t key = varint(s, pos);
+    Field f{static_cast<int>(key >> 3), static_cast<int>(key & 7)};
+    if (f.wire == 0) {
+      f.value = varint(s, pos);
+    } else if (f.wire == 1 || f.wire == 5) {
+      const int n = f.wire == 1 ? 8 : 4;
+      if (s.size() - pos < static_cast<size_t>(n)) throw std::runtime_error("truncated fixed field");
+      f.value = le(s, pos, n);
+      pos += n;
+    } else if (f.wire == 2) {
+      const uint64_t n = varint(s, pos);
+      if (s.size() - pos < n) throw std::runtime_error("truncated length-delimited field");
+      f.bytes = s.substr(pos, n);
+      pos += n;
+    } else {
+      throw std::runtime_error("unexpected wire type " + std::to_string(f.wire));
+    }
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
+struct Event {
+  double wall_time = 0;
+  int64_t step = 0;
+  std::string file_version;
+  struct Value {
+    std::string tag;
+    std::optional<float> simple_value;
+    std::string plugin, text;
+  };
+  std::vector<Value> values;
+};
+Event decode_event(const std::string& data) {
+  Event e;
+  for (const Field& f : fields(data)) {
+    if (f.number == 1 && f.wire == 1) std::memcpy(&e.wall_time, &f.value, 8);
+    if (f.number == 2 && f.wire == 0) e.step = static_cast<int64_t>(f.value);
+    if (f.number == 3 && f.wire == 2) e.file_version = f.bytes;
+    if (f.number == 5 && f.wire == 2) {
+      for (const Field& sv : fields(f.bytes)) {  // Summary.value
+        if (sv.number != 1) continue;
+        Event::Value v;
+        for (const Field& vf : fields(sv.bytes)) {
+          if (vf.number == 1) v.tag = vf.bytes;
+          if (vf.number == 2 && vf.wire == 5) {
+            const uint32_t bits = static_cast<uint32_t>(vf.value);
+            float x;
+            std::memcpy(&x, &bits, 4);
+            v.simple_value = x;
+          }
+          if (vf.number == 9)  // metadata.plugin_data.plugin_name
+            for (const Field& md : fields(vf.bytes))
+              if (md.number == 1)
+                for (const Field& pd : fields(md.bytes))
+                  if (pd.number == 1) v.plugin = pd.bytes;
+          if (vf.number == 8)  // tensor: dtype must be DT_STRING (7), string_val
+            for (const Field& tf : fields(vf.bytes)) {
+              if (tf.number == 1 && tf.value != 7) throw std::runtime_error("text tensor dtype is not DT_STRING");
+              if (tf.number == 8) v.text = tf.bytes;
+            }
+        }
+        e.values.push_back(std::move(v));
+      }
+    }
+  }
+  return e;
+}
+
+std::vector<std::string> event_files(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().find("tfevents") != std::string::npos) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+// ======================================================================= CsvLogger
+
+TEST(CsvLogger, VersionedRunDirectories) {
+  const std::string root = temp_dir("tessera-loggers");
+  trainer::CsvLogger a(root), b(root);
+  a.setup(true, {});
+  b.setup(true, {});
+  EXPECT_EQ(a.log_dir(), root + "/lightning_logs/version_0");
+  EXPECT_EQ(b.log_dir(), root + "/lightning_logs/version_1");  // the first one's directory is taken
+  EXPECT_TRUE(fs::is_directory(b.log_dir()));
+  fs::create_directories(root + "/lightning_logs/version_7");
+  fs::create_directories(root + "/lightning_logs/version_x");  // not a version: ignored
+  trainer::CsvLogger c(root);
+  c.setup(true, {});
+  EXPECT_EQ(c.log_dir(), root + "/lightning_logs/version_8");
+
+  trainer::CsvLogger fixed(root, "exp", 3), unnamed(root, "");
+  fixed.setup(true, {});
+  unnamed.setup(true, {});
+  EXPECT_EQ(fixed.log_dir(), root + "/exp/version_3");
+  EXPECT_EQ(unnamed.log_dir(), root + "/version_0");
+  auto flat = trainer::CsvLogger::flat(root + "/flat/run");
+  flat->log_metrics({{"x", 1}}, 0);  // used without a Trainer: sets itself up as the writer
+  flat->save();
+  EXPECT_EQ(flat->log_dir(), root + "/flat/run");
+  EXPECT_TRUE(fs::exists(root + "/flat/run/metrics.csv"));
+  EXPECT_EQ(flat->name(), "csv");
+
+  // Deprecated extras still behave as before.
+  EXPECT_EQ(trainer::CsvLogger::next_version_dir(root), root + "/lightning_logs/version_9");
+  trainer::CsvLogger legacy(root + "/legacy", true);
+  legacy.log_metrics({{"m", 2}}, 4, 1);
+  legacy.save();
+  EXPECT_EQ(read_bytes(root + "/legacy/metrics.csv"), "step,epoch,m\n4,1,2\n");
+  // CsvLogger("dir", "name") must pick (save_dir, name), not the deprecated (dir, bool).
+  trainer::CsvLogger named(root, "named");
+  named.setup(true, {});
+  EXPECT_EQ(named.log_dir(), root + "/named/version_0");
+}
+
+TEST(CsvLogger, MetricsColumnsCellsAndAtomicRewrite) {
+  const std::string root = temp_dir("tessera-loggers");
+  trainer::CsvLogger l(root, "run", 0);
+  l.setup(true, {});
+  l.log_metrics({{"train_loss", 0.5}, {"epoch", 0}}, 1);
+  l.log_metrics({{"val_loss", 0.25}, {"train_loss", 0.1}, {"epoch", 0}}, 2);
+  l.log_metrics({{"lr", 1e-3}}, 3);  // no epoch: empty cell
+  l.save();
+  const std::string path = l.log_dir() + "/metrics.csv";
+  EXPECT_EQ(read_bytes(path),
+            "step,epoch,train_loss,val_loss,lr\n"
+            "1,0,0.5,,\n"
+            "2,0,0.1,0.25,\n"
+            "3,,,,0.001\n");
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  // Values survive the text round trip exactly; the file is replaced, not appended.
+  const double third = 1.0 / 3.0;
+  l.log_metrics({{"lr", third}}, 4);
+  l.save();
+  auto rows = lines_of(read_bytes(path));
+  ASSERT_EQ(rows.size(), 5u);
+  EXPECT_EQ(std::stod(rows[4].substr(rows[4].rfind(',') + 1)), third);
+  // A reader holding the old file keeps a whole old file (rename, not rewrite in place).
+  std::ifstream held(path);
+  l.log_metrics({{"lr", 2}}, 5);
+  l.save();
+  std::string old((std::istreambuf_iterator<char>(held)), {});
+  EXPECT_EQ(lines_of(old).size(), 5u);
+  EXPECT_EQ(lines_of(read_bytes(path)).size(), 6u);
+
+  EXPECT_CONTAINS(error_of([&] { l.log_metrics({{"step", 1}}, 6); }), "'step' is reserved");
+  EXPECT_CONTAINS(error_of([&] { l.log_metrics({{"a,b", 1}}, 6); }), "metric name 'a,b'");
+}
+
+TEST(CsvLogger, HparamsYamlQuoting) {
+  const std::string root = temp_dir("tessera-loggers");
+  auto l = trainer::CsvLogger::flat(root);
+  l->log_hyperparams({{"lr", "0.001"},
+                      {"neg", "-2"},
+                      {"model", "mlp 4-8-2"},
+                      {"colon", "a: b"},
+                      {"hash", "x #y"},
+                      {"yes", "yes"},
+                      {"null", "~"},
+                      {"empty", ""},
+                      {"list", "[1, 2]"},
+                      {"dash", "- item"},
+                      {"quote", "say \"hi\"\nbye\t\\"},
+                      {"key: odd", "v"}});
+  EXPECT_EQ(read_bytes(root + "/hparams.yaml"),
+            "colon: \"a: b\"\n"
+            "dash: \"- item\"\n"
+            "empty: \"\"\n"
+            "hash: \"x #y\"\n"
+            "\"key: odd\": v\n"
+            "list: \"[1, 2]\"\n"
+            "lr: 0.001\n"
+            "model: mlp 4-8-2\n"
+            "neg: -2\n"
+            "\"null\": \"~\"\n"  // keys are quoted by the same rule
+            "quote: \"say \\\"hi\\\"\\nbye\\t\\\\\"\n"
+            "\"yes\": \"yes\"\n");
+  EXPECT_EQ(trainer::yaml_scalar("a\x01z"), "\"a\\x01z\"");
+  trainer::CsvLogger::flat(root + "/e")->log_hyperparams({});
+  EXPECT_EQ(read_bytes(root + "/e/hparams.yaml"), "{}\n");
+}
+
+TEST(CsvLogger, OnlyRankZeroWritesAndErrorsReachEveryRank) {
+  const std::string root = temp_dir("tessera-loggers");
+  // A rank other than zero takes the directory rank zero shares and writes nothing.
+  trainer::CsvLogger other(root + "/never");
+  other.setup(false, [&](const std::string& mine) {
+    EXPECT_EQ(mine, "");
+    return root + "/from-rank-zero";
+  });
+  EXPECT_EQ(other.log_dir(), root + "/from-rank-zero");
+  other.log_hyperparams({{"a", "b"}});
+  other.log_metrics({{"x", 1}}, 1);
+  other.save();
+  EXPECT_FALSE(fs::exists(root + "/from-rank-zero"));
+  EXPECT_FALSE(fs::exists(root + "/never"));
+
+  // Rank zero cannot create the directory: it still shares (so no rank waits forever)
+  // and every rank throws naming the directory.
+  write_bytes(root + "/file", "x");
+  std::string sent;
+  trainer::CsvLogger zero(root + "/file/sub");
+  const std::string e0 = error_of([&] { zero.setup(true, [&](const std::string& s) { return sent = s; }); });
+  EXPECT_CONTAINS(e0, root + "/file/sub");
+  trainer::CsvLogger one(root + "/file/sub");
+  const std::string e1 = error_of([&] { one.setup(false, [&](const std::string&) { return sent; }); });
+  EXPECT_CONTAINS(e1, "rank zero could not create the log directory");
+  EXPECT_CONTAINS(e1, root + "/file/sub");
+  EXPECT_CONTAINS(error_of([&] { trainer::CsvLogger(root).setup(false, {}); }), "needs a share function");
+}
+
+TEST(Loggers, SetupAcrossRanksPicksOneDirectory) {
+  const std::string root = temp_dir("tessera-loggers");
+  for (int run = 0; run < 2; ++run) {
+    auto res = run_ranks(2, {"logger_setup", root}, 60);
+    EXPECT_RANKS_OK(res);
+    for (int r = 0; r < 2; ++r) {
+      const auto& out = res.out[r];
+      EXPECT_NE(std::find(out.begin(), out.end(), "csv_dir=" + root + "/lightning_logs/version_" + std::to_string(run)),
+                out.end())
+          << res.all_output();
+      EXPECT_NE(std::find(out.begin(), out.end(), "tb_dir=" + root + "/tb/version_" + std::to_string(run)), out.end())
+          << res.all_output();
+    }
+  }
+  // Two runs: two version directories (not one per rank), rank zero's values only.
+  EXPECT_FALSE(fs::exists(root + "/lightning_logs/version_2"));
+  EXPECT_EQ(read_bytes(root + "/lightning_logs/version_1/metrics.csv"), "step,epoch,loss\n1,0,1\n");
+  EXPECT_EQ(read_bytes(root + "/lightning_logs/version_1/hparams.yaml"), "rank: 0\n");
+  const auto files = event_files(root + "/tb/version_1");
+  ASSERT_EQ(files.size(), 1u);
+  Records rec = read_tfrecords(read_bytes(files[0]));
+  EXPECT_EQ(rec.error, "");
+  ASSERT_EQ(rec.data.size(), 2u);
+  EXPECT_EQ(*decode_event(rec.data[1]).values.at(0).simple_value, 1.0f);
+
+  // A directory rank zero cannot create fails every rank, none hangs.
+  write_bytes(root + "/blocker", "x");
+  auto bad = run_ranks(2, {"logger_setup", root + "/blocker/sub"}, 60);
+  EXPECT_RANKS_OK(bad);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(bad.out[r].empty()) << bad.all_output();
+    EXPECT_CONTAINS(bad.out[r][0], "setup_error=");
+    EXPECT_CONTAINS(bad.out[r][0], root + "/blocker/sub");
+  }
+}
+
+// ================================================================ TensorBoardLogger
+
+TEST(TensorBoardLogger, IndependentReaderChecksItself) {
+  EXPECT_EQ(crc32c_bitwise("123456789"), 0xe3069283u);  // the CRC32C check value
+  EXPECT_EQ(trainer::tfevents::masked_crc32c("123456789", 9), masked(0xe3069283u));
+  size_t pos = 0;
+  EXPECT_EQ(varint(std::string("\xac\x02", 2), pos), 300u);
+}
+
+TEST(TensorBoardLogger, EventFileReadBackByIndependentReader) {
+  const std::string root = temp_dir("tessera-loggers");
+  trainer::TensorBoardLogger tb(root, "tb");
+  tb.setup(true, {});
+  EXPECT_EQ(tb.name(), "tensorboard");
+  EXPECT_EQ(tb.log_dir(), root + "/tb/version_0");
+  const double before = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  tb.log_hyperparams({{"lr", "0.1"}, {"note", "a|b"}});
+  tb.log_metrics({{"train_loss", 0.5}, {"epoch", 0}}, 1);
+  tb.log_metrics({{"train_loss", -0.25}}, 2);
+  tb.log_metrics({{"val_loss", 1.5e-7}}, int64_t{5} << 33);  // multi-byte varint step
+  tb.save();  // flushed, not closed: a running TensorBoard must see all of it
+
+  const auto files = event_files(tb.log_dir());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0], tb.events_path());
+  EXPECT_EQ(fs::path(files[0]).filename().string().rfind("events.out.tfevents.", 0), 0u);
+  EXPECT_TRUE(fs::exists(tb.log_dir() + "/hparams.yaml"));
+  std::string bytes = read_bytes(files[0]);
+  Records rec = read_tfrecords(bytes);
+  ASSERT_EQ(rec.error, "");
+  ASSERT_EQ(rec.data.size(), 6u);  // version, hparams text, 4 scalars
+
+  Event v = decode_event(rec.data[0]);
+  EXPECT_EQ(v.file_version, "brain.Event:2");
+  EXPECT_GE(v.wall_time, before - 1);
+  EXPECT_LE(v.wall_time, before + 600);
+  Event h = decode_event(rec.data[1]);
+  ASSERT_EQ(h.values.size(), 1u);
+  EXPECT_EQ(h.values[0].tag, "hparams");
+  EXPECT_EQ(h.values[0].plugin, "text");
+  EXPECT_CONTAINS(h.values[0].text, "| lr | 0.1 |");
+  EXPECT_CONTAINS(h.values[0].text, "| note | a\\|b |");
+
+  struct Want {
+    int64_t step;
+    std::string tag;
+    float value;
+  };
+  const std::vector<Want> want = {{1, "epoch", 0.f},
+                                  {1, "train_loss", 0.5f},
+                                  {2, "train_loss", -0.25f},
+                                  {int64_t{5} << 33, "val_loss", 1.5e-7f}};
+  for (size_t i = 0; i < want.size(); ++i) {
+    Event e = decode_event(rec.data[2 + i]);
+    SCOPED_TRACE(want[i].tag);
+    EXPECT_EQ(e.step, want[i].step);
+    ASSERT_EQ(e.values.size(), 1u);
+    EXPECT_EQ(e.values[0].tag, want[i].tag);
+    ASSERT_TRUE(e.values[0].simple_value.has_value());
+    EXPECT_EQ(*e.values[0].simple_value, want[i].value);
+    EXPECT_GE(e.wall_time, v.wall_time);
+  }
+
+  // More records after a save keep the file valid; finalize closes it.
+  tb.log_metrics({{"train_loss", 0.125}}, 3);
+  tb.finalize();
+  Records more = read_tfrecords(read_bytes(files[0]));
+  EXPECT_EQ(more.error, "");
+  ASSERT_EQ(more.data.size(), 7u);
+  EXPECT_EQ(decode_event(more.data[6]).step, 3);
+
+  // The reader notices a cut-off last record, and a flipped bit in data or length.
+  const std::string full = read_bytes(files[0]);
+  const size_t last_start = full.size() - (12 + more.data[6].size() + 4);
+  Records cut = read_tfrecords(full.substr(0, full.size() - 3));
+  EXPECT_EQ(cut.error, "truncated record at offset " + std::to_string(last_start));
+  EXPECT_EQ(cut.data.size(), 6u);
+  EXPECT_EQ(read_tfrecords(full.substr(0, last_start + 5)).error, "truncated header at offset " + std::to_string(last_start));
+  std::string flipped = full;
+  flipped[last_start + 14] ^= 0x10;
+  EXPECT_EQ(read_tfrecords(flipped).error, "data crc mismatch at offset " + std::to_string(last_start));
+  flipped = full;
+  flipped[last_start] ^= 0x01;
+  EXPECT_EQ(read_tfrecords(flipped).error, "length crc mismatch at offset " + std::to_string(last_start));
+}
+
+TEST(TensorBoardLogger, RankOtherThanZeroWritesNothing) {
+  const std::string root = temp_dir("tessera-loggers");
+  trainer::TensorBoardLogger tb(root);
+  tb.setup(false, [&](const std::string&) { return root + "/shared"; });
+  tb.log_hyperparams({{"a", "b"}});
+  tb.log_metrics({{"x", 1}}, 1);
+  tb.save();
+  tb.finalize();
+  EXPECT_EQ(tb.log_dir(), root + "/shared");
+  EXPECT_EQ(tb.events_path(), "");
+  EXPECT_FALSE(fs::exists(root + "/shared"));
+}
+
+TEST(TensorBoardLogger, ReadByTensorBoardWhenInstalled) {
+  auto [rc, out] = run_command(std::string(TESSERA_PYTHON) + " -c 'import tensorboard'");
+  if (rc != 0) GTEST_SKIP() << "the tensorboard Python package is not installed (no Debian package); the "
+                               "independent reader above is the check";
+  const std::string root = temp_dir("tessera-loggers");
+  auto tb = trainer::TensorBoardLogger::flat(root);
+  tb->log_metrics({{"loss", 0.75}}, 4);
+  tb->finalize();
+  const std::string script =
+      "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator as A\n"
+      "a = A('" + root + "'); a.Reload()\n"
+      "s = a.Scalars('loss'); print(len(s), s[0].step, s[0].value)\n";
+  write_bytes(root + "/check.py", script);
+  auto [rc2, out2] = run_command(std::string(TESSERA_PYTHON) + " " + root + "/check.py");
+  EXPECT_EQ(rc2, 0) << out2;
+  EXPECT_CONTAINS(out2, "1 4 0.75");
+}
+
+// ====================================================================== ProgressBar
+
+namespace {
+struct FakeClock {
+  double t = 100;
+  std::function<double()> fn() {
+    return [this] { return t; };
+  }
+};
+}  // namespace
+
+TEST(ProgressBar, TerminalRedrawsInPlace) {
+  FakeClock clk;
+  std::ostringstream out;
+  trainer::ProgressBarOptions o;
+  o.tty = true;
+  o.clock = clk.fn();
+  trainer::ProgressBar bar(o, &out);
+  EXPECT_TRUE(bar.tty());
+  bar.start("train", 2, 10, 100);
+  for (int b = 0; b < 4; ++b) {
+    clk.t += 0.5;  // 2 it/s
+    bar.update(b, 20 + b + 1, {{"loss", b == 0 ? 123.456 : 0.5}, {"val_acc", 0.875}});
+  }
+  const std::string s = out.str();
+  EXPECT_EQ(s.find('\n'), std::string::npos) << s;  // no newline until finish
+  const auto draws = std::count(s.begin(), s.end(), '\r');
+  EXPECT_EQ(draws, 5) << s;  // start + 4 batches
+  const std::string last = s.substr(s.rfind('\r') + 1);
+  EXPECT_CONTAINS(last, "train epoch 2: 4/10 [step 24/100]");
+  EXPECT_CONTAINS(last, "2.0 it/s");
+  EXPECT_CONTAINS(last, "ETA 0:03");  // 6 batches left at 2 it/s
+  EXPECT_CONTAINS(last, "loss=0.5");
+  EXPECT_CONTAINS(last, "val_acc=0.875");
+  // The first line showed loss=123.5 (longer); the shorter next one blanks its tail.
+  const size_t first_batch = s.find('\r', 1);
+  const size_t second_batch = s.find('\r', first_batch + 1);
+  const std::string line1 = s.substr(first_batch + 1, second_batch - first_batch - 1);
+  const std::string line2 = s.substr(second_batch + 1, s.find('\r', second_batch + 1) - second_batch - 1);
+  EXPECT_CONTAINS(line1, "loss=123.5");
+  EXPECT_EQ(line2.size(), line1.size());
+  EXPECT_EQ(line2.back(), ' ');
+  bar.finish();
+  EXPECT_EQ(out.str().back(), '\n');
+  EXPECT_CONTAINS(out.str().substr(s.size()), "4/10");
+}
+
+TEST(ProgressBar, TerminalWidthAndRedrawRate) {
+  FakeClock clk;
+  std::ostringstream out;
+  trainer::ProgressBarOptions o;
+  o.tty = true;
+  o.clock = clk.fn();
+  o.width = 30;
+  o.refresh_rate = 2;
+  trainer::ProgressBar bar(o, &out);
+  bar.start("validate", 0, 7);
+  for (int b = 0; b < 7; ++b) {
+    clk.t += 0.2;
+    bar.update(b, 5, {{"val_loss", 0.25}});
+  }
+  const std::string s = out.str();
+  // start, batches 2, 4, 6 (refresh_rate) and 7 (the last)
+  EXPECT_EQ(std::count(s.begin(), s.end(), '\r'), 5) << s;
+  for (size_t p = 1, q; p < s.size(); p = q + 1) {  // every drawn line fits the width
+    q = s.find('\r', p);
+    if (q == std::string::npos) q = s.size();
+    EXPECT_LE(q - p, 30u);
+  }
+  EXPECT_CONTAINS(s, "validate: 7/7");
+  EXPECT_EQ(s.find("epoch"), std::string::npos);  // epochs and steps are the train stage's
+}
+
+TEST(ProgressBar, PlainLinesAreRateLimited) {
+  FakeClock clk;
+  std::ostringstream out;
+  trainer::ProgressBarOptions o;
+  o.tty = false;
+  o.clock = clk.fn();
+  trainer::ProgressBar bar(o, &out);
+  bar.start("train", 0, 40, -1);
+  for (int b = 0; b < 40; ++b) {
+    clk.t += 0.25;  // 4 it/s: at most one line a second, so every 4th batch
+    bar.update(b, b + 1, {{"loss", 1.0 / (b + 1)}});
+  }
+  bar.finish();
+  const std::string s = out.str();
+  EXPECT_EQ(s.find('\r'), std::string::npos);
+  ASSERT_EQ(s.back(), '\n');
+  auto lines = lines_of(s);
+  ASSERT_EQ(lines.size(), 11u) << s;  // 10 progress lines + the summary
+  EXPECT_CONTAINS(lines[0], "train epoch 0: 4/40 [step 4]");
+  EXPECT_CONTAINS(lines[0], "4.0 it/s");
+  EXPECT_CONTAINS(lines[0], "ETA 0:09");
+  EXPECT_CONTAINS(lines[0], "loss=0.25");
+  EXPECT_CONTAINS(lines[10], "40/40");
+  EXPECT_CONTAINS(lines[10], "0:10");  // elapsed
+  EXPECT_EQ(lines[10].find("ETA"), std::string::npos);
+
+  // refresh_rate counts batches; unknown total: ETA from max_steps at the step rate.
+  std::ostringstream out2;
+  o.refresh_rate = 10;
+  trainer::ProgressBar bar2(o, &out2);
+  bar2.start("train", 1, -1, 100);
+  for (int b = 0; b < 20; ++b) {
+    clk.t += 1;  // slow enough for every refresh
+    bar2.update(b, 40 + b + 1, {});
+  }
+  auto lines2 = lines_of(out2.str());
+  ASSERT_EQ(lines2.size(), 2u) << out2.str();
+  EXPECT_CONTAINS(lines2[0], "train epoch 1: 10 [step 50/100]");
+  EXPECT_CONTAINS(lines2[0], "1.0 it/s");
+  EXPECT_CONTAINS(lines2[0], "ETA 0:50");  // 50 steps left at 1 step/s
+  EXPECT_CONTAINS(lines2[1], "ETA 0:40");
+}
+
+TEST(ProgressBar, DisabledPrintsNothing) {
+  std::ostringstream out;
+  trainer::ProgressBarOptions o;
+  o.enabled = false;
+  trainer::ProgressBar bar(o, &out);
+  bar.start("train", 0, 3);
+  bar.update(0, 1, {{"loss", 1}});
+  bar.finish();
+  EXPECT_EQ(out.str(), "");
+  o.enabled = true;
+  o.refresh_rate = 0;
+  EXPECT_CONTAINS(error_of([&] { trainer::ProgressBar bad(o, &out); }), "refresh_rate must be >= 1");
+}
