@@ -1,6 +1,8 @@
 // Step time of a GPT-style block stack (pre-norm attention + MLP) trained with Adam:
 //   strategy_bench plain|fsdp|ddp|single [dim] [layers] [steps]
-// Prints one JSON line per rank-0 run: {"mode", "world", "params", "step_ms"}.
+// Prints one JSON line per rank-0 run: {"mode", "world", "params", "step_ms", "peak_rss_mib",
+// "base_rss_mib"}: the largest peak resident set over the ranks, and the largest resident
+// set before the model was built (the runtime: libtorch, gloo, the communicator).
 // World size comes from the environment (tessera run / torchrun).
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -8,11 +10,15 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <string>
 
+#include "tessera/core/error.h"
 #include "tessera/strategy/ddp.h"
 #include "tessera/strategy/fsdp.h"
 
@@ -43,13 +49,28 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-torch::nn::Sequential make_model(int64_t dim, int layers) {
+// With a strategy, each block is built through its module-init context: FSDP shards a
+// block's parameters as soon as it exists, so no rank ever holds the whole model.
+torch::nn::Sequential make_model(int64_t dim, int layers, tessera::strategy::Strategy* strat) {
   at::manual_seed(0);
   torch::nn::Sequential s;
   s->push_back(torch::nn::Linear(dim, dim));
-  for (int i = 0; i < layers; ++i) s->push_back(Block(dim));
+  for (int i = 0; i < layers; ++i) {
+    if (strat) s->push_back(strat->init_module([&] { return torch::nn::AnyModule(Block(dim)); }));
+    else s->push_back(Block(dim));
+  }
   s->push_back(torch::nn::Linear(dim, dim));
   return s;
+}
+
+// Resident set of this process now, MiB.
+double rss_now_mib() {
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
 }
 
 }  // namespace
@@ -75,9 +96,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "mode must be plain, single, ddp or fsdp\n");
     return 2;
   }
-  auto seq_model = make_model(dim, layers);
+  const double base_rss = comm->all_reduce_double(rss_now_mib(), dist::ReduceOp::Max);
+  auto seq_model = make_model(dim, layers, strat.get());
   int64_t params = 0;
-  for (auto& p : seq_model->parameters()) params += p.numel();
+  // Counted from the architecture: under FSDP the module's tensors are already shards.
+  params = layers * (12 * dim * dim + 13 * dim) + 2 * (dim * dim + dim);
+  if (!strat) {
+    int64_t counted = 0;
+    for (auto& p : seq_model->parameters()) counted += p.numel();
+    TESSERA_CHECK(counted == params, "parameter count ", counted, " != ", params);
+  }
   torch::nn::AnyModule m;
   std::shared_ptr<torch::nn::Module> root = seq_model.ptr();
   if (strat) {
@@ -105,8 +133,14 @@ int main(int argc, char** argv) {
   for (int i = 0; i < steps; ++i) step();
   comm->barrier();
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  const double rss = comm->all_reduce_double(static_cast<double>(ru.ru_maxrss) / 1024.0, dist::ReduceOp::Max);  // KiB -> MiB
   if (comm->rank() == 0)
-    std::printf("{\"mode\": \"%s\", \"world\": %d, \"params\": %lld, \"batch_per_rank\": %lld, \"step_ms\": %.3f}\n",
-                mode.c_str(), comm->size(), static_cast<long long>(params), static_cast<long long>(batch), ms);
+    std::printf(
+        "{\"mode\": \"%s\", \"world\": %d, \"params\": %lld, \"batch_per_rank\": %lld, \"step_ms\": %.3f, "
+        "\"peak_rss_mib\": %.1f, \"base_rss_mib\": %.1f}\n",
+        mode.c_str(), comm->size(), static_cast<long long>(params), static_cast<long long>(batch), ms,
+        rss, base_rss);
   return 0;
 }

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Strategy step time and memory (issue 5's benchmark), one run, ratios against peers
+# measured in the same run:
+#  - FSDP at world size 1 vs a plain libtorch loop of the same model (framework overhead);
+#  - DDP and FSDP at world size 2 vs PyTorch's own Python DDP (/usr/bin/python3, gloo);
+#  - per-rank peak RSS of FSDP vs DDP at N = 1, 2, 4 (the 25M model).
+# For a GPT-style block stack of ~3M (dim 256, 4 blocks) and ~25M (dim 512, 8 blocks)
+# parameters, batch 8x64 per rank, Adam, one intra-op thread per rank.
+# Writes bench/results/strategy.json.   bench/strategy/run.sh BUILD_DIR
+set -euo pipefail
+BUILD=${1:-build}
+HERE=$(cd "$(dirname "$0")" && pwd)
+OUT="$HERE/../results/strategy.json"
+TESSERA="$BUILD/bin/tessera"
+BENCH="$BUILD/bin/strategy_bench"
+PY=/usr/bin/python3
+export OMP_NUM_THREADS=1
+rows=()
+# run N MODE DIM LAYERS STEPS -> the rank-0 JSON line
+run() {
+  local n=$1 mode=$2
+  shift 2
+  if [ "$mode" = py_ddp ]; then
+    "$TESSERA" run -n "$n" -- "$PY" "$HERE/py_ddp.py" "$@" | grep '^\[rank 0\] {' | sed 's/^\[rank 0\] //'
+  else
+    "$TESSERA" run -n "$n" -- "$BENCH" "$mode" "$@" | grep '^\[rank 0\] {' | sed 's/^\[rank 0\] //'
+  fi
+}
+for size in "256 4 20" "512 8 6"; do
+  set -- $size
+  echo "-- model dim $1, $2 blocks" >&2
+  # Step-time runs interleave the peers so that machine noise hits both sides.
+  for spec in "1 plain" "1 fsdp" "2 py_ddp" "2 ddp" "2 fsdp"; do
+    rows+=("time $(run $spec "$@")")
+  done
+done
+# Memory: FSDP vs DDP at 1, 2, 4 ranks on the 25M model (2 steps are enough for the peak).
+# glibc's dynamic mmap threshold keeps freed large blocks (FSDP's gathered parameters and
+# full gradients, freed every unit) in the heap, so the peak RSS then counts memory the
+# process no longer uses; a fixed threshold returns them to the OS. Both strategies are
+# measured both ways (docs/benchmarks.md explains the difference).
+for malloc in default fixed; do
+  for n in 1 2 4; do
+    for mode in ddp fsdp; do
+      if [ $malloc = fixed ]; then
+        rows+=("memory-$malloc $(MALLOC_MMAP_THRESHOLD_=1048576 run $n $mode 512 8 2)")
+      else
+        rows+=("memory-$malloc $(run $n $mode 512 8 2)")
+      fi
+    done
+  done
+done
+printf '%s\n' "${rows[@]}" | "$PY" "$HERE/summarize.py" "$OUT"
