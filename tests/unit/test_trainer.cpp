@@ -16,6 +16,7 @@
 #include <map>
 #include <sstream>
 
+#include "test_trainer_util.h"
 #include "test_util.h"
 #include "tessera/trainer/trainer.h"
 #include "unit/harness.h"
@@ -28,20 +29,6 @@ using namespace tessera::testing;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/tessera-trainer-XXXXXX";
-    const char* d = ::mkdtemp(tmpl);
-    if (!d) throw std::runtime_error("mkdtemp failed");
-    path = d;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
 struct Mlp : trainer::TrainingModule {
   torch::nn::Sequential net;
   int epochs_started = 0, epochs_ended = 0;
@@ -50,7 +37,7 @@ struct Mlp : trainer::TrainingModule {
     net = torch::nn::Sequential(torch::nn::Linear(3, 6), torch::nn::Tanh(), torch::nn::Linear(6, 1));
     return torch::nn::AnyModule(strategy::WrappedModule(net));
   }
-  std::vector<fabric::OptimizerPtr> configure_optimizers() override {
+  trainer::OptimizerConfig configure_optimizers() override {
     return {std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9))};
   }
   at::Tensor training_step(const trainer::Batch& b, int64_t batch_idx) override {
@@ -62,74 +49,7 @@ struct Mlp : trainer::TrainingModule {
   std::map<std::string, std::string> hparams() const override { return {{"lr", "0.1"}, {"note", "a: b"}}; }
 };
 
-trainer::TensorData data(int64_t n) {
-  at::Tensor x = at::cos(at::arange(n * 3, at::kFloat).reshape({n, 3}) * 0.7);
-  return {x, x.sum(1, /*keepdim=*/true).sin()};
-}
-
-trainer::TrainerOptions local_options(const std::string& root) {
-  trainer::TrainerOptions o;
-  o.fabric.accelerator = "cpu";
-  o.default_root_dir = root;
-  o.batch_size = 4;
-  o.log_every_n_steps = 1;
-  return o;
-}
-
-struct Csv {
-  std::vector<std::string> header;
-  std::vector<std::vector<std::string>> rows;
-  std::string col(size_t row, const std::string& name) const {
-    for (size_t i = 0; i < header.size(); ++i)
-      if (header[i] == name) return i < rows[row].size() ? rows[row][i] : "";
-    return "<no column " + name + ">";
-  }
-};
-
-Csv read_csv(const std::string& path) {
-  Csv c;
-  std::ifstream in(path);
-  EXPECT_TRUE(in) << "cannot read " << path;
-  std::string line;
-  bool first = true;
-  while (std::getline(in, line)) {
-    std::vector<std::string> cells;
-    std::stringstream ss(line);
-    std::string cell;
-    while (std::getline(ss, cell, ',')) cells.push_back(cell);
-    if (!line.empty() && line.back() == ',') cells.emplace_back();
-    if (first) c.header = cells;
-    else c.rows.push_back(cells);
-    first = false;
-  }
-  return c;
-}
-
-std::map<int64_t, double> losses_of(const Csv& c) {
-  std::map<int64_t, double> out;
-  for (size_t r = 0; r < c.rows.size(); ++r) out[std::stoll(c.col(r, "step"))] = std::stod(c.col(r, "train_loss"));
-  return out;
-}
-
-void expect_same(const std::map<int64_t, double>& got, const std::map<int64_t, double>& want, int64_t from,
-                 const std::string& what, int64_t to = INT64_MAX) {
-  int compared = 0;
-  for (auto& [step, v] : want) {
-    if (step < from || step > to) continue;
-    ASSERT_TRUE(got.count(step)) << what << ": no loss at step " << step;
-    EXPECT_NEAR(got.at(step), v, 1e-5 * std::abs(v)) << what << " step " << step;
-    ++compared;
-  }
-  EXPECT_GT(compared, 0) << what;
-}
-
-std::string logdir_of(const tessera::testing::RanksResult& r) {
-  auto it = r.out.find(0);
-  if (it == r.out.end()) return "";
-  for (auto& l : it->second)
-    if (l.rfind("logdir ", 0) == 0) return l.substr(7);
-  return "";
-}
+trainer::TensorData data(int64_t n) { return regression_data(n); }
 
 }  // namespace
 
@@ -223,28 +143,112 @@ TEST(TrainerLocal, RefusesBadOptionsAndMissingCheckpoint) {
 
 TEST(TrainerDist, DdpAndFsdpFitAndResumeExactlyOnTwoRanks) {
   TempDir tmp;
-  auto full = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/full", "7"}, 60);
+  const std::string drop = "0.1";  // dropout: every rank's RNG state must resume too
+  auto full = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/full", "7", "-", "3", "1", "20", drop}, 60);
   EXPECT_RANKS_OK(full);
-  auto want = losses_of(read_csv(logdir_of(full) + "/metrics.csv"));
+  const Csv full_csv = read_csv(logdir_of(full) + "/metrics.csv");
+  auto want = losses_of(full_csv);
   ASSERT_EQ(want.size(), 7u) << full.all_output();
+  // Validation every 2 batches (4 per epoch: steps 2, 4, 6), the StepLR(3, 0.5) lr logged.
+  auto val = column_of(full_csv, "val_loss");
+  EXPECT_EQ(val.size(), 3u);
+  EXPECT_TRUE(val.count(2) && val.count(4) && val.count(6));
+  auto lr = column_of(full_csv, "lr-Adam");
+  EXPECT_DOUBLE_EQ(lr.at(3), 0.05);
+  EXPECT_DOUBLE_EQ(lr.at(4), 0.025);
 
-  auto first = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/resume", "3"}, 60);  // mid-epoch (4 batches/epoch)
+  // Stops mid-epoch (4 batches per epoch) and right after a validation-less step.
+  auto first = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/resume", "3", "-", "3", "1", "20", drop}, 60);
   EXPECT_RANKS_OK(first);
-  auto second = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/resume", "7", "last"}, 60);
+  auto second = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/resume", "7", "last", "3", "1", "20", drop}, 60);
   EXPECT_RANKS_OK(second);
-  expect_same(losses_of(read_csv(logdir_of(second) + "/metrics.csv")), want, 4, "ddp resume");
+  const Csv resumed = read_csv(logdir_of(second) + "/metrics.csv");
+  expect_same(losses_of(resumed), want, 4, "ddp resume");
+  expect_same(column_of(resumed, "val_loss"), val, 4, "ddp resume validation");
+  expect_same(column_of(resumed, "lr-Adam"), lr, 4, "ddp resume lr");
 
   // FSDP: the same losses as DDP, and its last checkpoint (Full by default) resumes too.
-  auto fsdp = run_ranks(2, {"trainer_fit", "fsdp", tmp.path + "/fsdp", "3"}, 60);
+  auto fsdp = run_ranks(2, {"trainer_fit", "fsdp", tmp.path + "/fsdp", "3", "-", "3", "1", "20", drop}, 60);
   EXPECT_RANKS_OK(fsdp);
+  EXPECT_TRUE(fs::is_regular_file(tmp.path + "/fsdp/checkpoints/last.ckpt"));
   expect_same(losses_of(read_csv(logdir_of(fsdp) + "/metrics.csv")), want, 1, "fsdp vs ddp", 3);
-  auto fsdp2 = run_ranks(2, {"trainer_fit", "fsdp", tmp.path + "/fsdp", "7", "last"}, 60);
+  auto fsdp2 = run_ranks(2, {"trainer_fit", "fsdp", tmp.path + "/fsdp", "7", "last", "3", "1", "20", drop}, 60);
   EXPECT_RANKS_OK(fsdp2);
   expect_same(losses_of(read_csv(logdir_of(fsdp2) + "/metrics.csv")), want, 4, "fsdp resume");
 }
 
-namespace {
-}  // namespace
+// 2 ranks x batch 3 stopped mid-epoch, resumed on 1 rank x batch 6 (the same global
+// batch; 20 samples split evenly by both world sizes): the sampler position is
+// translated through global samples, the sharded checkpoint is resharded.
+TEST(TrainerDist, ResumesFromTwoRanksOnOne) {
+  TempDir tmp;
+  auto full = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/full", "7"}, 60);
+  EXPECT_RANKS_OK(full);
+  auto want = losses_of(read_csv(logdir_of(full) + "/metrics.csv"));
+  ASSERT_EQ(want.size(), 7u) << full.all_output();
+  auto first = run_ranks(2, {"trainer_fit", "fsdp-sharded", tmp.path + "/resume", "3"}, 60);
+  EXPECT_RANKS_OK(first);
+  EXPECT_TRUE(fs::is_directory(tmp.path + "/resume/checkpoints/last.ckpt"));  // sharded on request
+  auto second = run_ranks(1, {"trainer_fit", "fsdp-sharded", tmp.path + "/resume", "7", "last", "6"}, 60);
+  EXPECT_RANKS_OK(second);
+  expect_same(losses_of(read_csv(logdir_of(second) + "/metrics.csv")), want, 4, "2 -> 1 rank resume");
+
+  // A position 1 rank cannot reach evenly on 2 ranks: 1 rank x batch 3 stopped after 1 step (3 samples).
+  auto odd = run_ranks(1, {"trainer_fit", "ddp", tmp.path + "/odd", "1"}, 60);
+  EXPECT_RANKS_OK(odd);
+  auto refused = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/odd", "4", "last"}, 60);
+  EXPECT_NE(refused.launch.exit_code, 0);
+  EXPECT_NE(refused.all_output().find("which 2 ranks cannot split evenly"), std::string::npos) << refused.all_output();
+}
+
+// accumulate_grad_batches=2 at batch 3 equals batch 6 on 2 ranks (DDP: the first
+// micro-batch's backward does not synchronize).
+TEST(TrainerDist, AccumulationEqualsTheLargeBatchOnTwoRanks) {
+  TempDir tmp;
+  auto big = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/big", "4", "-", "6", "1", "24"}, 60);
+  EXPECT_RANKS_OK(big);
+  auto acc = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/acc", "4", "-", "3", "2", "24"}, 60);
+  EXPECT_RANKS_OK(acc);
+  auto want = losses_of(read_csv(logdir_of(big) + "/metrics.csv"));
+  ASSERT_EQ(want.size(), 4u);
+  expect_same(losses_of(read_csv(logdir_of(acc) + "/metrics.csv")), want, 1, "accumulated vs large batch");
+}
+
+// ModelCheckpoint top-k with sharded (directory) checkpoints on 2 ranks, decisions from
+// rank zero's unsynchronized score, EarlyStopping stopping both ranks at the same step,
+// and a resumed run continuing the top-k bookkeeping (removing the earlier run's files).
+TEST(TrainerDist, TopKCheckpointsAndEarlyStoppingOnTwoRanks) {
+  TempDir tmp;
+  auto lines = [](const RanksResult& r, int rank, const std::string& prefix) {
+    std::vector<std::string> out;
+    for (auto& l : r.out.count(rank) ? r.out.at(rank) : std::vector<std::string>{})
+      if (l.rfind(prefix, 0) == 0) out.push_back(l);
+    return out;
+  };
+  auto run = run_ranks(2, {"trainer_topk", "fsdp-sharded", tmp.path + "/a", "8"}, 60);
+  EXPECT_RANKS_OK(run);
+  // Scores 5 3 4 1 2 6: best 1 (epoch 3), then 2 and 6 do not improve: stops after epoch 5.
+  const std::vector<std::string> kept = {"kept epoch=3-score=1.0.ckpt 1", "kept epoch=4-score=2.0.ckpt 2"};
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(lines(run, r, "kept "), kept) << run.all_output();
+    EXPECT_EQ(lines(run, r, "stopped "), std::vector<std::string>{"stopped 5 6"}) << run.all_output();
+  }
+  EXPECT_EQ(lines(run, 0, "best "), std::vector<std::string>{"best epoch=3-score=1.0.ckpt"});
+  EXPECT_EQ(entries(tmp.path + "/a/checkpoints"),
+            (std::vector<std::string>{"epoch=3-score=1.0.ckpt", "epoch=4-score=2.0.ckpt", "last.ckpt"}));
+  EXPECT_TRUE(fs::is_directory(tmp.path + "/a/checkpoints/epoch=3-score=1.0.ckpt"));
+
+  // The same in two runs: epochs 0-2 (keeps 3 and 4 of the scores 5 3 4), then resumed.
+  auto part = run_ranks(2, {"trainer_topk", "fsdp-sharded", tmp.path + "/b", "3"}, 60);
+  EXPECT_RANKS_OK(part);
+  EXPECT_EQ(entries(tmp.path + "/b/checkpoints"),
+            (std::vector<std::string>{"epoch=1-score=3.0.ckpt", "epoch=2-score=4.0.ckpt", "last.ckpt"}));
+  auto rest = run_ranks(2, {"trainer_topk", "fsdp-sharded", tmp.path + "/b", "8", "last"}, 60);
+  EXPECT_RANKS_OK(rest);
+  EXPECT_EQ(lines(rest, 0, "kept "), kept) << rest.all_output();
+  EXPECT_EQ(lines(rest, 1, "stopped "), std::vector<std::string>{"stopped 5 6"}) << rest.all_output();
+  EXPECT_EQ(entries(tmp.path + "/b/checkpoints"), entries(tmp.path + "/a/checkpoints"));
+}
 
 TEST(TrainerLaunch, ExampleRunsAndResumes) {
   const std::string exe = std::string(TESSERA_BINARY_DIR) + "/bin/trainer_mlp";
@@ -256,15 +260,24 @@ TEST(TrainerLaunch, ExampleRunsAndResumes) {
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("[rank 0] epoch 0 done at step 16"), std::string::npos) << out;
   EXPECT_NE(out.find("[rank 0] finished at step 20"), std::string::npos) << out;
-  EXPECT_TRUE(fs::is_regular_file(tmp.path + "/checkpoints/last.ckpt")) << out;
+  // Top-2 by val_loss at steps 10 and 20 (validation at 8 and 16) plus last.ckpt.
+  auto files = entries(tmp.path + "/checkpoints");
+  ASSERT_EQ(files.size(), 3u) << out;
+  EXPECT_EQ(files[0].rfind("epoch=0-step=10-val_loss=", 0), 0u) << files[0];
+  EXPECT_EQ(files[1].rfind("epoch=1-step=20-val_loss=", 0), 0u) << files[1];
+  EXPECT_EQ(files[2], "last.ckpt");
+  const Csv first = read_csv(tmp.path + "/lightning_logs/version_0/metrics.csv");
+  EXPECT_EQ(column_of(first, "val_loss").size(), 3u);  // steps 8, 16 and the final validate()
+  EXPECT_EQ(column_of(first, "lr-AdamW").size(), 4u);   // logged steps 5, 10, 15, 20
   auto [rc2, out2] = run_command(env + exe + " --devices 2 --steps 25 --root " + tmp.path + " --resume");
   EXPECT_EQ(rc2, 0) << out2;
   EXPECT_NE(out2.find("[rank 0] finished at step 25"), std::string::npos) << out2;
-  Csv c = read_csv(tmp.path + "/lightning_logs/version_1/metrics.csv");
-  ASSERT_EQ(c.rows.size(), 1u);  // log_every_n_steps=5: only step 25 after resuming at 20
-  EXPECT_EQ(c.col(0, "step"), "25");
-  EXPECT_EQ(c.col(0, "epoch"), "1");
-  EXPECT_EQ(c.col(0, "batch_rows"), "16");
+  const Csv c = read_csv(tmp.path + "/lightning_logs/version_1/metrics.csv");
+  auto rows = column_of(c, "batch_rows");  // log_every_n_steps=5: only step 25 after resuming at 20
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows.begin()->first, 25);
+  EXPECT_EQ(rows.begin()->second, 16);
+  EXPECT_EQ(column_of(c, "val_loss").count(24), 1u);  // epoch 1's mid-epoch validation
 }
 
 TEST(TrainerDocs, DocQuotesTheCompiledExample) {
