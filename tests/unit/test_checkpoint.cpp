@@ -252,8 +252,14 @@ TEST(CheckpointCorruption, EachKindIsDetectedWithTheRightError) {
   expect_both(p, "key 'model.sh': the chunks cover");
   m = meta;
   m["entries"]["model.w"]["chunks"][0]["byte_range"] = {w_begin + 4, w_begin + 4 + 140};
-  write_bytes(p + "/tessera-checkpoint.json", m.dump());
+  // Re-serialized by the library, so its metadata_crc32c is valid: the data checks must catch the lie.
+  write_bytes(p + "/tessera-checkpoint.json", ck::to_json(ck::parse_metadata(m.dump(), p)));
   expect_both(p, "disagrees with the metadata");
+  // A hand-edited metadata file (a value changed, checksum not updated) is refused.
+  m = meta;
+  m["entries"]["step"]["value"] = 8;
+  write_bytes(p + "/tessera-checkpoint.json", m.dump(1));
+  expect_both(p, "metadata_crc32c");
   m = meta;
   m["version"] = 99;
   write_bytes(p + "/tessera-checkpoint.json", m.dump());

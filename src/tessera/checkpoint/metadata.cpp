@@ -178,6 +178,10 @@ void check_tiling(const std::string& fqn, const EntryInfo& e) {
                 " elements (incomplete checkpoint)");
 }
 
+// "metadata_crc32c" as to_json prints it: a top-level key of dump(1) starts a line with
+// one space of indent (nested keys have more, and a newline inside a string is escaped).
+constexpr const char* kMetadataCrcMarker = "\n \"metadata_crc32c\": \"";
+
 std::string to_json(const CheckpointMetadata& m) {
   json j;
   j["format"] = "tessera-checkpoint";
@@ -208,7 +212,27 @@ std::string to_json(const CheckpointMetadata& m) {
     entries[k] = je;
   }
   j["entries"] = entries;
-  return j.dump(1);
+  j["metadata_crc32c"] = "00000000";
+  std::string text = j.dump(1);
+  const size_t at = text.find(kMetadataCrcMarker);
+  TESSERA_CHECK(at != std::string::npos, "internal: metadata checksum placeholder not found");
+  const std::string hex = crc_hex(crc32c(text.data(), text.size()));
+  text.replace(at + std::string(kMetadataCrcMarker).size(), 8, hex);
+  return text;
+}
+
+void check_metadata_checksum(const std::string& text, const std::string& where) {
+  const std::string marker = kMetadataCrcMarker;
+  const size_t at = text.find(marker);
+  TESSERA_CHECK(at != std::string::npos && text.find(marker, at + 1) == std::string::npos &&
+                    at + marker.size() + 8 <= text.size(),
+                where, ": no metadata_crc32c where the writer puts it — the metadata is corrupt (or hand-edited)");
+  std::string zeroed = text;
+  zeroed.replace(at + marker.size(), 8, "00000000");
+  const uint32_t want = parse_crc_hex(text.substr(at + marker.size(), 8), where + " metadata_crc32c");
+  const uint32_t got = crc32c(zeroed.data(), zeroed.size());
+  TESSERA_CHECK(got == want, where, ": metadata checksum mismatch (metadata_crc32c ", crc_hex(want), ", computed ",
+                crc_hex(got), ") — the metadata is corrupt");
 }
 
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir) {

@@ -56,8 +56,12 @@ std::string encode_value(const state::Value& v);
 // The inverse; errors name `what`.
 state::Value decode_value(const std::string& json_text, const std::string& what);
 
-// Serializes metadata of a sharded checkpoint.
+// Serializes metadata of a sharded checkpoint, with "metadata_crc32c": the CRC32C of
+// the text with those 8 hex digits read as "00000000".
 std::string to_json(const CheckpointMetadata& m);
+// Checks the "metadata_crc32c" of metadata text as written by to_json (every byte is
+// covered); throws tessera::Error naming `where` when it is missing or does not match.
+void check_metadata_checksum(const std::string& text, const std::string& where);
 // Parses and validates (version, kinds, dtypes, plain file names, chunk boxes inside
 // the shape and tiling it, byte ranges matching sizes). `dir` is recorded as location.
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir);

@@ -86,7 +86,9 @@ CheckpointMetadata open_checkpoint(const std::string& path) {
     const std::string mf = join_path(p, kMetadataFile);
     TESSERA_CHECK(is_regular_file(mf), "'", path, "' is not a Tessera checkpoint: '", kMetadataFile,
                   "' is missing (incomplete or foreign directory)");
-    CheckpointMetadata m = parse_metadata(read_small_file(mf, kMaxMetadataBytes), p);
+    const std::string text = read_small_file(mf, kMaxMetadataBytes);
+    CheckpointMetadata m = parse_metadata(text, p);
+    check_metadata_checksum(text, concat("'", mf, "'"));  // after parsing: structural errors keep their messages
     for (const auto& [name, size] : m.files) {
       const std::string fp = join_path(p, name);
       TESSERA_CHECK(is_regular_file(fp), "checkpoint '", path, "': data file '", name, "' is missing");

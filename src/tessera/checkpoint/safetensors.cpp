@@ -25,6 +25,17 @@ void check_little_endian() {
   TESSERA_CHECK(*reinterpret_cast<const uint8_t*>(&one) == 1, "Tessera checkpoints need a little-endian host");
 }
 
+// tessera.header_crc32c as the writer prints it (compact JSON). Inside any JSON string a
+// quote is escaped, so this byte sequence can only be the key itself.
+constexpr const char* kHeaderCrcMarker = "\"tessera.header_crc32c\":\"";
+
+// CRC32C of the 8-byte length and the header text, the header checksum's own 8 hex
+// digits (at `pos` in `text`) read as "00000000".
+uint32_t header_crc(const unsigned char* lenbuf, std::string text, size_t pos) {
+  text.replace(pos, 8, "00000000");
+  return crc32c_extend(crc32c(lenbuf, 8), text.data(), text.size());
+}
+
 }  // namespace
 
 std::string dtype_name(at::ScalarType t) {
@@ -148,6 +159,25 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path, "r")
         v.push_back(parse_crc_hex(c->second.substr(8 * k, 8), concat("'", path, "' tensor '", e->name, "'")));
     }
   }
+  // Header checksum: every byte of a Tessera header (names, shapes, offsets, plain values,
+  // padding) is covered, so a flipped header byte cannot load as a different checkpoint.
+  // Checked last so that structural errors keep their specific messages.
+  bool tessera_meta = false;
+  for (const auto& [k, v] : metadata_) tessera_meta |= k.rfind("tessera.", 0) == 0;
+  if (tessera_meta) {
+    auto hc = metadata_.find("tessera.header_crc32c");
+    TESSERA_CHECK(hc != metadata_.end(), "'", path, "': Tessera header without tessera.header_crc32c — the header is ",
+                  "corrupt (or the file predates header checksums)");
+    const std::string marker = kHeaderCrcMarker;
+    const size_t at = text.find(marker);
+    TESSERA_CHECK(at != std::string::npos && text.find(marker, at + 1) == std::string::npos &&
+                      at + marker.size() + 8 <= text.size() && text.compare(at + marker.size(), 8, hc->second) == 0,
+                  "'", path, "': tessera.header_crc32c is not where the writer puts it — the header is corrupt");
+    const uint32_t want = parse_crc_hex(hc->second, concat("'", path, "' tessera.header_crc32c"));
+    const uint32_t got = header_crc(lenbuf, text, at + marker.size());
+    TESSERA_CHECK(got == want, "'", path, "': header checksum mismatch (tessera.header_crc32c ", hc->second,
+                  ", computed ", crc_hex(got), ") — the header is corrupt");
+  }
 }
 
 const TensorEntry* SafetensorsReader::find(const std::string& name) const {
@@ -203,6 +233,7 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> 
   metadata["tessera.version"] = "1";
   metadata["tessera.crc32c_block"] = std::to_string(kCrcBlock);
   metadata["tessera.crc32c"] = std::string(8 * blocks, '0');
+  metadata["tessera.header_crc32c"] = "00000000";  // patched by finish()
   nlohmann::ordered_json m = nlohmann::ordered_json::object();
   for (auto& [k, v] : metadata) m[k] = v;
   h["__metadata__"] = m;
@@ -219,6 +250,10 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> 
   TESSERA_CHECK(text.size() <= kMaxHeaderBytes, "'", path, "': header of ", text.size(), " bytes is over the limit");
   data_start_ = 8 + text.size();
   crc_pos_ = 8 + pos + marker.size();
+  const size_t hpos = text.find(kHeaderCrcMarker);
+  TESSERA_CHECK(hpos != std::string::npos, "internal: header checksum placeholder not found");
+  header_crc_pos_ = 8 + hpos + std::string(kHeaderCrcMarker).size();
+  header_ = text;
   for (auto& w : written_) {
     w.begin += data_start_;
     w.end += data_start_;
@@ -259,6 +294,14 @@ std::vector<SafetensorsWriter::Written> SafetensorsWriter::finish() {
   for (auto& w : written_)
     for (uint32_t c : w.crcs) hex += crc_hex(c);
   if (!hex.empty()) file_.pwrite_exact(crc_pos_, hex.data(), hex.size());
+  // The header checksum covers the final header: length, text, block checksums included.
+  header_.replace(crc_pos_ - 8, hex.size(), hex);
+  unsigned char lenbuf[8];
+  uint64_t n = header_.size();
+  for (int i = 0; i < 8; ++i, n >>= 8) lenbuf[i] = static_cast<unsigned char>(n & 0xff);
+  const std::string hc = crc_hex(header_crc(lenbuf, header_, header_crc_pos_ - 8));
+  file_.pwrite_exact(header_crc_pos_, hc.data(), hc.size());
+  header_.clear();
   file_.fsync();
   file_.close();
   finished_ = true;

@@ -35,7 +35,8 @@ struct TensorEntry {
 class SafetensorsReader {
  public:
   // Opens and validates the header (size bound, JSON, dtypes, shapes, offsets inside
-  // the file, contiguous coverage). Errors name the file and the tensor.
+  // the file, contiguous coverage, and for a file with Tessera metadata the
+  // tessera.header_crc32c checksum of the header bytes). Errors name the file and the tensor.
   explicit SafetensorsReader(const std::string& path);
 
   const std::string& path() const { return file_.path(); }
@@ -93,6 +94,8 @@ class SafetensorsWriter {
   std::vector<Written> written_;
   size_t next_ = 0;
   uint64_t data_start_ = 0, crc_pos_ = 0;
+  std::string header_;           // the header text as written, checksummed at finish()
+  uint64_t header_crc_pos_ = 0;  // file offset of tessera.header_crc32c's 8 hex digits
   bool finished_ = false;
 };
 
