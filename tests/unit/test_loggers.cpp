@@ -187,6 +187,8 @@ TEST(CsvLogger, VersionedRunDirectories) {
   b.setup(true, {});
   EXPECT_EQ(a.log_dir(), root + "/lightning_logs/version_0");
   EXPECT_EQ(b.log_dir(), root + "/lightning_logs/version_1");  // the first one's directory is taken
+  b.setup(true, [](const std::string&) -> std::string { throw std::runtime_error("share called again"); });
+  EXPECT_EQ(b.log_dir(), root + "/lightning_logs/version_1");  // chosen once per object (fit, then test)
   EXPECT_TRUE(fs::is_directory(b.log_dir()));
   fs::create_directories(root + "/lightning_logs/version_7");
   fs::create_directories(root + "/lightning_logs/version_x");  // not a version: ignored
@@ -595,4 +597,42 @@ TEST(ProgressBar, DisabledPrintsNothing) {
   o.enabled = true;
   o.refresh_rate = 0;
   EXPECT_CONTAINS(error_of([&] { trainer::ProgressBar bad(o, &out); }), "refresh_rate must be >= 1");
+}
+
+TEST(ProgressBar, NestedStageSuspendsAndResumesTheOuterOne) {
+  FakeClock clk;
+  for (bool tty : {true, false}) {
+    SCOPED_TRACE(tty ? "tty" : "plain");
+    std::ostringstream out;
+    trainer::ProgressBarOptions o;
+    o.tty = tty;
+    o.clock = clk.fn();
+    trainer::ProgressBar bar(o, &out);
+    bar.start("train", 0, 4);
+    clk.t += 2;
+    bar.update(0, 1, {{"loss", 1}});
+    clk.t += 2;
+    bar.update(1, 2, {{"loss", 0.5}});
+    bar.start("validate", 0, 2);  // validation in the middle of the epoch
+    clk.t += 2;
+    bar.update(0, 2, {});
+    clk.t += 2;
+    bar.update(1, 2, {});
+    bar.finish();
+    clk.t += 2;
+    bar.update(2, 3, {{"loss", 0.25}});  // the train bar goes on
+    clk.t += 2;
+    bar.update(3, 4, {{"loss", 0.125}});
+    bar.finish();
+    const std::string s = out.str();
+    EXPECT_CONTAINS(s, "train epoch 0: 2/4 [step 2]");
+    EXPECT_CONTAINS(s, "validate: 2/2");
+    EXPECT_CONTAINS(s, "train epoch 0: 4/4 [step 4]");
+    EXPECT_CONTAINS(s, "loss=0.125");
+    // train's last line comes after validate's, on a line of its own
+    EXPECT_GT(s.rfind("train epoch 0: 4/4"), s.rfind("validate: 2/2"));
+    const size_t v = s.rfind("validate: 2/2");
+    EXPECT_NE(s.find('\n', v), std::string::npos);
+    EXPECT_EQ(s.back(), '\n');
+  }
 }

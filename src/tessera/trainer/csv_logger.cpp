@@ -29,6 +29,7 @@ CsvLogger::CsvLogger(std::string dir, bool write, Legacy) {
 }
 
 void CsvLogger::setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) {
+  if (set_up_) return;  // once per object: every rank has the same state, so no rank waits in share
   dir_ = setup_run_dir(spec_, rank_zero, share);
   write_ = rank_zero;
   set_up_ = true;

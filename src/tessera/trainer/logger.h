@@ -21,7 +21,9 @@ class Logger {
   virtual ~Logger() = default;
   // Called once by the Trainer on every rank before anything is logged. `rank_zero`:
   // whether this rank writes. `share` broadcasts a string from rank zero to all ranks
-  // (collective: every rank calls setup) so the run directory is chosen once.
+  // (collective: every rank calls setup) so the run directory is chosen once. The built-in
+  // loggers choose it once per object: a second setup (fit, then test) keeps it and calls
+  // no `share` on any rank.
   virtual void setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) = 0;
   virtual std::string name() const = 0;     // "csv", "tensorboard"
   virtual std::string log_dir() const = 0;  // valid after setup

@@ -3,6 +3,7 @@
 #include <sys/ioctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -47,7 +48,7 @@ constexpr double kPlainInterval = 1.0, kTtyInterval = 0.1;
 ProgressBar::ProgressBar(ProgressBarOptions o, std::ostream* out) : opt_(std::move(o)), out_(out ? out : &std::cerr) {
   TESSERA_CHECK(opt_.refresh_rate >= 1, "ProgressBar: refresh_rate must be >= 1, got ", opt_.refresh_rate);
   TESSERA_CHECK(opt_.width >= 0, "ProgressBar: width must be >= 0, got ", opt_.width);
-  int fd = out_ == &std::cerr || out_ == &std::clog ? 2 : out_ == &std::cout ? 1 : -1;
+  const int fd = out_ == &std::cerr || out_ == &std::clog ? 2 : out_ == &std::cout ? 1 : -1;
   tty_ = opt_.tty ? *opt_.tty : (fd >= 0 && ::isatty(fd));
   max_width_ = static_cast<size_t>(opt_.width);
   struct winsize ws {};
@@ -62,32 +63,32 @@ double ProgressBar::now() const {
 
 void ProgressBar::start(const std::string& stage, int64_t epoch, int64_t total, int64_t max_steps) {
   if (!opt_.enabled) return;
-  if (active_) finish();
+  if (active_) {  // nested stage: keep the outer one's line and resume it in finish()
+    if (tty_ && last_width_ > 0) *out_ << '\n';
+    suspended_.push_back(std::move(st_));
+  }
   active_ = true;
-  stage_ = stage;
-  epoch_ = epoch;
-  total_ = total;
-  max_steps_ = max_steps;
-  done_ = 0;
-  step_ = 0;
-  step_first_ = -1;
-  printed_ = false;
-  metrics_.clear();
-  t0_ = last_print_ = now();
+  st_ = Stage{};
+  st_.name = stage;
+  st_.epoch = epoch;
+  st_.total = total;
+  st_.max_steps = max_steps;
+  st_.t0 = st_.last_print = now();
   last_width_ = 0;
-  if (tty_) draw(line(false, t0_));
+  if (tty_) draw(line(st_, false, st_.t0));
 }
 
-std::string ProgressBar::line(bool final_line, double t) const {
-  const double elapsed = t - t0_;
-  const double rate = elapsed > 0 ? static_cast<double>(done_) / elapsed : 0;
-  std::string s = stage_;
-  if (stage_ == "train") s += " epoch " + std::to_string(epoch_);
-  s += ": " + std::to_string(done_);
-  if (total_ >= 0) s += "/" + std::to_string(total_);
-  if (stage_ == "train" && step_first_ >= 0) {
-    s += " [step " + std::to_string(step_);
-    if (max_steps_ >= 0) s += "/" + std::to_string(max_steps_);
+std::string ProgressBar::line(const Stage& st, bool final_line, double t) const {
+  const double elapsed = t - st.t0;
+  const double rate = elapsed > 0 ? static_cast<double>(st.done) / elapsed : 0;
+  const bool train = st.name == "train";
+  std::string s = st.name;
+  if (train) s += " epoch " + std::to_string(st.epoch);
+  s += ": " + std::to_string(st.done);
+  if (st.total >= 0) s += "/" + std::to_string(st.total);
+  if (train && st.step_first >= 0) {
+    s += " [step " + std::to_string(st.step);
+    if (st.max_steps >= 0) s += "/" + std::to_string(st.max_steps);
     s += "]";
   }
   s += "  " + rate_text(rate);
@@ -97,18 +98,19 @@ std::string ProgressBar::line(bool final_line, double t) const {
     // ETA: batches left in the stage at the stage's batch rate, else optimizer steps left
     // until max_steps at the step rate seen since the first batch.
     std::optional<double> eta;
-    if (total_ >= 0 && rate > 0) {
-      eta = static_cast<double>(std::max<int64_t>(total_ - done_, 0)) / rate;
-    } else if (total_ < 0 && max_steps_ >= 0 && step_first_ >= 0 && t > t_first_ && step_ > step_first_) {
-      const double step_rate = static_cast<double>(step_ - step_first_) / (t - t_first_);
-      eta = static_cast<double>(std::max<int64_t>(max_steps_ - step_, 0)) / step_rate;
+    if (st.total >= 0 && rate > 0) {
+      eta = static_cast<double>(std::max<int64_t>(st.total - st.done, 0)) / rate;
+    } else if (st.total < 0 && st.max_steps >= 0 && st.step_first >= 0 && t > st.t_first &&
+               st.step > st.step_first) {
+      const double step_rate = static_cast<double>(st.step - st.step_first) / (t - st.t_first);
+      eta = static_cast<double>(std::max<int64_t>(st.max_steps - st.step, 0)) / step_rate;
     }
     if (eta)
       s += "  ETA " + clock_text(*eta);
-    else if (total_ >= 0 || max_steps_ >= 0)
+    else if (st.total >= 0 || st.max_steps >= 0)
       s += "  ETA ?";
   }
-  for (const auto& [k, v] : metrics_) s += "  " + k + "=" + number(v);
+  for (const auto& [k, v] : st.metrics) s += "  " + k + "=" + number(v);
   return s;
 }
 
@@ -124,37 +126,43 @@ void ProgressBar::draw(const std::string& text) {
 void ProgressBar::update(int64_t batch, int64_t global_step, const std::map<std::string, double>& metrics) {
   if (!opt_.enabled || !active_) return;
   const double t = now();
-  done_ = batch + 1;
-  step_ = global_step;
-  if (step_first_ < 0) {
-    step_first_ = global_step;
-    t_first_ = t;
+  st_.done = batch + 1;
+  st_.step = global_step;
+  if (st_.step_first < 0) {
+    st_.step_first = global_step;
+    st_.t_first = t;
   }
-  for (const auto& [k, v] : metrics) metrics_[k] = v;
-  const bool last = total_ >= 0 && done_ >= total_;
-  if (done_ % opt_.refresh_rate != 0 && !last) return;
+  for (const auto& [k, v] : metrics) st_.metrics[k] = v;
+  const bool last = st_.total >= 0 && st_.done >= st_.total;
+  if (st_.done % opt_.refresh_rate != 0 && !last) return;
   if (tty_) {
-    if (!last && t - last_print_ < kTtyInterval && printed_) return;
-    draw(line(false, t));
+    if (!last && st_.printed && t - st_.last_print < kTtyInterval) return;
+    draw(line(st_, false, t));
   } else {
     // Plain lines: the first after a second, then at most one a second; the stage's
     // summary comes from finish().
-    if (t - last_print_ < kPlainInterval) return;
-    *out_ << line(false, t) << '\n' << std::flush;
+    if (t - st_.last_print < kPlainInterval) return;
+    *out_ << line(st_, false, t) << '\n' << std::flush;
   }
-  last_print_ = t;
-  printed_ = true;
+  st_.last_print = t;
+  st_.printed = true;
 }
 
 void ProgressBar::finish() {
   if (!opt_.enabled || !active_) return;
-  active_ = false;
-  const std::string s = line(true, now());
+  const std::string s = line(st_, true, now());
   if (tty_) {
     draw(s);
     *out_ << '\n' << std::flush;
   } else {
     *out_ << s << '\n' << std::flush;
+  }
+  last_width_ = 0;
+  active_ = !suspended_.empty();
+  if (active_) {  // resume the outer stage: its next update draws a fresh line
+    st_ = std::move(suspended_.back());
+    suspended_.pop_back();
+    st_.printed = false;
   }
 }
 

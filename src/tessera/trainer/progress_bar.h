@@ -7,6 +7,9 @@
 //
 // ETA: from the batches left in the stage when `total` is known, else from the steps
 // left until `max_steps` when that is set; omitted otherwise.
+//
+// Stages nest: start() while a stage is running (validation in the middle of a training
+// epoch) suspends it, leaving its line in place; the inner stage's finish() resumes it.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -14,6 +17,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace tessera::trainer {
 
@@ -37,26 +41,31 @@ class ProgressBar {
   // After each batch: batch index within the stage (0-based), global step, the metrics
   // to show (loss and prog_bar ones).
   void update(int64_t batch, int64_t global_step, const std::map<std::string, double>& metrics);
-  void finish();  // ends the line (TTY) / prints the stage summary (plain)
+  // Ends the current stage: the final line (TTY) / the stage summary (plain); resumes the
+  // stage it had suspended, if any.
+  void finish();
 
   bool tty() const { return tty_; }
   bool enabled() const { return opt_.enabled; }
 
  private:
+  struct Stage {
+    std::string name;
+    int64_t epoch = 0, total = -1, max_steps = -1;
+    int64_t done = 0, step = 0, step_first = -1;
+    double t0 = 0, t_first = 0, last_print = 0;
+    bool printed = false;
+    std::map<std::string, double> metrics;
+  };
   double now() const;
-  std::string line(bool final_line, double t) const;
+  std::string line(const Stage& s, bool final_line, double t) const;
   void draw(const std::string& text);
   ProgressBarOptions opt_;
   std::ostream* out_;
   bool tty_ = false, active_ = false;
-  std::string stage_;
-  int64_t epoch_ = 0, total_ = -1, max_steps_ = -1;
-  int64_t done_ = 0, step_ = 0, start_step_ = 0;
-  double t0_ = 0, last_print_ = 0, t_first_ = 0;
-  int64_t step_first_ = -1;
-  bool printed_ = false;
+  Stage st_;
+  std::vector<Stage> suspended_;
   size_t last_width_ = 0, max_width_ = 0;
-  std::map<std::string, double> metrics_;
 };
 
 }  // namespace tessera::trainer
