@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all setup configure build test demo bench fuzz test-asan clean
+.PHONY: all setup configure build test demo bench fuzz test-asan soak test-tsan clean
 
 all: build
 
@@ -38,6 +38,22 @@ test-asan:
 	cmake -S . -B build-asan -G Ninja -DTESSERA_SANITIZE=ON -DTESSERA_BUILD_BENCH=OFF
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -j $(JOBS) --timeout 900
+
+# The reliability suite at soak scale (TESSERA_SOAK=1): long kill/corruption loops.
+soak: build
+	bash scripts/soak.sh $(BUILD)
+
+# The async-save, launcher and dead-rank tests under ThreadSanitizer (build-tsan).
+# libtorch/Gloo are not instrumented: see docs/reliability.md and scripts/tsan.supp.
+test-tsan:
+	@bash scripts/setup.sh
+	cmake -S . -B build-tsan -G Ninja -DTESSERA_BUILD_BENCH=OFF \
+	  -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" -DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread
+	cmake --build build-tsan -j $(JOBS) --target tessera_tests tessera_test_worker tessera_cli
+	cd build-tsan && TSAN_OPTIONS="suppressions=$(CURDIR)/scripts/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
+	  setarch $$(uname -m) -R ctest --output-on-failure -j $(JOBS) --timeout 900 \
+	  -R '$(TSAN_TESTS)'
+TSAN_TESTS ?= Launcher|TesseraRun|CheckpointDist.Async|ReliabilityDeadRank
 
 clean:
 	rm -rf $(BUILD)

@@ -8,6 +8,7 @@ PKGS=(
   libtorch-dev libgloo-dev libopenblas0-openmp
   nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-numpy bc time
+  iproute2
 )
 # Fuzzing and sanitizers (make fuzz / make test-asan) want clang's runtime.
 if [ "${TESSERA_SETUP_EXTRA:-}" = "fuzz" ]; then
