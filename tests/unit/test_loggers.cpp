@@ -10,10 +10,15 @@
 #include <filesystem>
 #include <sstream>
 
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include "test_trainer_util.h"
 #include "test_util.h"
 #include "tessera/trainer/csv_logger.h"
 #include "tessera/trainer/progress_bar.h"
 #include "tessera/trainer/tensorboard_logger.h"
+#include "tessera/trainer/trainer.h"
 #include "unit/harness.h"
 
 using namespace tessera;
@@ -635,4 +640,81 @@ TEST(ProgressBar, NestedStageSuspendsAndResumesTheOuterOne) {
     EXPECT_NE(s.find('\n', v), std::string::npos);
     EXPECT_EQ(s.back(), '\n');
   }
+}
+
+// ============================================================ through the Trainer
+
+namespace {
+struct Lin : trainer::TrainingModule {
+  torch::nn::Linear net{nullptr};
+  torch::nn::AnyModule configure_model() override {
+    at::manual_seed(3);
+    net = torch::nn::Linear(3, 1);
+    return torch::nn::AnyModule(net);
+  }
+  trainer::OptimizerConfig configure_optimizers() override {
+    return std::make_shared<torch::optim::SGD>(net->parameters(), 0.05);
+  }
+  at::Tensor mse(const trainer::Batch& b) { return (model().forward<at::Tensor>(b.inputs) - b.targets).pow(2).mean(); }
+  at::Tensor training_step(const trainer::Batch& b, int64_t) override { return mse(b); }
+  void validation_step(const trainer::Batch& b, int64_t) override { log("val_loss", mse(b), /*prog_bar=*/true); }
+  void test_step(const trainer::Batch& b, int64_t) override { log("test_loss", mse(b)); }
+  std::map<std::string, std::string> hparams() const override { return {{"lr", "0.05"}}; }
+};
+
+// tag -> step -> value over every event file of `dir`, in file-name order.
+std::map<std::string, std::map<int64_t, float>> scalars_in(const std::string& dir) {
+  std::map<std::string, std::map<int64_t, float>> out;
+  for (const auto& f : event_files(dir)) {
+    Records rec = read_tfrecords(read_bytes(f));
+    EXPECT_EQ(rec.error, "") << f;
+    for (const auto& d : rec.data)
+      for (const auto& v : decode_event(d).values)
+        if (v.simple_value) out[v.tag][decode_event(d).step] = *v.simple_value;
+  }
+  return out;
+}
+}  // namespace
+
+TEST(Loggers, TrainerWritesCsvTensorBoardAndPlainProgress) {
+  TempDir tmp;
+  auto o = local_options(tmp.path);
+  o.max_epochs = 2;  // 12 samples, batch 4: 3 steps per epoch
+  o.log_every_n_steps = 2;
+  o.loggers = {std::make_shared<trainer::CsvLogger>(tmp.path, "csv"),
+               std::make_shared<trainer::TensorBoardLogger>(tmp.path, "tb")};
+  o.enable_progress_bar = true;
+  o.progress_bar.tty = false;
+  trainer::Trainer t(o);
+  Lin m;
+  ::testing::internal::CaptureStderr();
+  t.fit(m, regression_data(12), regression_data(8, 0.5));
+  t.test(m, regression_data(8, 0.7));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+
+  EXPECT_EQ(t.log_dir(), tmp.path + "/csv/version_0");
+  const Csv csv = read_csv(t.log_dir() + "/metrics.csv");
+  const auto tb = scalars_in(tmp.path + "/tb/version_0");
+  EXPECT_EQ(read_bytes(tmp.path + "/tb/version_0/hparams.yaml"), "lr: 0.05\n");
+  // The same values at the same steps in both loggers (TensorBoard keeps floats).
+  for (const std::string name : {"train_loss", "val_loss", "test_loss"}) {
+    SCOPED_TRACE(name);
+    const auto from_csv = column_of(csv, name);
+    ASSERT_FALSE(from_csv.empty());
+    ASSERT_TRUE(tb.count(name));
+    ASSERT_EQ(tb.at(name).size(), from_csv.size());
+    for (const auto& [step, v] : from_csv) {
+      ASSERT_TRUE(tb.at(name).count(step)) << "step " << step;
+      EXPECT_EQ(tb.at(name).at(step), static_cast<float>(v));
+    }
+  }
+  EXPECT_EQ(column_of(csv, "train_loss").size(), 3u);  // steps 2, 4, 6
+  EXPECT_EQ(column_of(csv, "val_loss").size(), 2u);    // once per epoch
+
+  // Plain progress output: no carriage returns, a summary per stage.
+  EXPECT_EQ(err.find('\r'), std::string::npos) << err;
+  EXPECT_CONTAINS(err, "train epoch 0: 3/3");
+  EXPECT_CONTAINS(err, "train epoch 1: 3/3");
+  EXPECT_CONTAINS(err, "validate: 2/2");
+  EXPECT_CONTAINS(err, "test: 2/2");
 }
