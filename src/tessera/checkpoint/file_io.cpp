@@ -83,6 +83,26 @@ void File::write_all(const void* src, uint64_t n) {
   }
 }
 
+void File::start_writeback(uint64_t offset, uint64_t n) {
+#if defined(__linux__)
+  if (n > 0) (void)::sync_file_range(fd_, static_cast<off_t>(offset), static_cast<off_t>(n), SYNC_FILE_RANGE_WRITE);
+#else
+  (void)offset;
+  (void)n;
+#endif
+}
+
+void File::wait_writeback(uint64_t offset, uint64_t n) {
+#if defined(__linux__)
+  if (n > 0)
+    (void)::sync_file_range(fd_, static_cast<off_t>(offset), static_cast<off_t>(n),
+                            SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+#else
+  (void)offset;
+  (void)n;
+#endif
+}
+
 void File::fsync() { TESSERA_CHECK(::fsync(fd_) == 0, "cannot fsync '", path_, "': ", err()); }
 
 bool path_exists(const std::string& path) {

@@ -28,6 +28,12 @@ class File {
   void pwrite_exact(uint64_t offset, const void* src, uint64_t n);
   // Appends at the current position.
   void write_all(const void* src, uint64_t n);
+  // Asks the kernel to start writing [offset, offset+n) to disk now, without waiting
+  // (Linux sync_file_range; a no-op elsewhere). Advisory: fsync() still decides.
+  void start_writeback(uint64_t offset, uint64_t n);
+  // Waits until the writeback of [offset, offset+n) started earlier is done, which
+  // bounds the dirty pages a large save leaves for the final fsync. Advisory too.
+  void wait_writeback(uint64_t offset, uint64_t n);
   void fsync();
   void close();
 

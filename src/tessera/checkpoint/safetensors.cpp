@@ -278,10 +278,23 @@ void SafetensorsWriter::write(const at::Tensor& t) {
   if (c.layout() != at::kStrided) c = c.to_dense();
   Written& w = written_[next_];
   const uint64_t nb = w.end - w.begin;
-  if (nb > 0) {
-    const char* p = static_cast<const char*>(c.data_ptr());
-    w.crcs = block_crcs(p, nb);
-    file_.write_all(p, nb);
+  // Streamed in slices of whole checksum blocks: each slice is checksummed, written,
+  // and its writeback started at once, so the disk writes while the CPU checksums and
+  // copies the next slice; waiting on the slice two behind keeps the dirty pages (and
+  // the work left for finish()'s fsync) to a few slices.
+  const char* p = static_cast<const char*>(c.data_ptr());
+  constexpr uint64_t kSlice = 4 * kCrcBlock;
+  for (uint64_t off = 0; off < nb; off += kSlice) {
+    const uint64_t len = std::min<uint64_t>(kSlice, nb - off);
+    std::vector<uint32_t> crcs = block_crcs(p + off, static_cast<size_t>(len));
+    w.crcs.insert(w.crcs.end(), crcs.begin(), crcs.end());
+    file_.write_all(p + off, len);
+    file_.start_writeback(w.begin + off, len);
+    const uint64_t end = w.begin + off + len;
+    if (end >= waited_ + 3 * kSlice) {
+      file_.wait_writeback(waited_, end - 2 * kSlice - waited_);
+      waited_ = end - 2 * kSlice;
+    }
   }
   ++next_;
 }
