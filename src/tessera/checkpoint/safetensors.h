@@ -96,6 +96,7 @@ class SafetensorsWriter {
   uint64_t data_start_ = 0, crc_pos_ = 0;
   std::string header_;           // the header text as written, checksummed at finish()
   uint64_t header_crc_pos_ = 0;  // file offset of tessera.header_crc32c's 8 hex digits
+  uint64_t waited_ = 0;  // writeback awaited up to this file offset (see write())
   bool finished_ = false;
 };
 
