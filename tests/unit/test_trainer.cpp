@@ -260,6 +260,10 @@ TEST(TrainerLaunch, ExampleRunsAndResumes) {
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("[rank 0] epoch 0 done at step 16"), std::string::npos) << out;
   EXPECT_NE(out.find("[rank 0] finished at step 20"), std::string::npos) << out;
+  // The progress bar (not a TTY here: plain summary lines), on rank zero only.
+  EXPECT_NE(out.find("[rank 0] train epoch 0: 16/16 [step 16/20]"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 0] validate: 4/4"), std::string::npos) << out;
+  EXPECT_EQ(out.find("[rank 1] train epoch"), std::string::npos) << out;
   // Top-2 by val_loss at steps 10 and 20 (validation at 8 and 16) plus last.ckpt.
   auto files = entries(tmp.path + "/checkpoints");
   ASSERT_EQ(files.size(), 3u) << out;

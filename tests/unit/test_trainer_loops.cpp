@@ -2,6 +2,7 @@
 // gradient accumulation and clipping, LR schedulers (and their resume), ModelCheckpoint
 // top-k bookkeeping, EarlyStopping, LearningRateMonitor, ckpt_path "last", exact resume
 // with dropout, and configuration errors.
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -115,13 +116,14 @@ TEST(TrainerLoops, LimitsBatchesAndValidatesEveryNEpochs) {
   o.limit_val_batches = 0.5;        // of 3 (10 samples at batch 4): 1 batch
   o.check_val_every_n_epoch = 2;    // epochs 1 and 3
   o.val_check_interval = 1;         // every batch of those epochs
+  o.num_sanity_val_steps = 2;       // one batch (the limit) before training, results discarded
   trainer::Trainer t(o);
   Reg m;
   t.fit(m, regression_data(16), regression_data(10));
   EXPECT_EQ(t.global_step(), 8);
   EXPECT_EQ(t.num_training_batches(), 2);
   EXPECT_EQ(m.validations, 4);
-  EXPECT_EQ(m.val_batches, 4);
+  EXPECT_EQ(m.val_batches, 5);
   auto v = column_of(read_csv(t.log_dir() + "/metrics.csv"), "val_loss");
   EXPECT_EQ(v.size(), 4u);
   for (int64_t s : {3, 4, 7, 8}) EXPECT_TRUE(v.count(s)) << "no validation at step " << s;
@@ -500,6 +502,14 @@ TEST(TrainerConfig, RefusesBadOptionsNamingThem) {
       },
       "enable_logger is false");
   expect_refused([](O& o) { o.progress_bar.refresh_rate = 0; }, "TrainerOptions.progress_bar.refresh_rate");
+
+  {
+    auto o = local_options(tmp.path);
+    o.deterministic = true;
+    trainer::Trainer t(o);
+    EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
+    at::globalContext().setDeterministicAlgorithms(false, false);
+  }
 
   trainer::ModelCheckpointOptions mo;
   mo.mode = "avg";

@@ -573,11 +573,16 @@ Metrics Trainer::run_eval(TrainingModule& module, const TensorData& data, const 
       eval_acc_[synced[i]].weight = t[static_cast<int64_t>(2 * i + 1)].item<double>();
     }
   }
-  Metrics res;
-  for (auto& [k, a] : eval_acc_)
+  Metrics res, shown;
+  for (auto& [k, a] : eval_acc_) {
     if (a.weight > 0) res[k] = a.sum / a.weight;
+    if (a.weight > 0 && a.prog_bar) shown[k] = res[k];
+  }
   if (was_training) model->train();
-  if (bar_) bar_->finish();
+  if (bar_) {
+    if (nb > 0) bar_->update(nb - 1, global_step_, shown);  // the summary shows the final (synced) averages
+    bar_->finish();
+  }
   if (sanity) return res;
   for (auto& [k, v] : res) {
     callback_metrics_[k] = v;
@@ -676,6 +681,12 @@ Metrics Trainer::fit(TrainingModule& module, const TensorData& train, const Tens
     module.epoch_ = epoch_;
     sampler_->set_epoch(epoch_);
   };
+  auto show = [&](int64_t batch_idx) {
+    if (!bar_) return;
+    Metrics shown = progress_bar_metrics_;
+    if (callback_metrics_.count("train_loss")) shown["loss"] = callback_metrics_.at("train_loss");
+    bar_->update(batch_idx, global_step_, shown);
+  };
   const int64_t k = options_.accumulate_grad_batches;
   try {
     module.on_fit_start();
@@ -748,18 +759,17 @@ Metrics Trainer::fit(TrainingModule& module, const TensorData& train, const Tens
           if (global_step_ % options_.log_every_n_steps == 0) log_to_loggers(step_metrics_, global_step_);
           step_metrics_.clear();
         }
-        if (bar_) {
-          Metrics shown = progress_bar_metrics_;
-          if (callback_metrics_.count("train_loss")) shown["loss"] = callback_metrics_.at("train_loss");
-          bar_->update(batch_idx, global_step_, shown);
-        }
+        show(batch_idx);
         val_pending_ = has_val_ && last && (epoch_ + 1) % options_.check_val_every_n_epoch == 0 &&
                        (batch_idx + 1) / val_every > group_start / val_every;
         module.on_train_batch_end(loss, b, batch_idx);
         each_callback([&](Callback& c) { c.on_train_batch_end(*this, module, loss, b, batch_idx); });
         optimizer_stepped_ = false;
         ++batch_idx;
-        if (val_pending_) validate_now();
+        if (val_pending_) {
+          validate_now();
+          show(batch_idx - 1);  // the new validation metrics on the training line
+        }
       }
       if (batch_idx >= num_training_batches_ || sampler_->position() >= sampler_->num_samples()) end_epoch();
       else if (bar_) bar_->finish();
