@@ -303,7 +303,11 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
           }
           e.chunks.push_back(std::move(c));
         }
-        check_tiling(fqn, e);
+        try {
+          check_tiling(fqn, e);
+        } catch (const Error& err) {  // name the metadata file, as every other error here does
+          throw Error(concat(where, ": ", err.what()));
+        }
       }
       m.keys.push_back(fqn);
       m.entries.emplace(fqn, std::move(e));
