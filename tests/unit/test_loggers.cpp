@@ -213,13 +213,7 @@ TEST(CsvLogger, VersionedRunDirectories) {
   EXPECT_TRUE(fs::exists(root + "/flat/run/metrics.csv"));
   EXPECT_EQ(flat->name(), "csv");
 
-  // Deprecated extras still behave as before.
-  EXPECT_EQ(trainer::CsvLogger::next_version_dir(root), root + "/lightning_logs/version_9");
-  trainer::CsvLogger legacy(root + "/legacy", true);
-  legacy.log_metrics({{"m", 2}}, 4, 1);
-  legacy.save();
-  EXPECT_EQ(read_bytes(root + "/legacy/metrics.csv"), "step,epoch,m\n4,1,2\n");
-  // CsvLogger("dir", "name") must pick (save_dir, name), not the deprecated (dir, bool).
+  EXPECT_EQ(trainer::next_version_dir(root), root + "/lightning_logs/version_9");
   trainer::CsvLogger named(root, "named");
   named.setup(true, {});
   EXPECT_EQ(named.log_dir(), root + "/named/version_0");

@@ -20,14 +20,6 @@ std::shared_ptr<CsvLogger> CsvLogger::flat(std::string dir) {
   return l;
 }
 
-CsvLogger::CsvLogger(std::string dir, bool write, Legacy) {
-  spec_.flat_dir = dir;
-  if (write) dir = create_run_dir(spec_);
-  dir_ = std::move(dir);
-  write_ = write;
-  set_up_ = true;
-}
-
 void CsvLogger::setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) {
   if (set_up_) return;  // once per object: every rank has the same state, so no rank waits in share
   dir_ = setup_run_dir(spec_, rank_zero, share);
@@ -57,12 +49,6 @@ void CsvLogger::log_metrics(const std::map<std::string, double>& metrics, int64_
     row.values.emplace(k, v);
   }
   rows_.push_back(std::move(row));
-}
-
-void CsvLogger::log_metrics(const std::map<std::string, double>& metrics, int64_t step, int64_t epoch) {
-  std::map<std::string, double> m = metrics;
-  m["epoch"] = static_cast<double>(epoch);
-  log_metrics(m, step);
 }
 
 namespace {

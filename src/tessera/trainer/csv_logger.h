@@ -9,7 +9,6 @@
 #include <map>
 #include <optional>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "tessera/trainer/logger.h"
@@ -39,21 +38,7 @@ class CsvLogger : public Logger {
 
   std::string metrics_path() const { return dir_ + "/metrics.csv"; }
 
-  // --- Deprecated (the pre-Logger interface; kept until the Trainer has switched) ---
-  // A logger already set up on `dir` (created when `write`). A template so that
-  // CsvLogger("logs", "run") picks the (save_dir, name) constructor, not this one.
-  template <typename B, std::enable_if_t<std::is_same_v<B, bool>, int> = 0>
-  CsvLogger(std::string dir, B write) : CsvLogger(std::move(dir), static_cast<bool>(write), Legacy{}) {}
-  static std::string next_version_dir(const std::string& root, const std::string& name = "lightning_logs") {
-    return trainer::next_version_dir(root, name);
-  }
-  void log_hparams(const std::map<std::string, std::string>& hparams) { log_hyperparams(hparams); }
-  void log_metrics(const std::map<std::string, double>& metrics, int64_t step, int64_t epoch);
-  const std::string& dir() const { return dir_; }
-
  private:
-  struct Legacy {};
-  CsvLogger(std::string dir, bool write, Legacy);
   struct Row {
     int64_t step;
     std::optional<double> epoch;
