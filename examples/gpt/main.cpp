@@ -18,8 +18,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -41,7 +43,7 @@ struct TrainArgs {
   int devices = 0;  // 0: the launcher's LOCAL_WORLD_SIZE, else 1
   std::string strategy = "fsdp", sharding = "full", precision = "32", state_dict, resume;
   int64_t max_steps = 300, batch_size = 16, seq_len = 64, n_layer = 4, n_head = 4, d_model = 128;
-  int64_t warmup_steps = -1, ckpt_every = 0, val_every = 50, log_every = 10;
+  int64_t warmup_steps = -1, decay_steps = 0, ckpt_every = 0, val_every = 50, log_every = 10;
   double lr = 2e-3, min_lr_ratio = 0.1, weight_decay = 0.01, grad_clip = 1.0, val_fraction = 0.1;
   uint64_t seed = 1234;
   std::vector<std::string> data;
@@ -83,7 +85,7 @@ struct GptModule : trainer::TrainingModule {
   trainer::OptimizerConfig configure_optimizers() override {
     opt = std::make_shared<torch::optim::AdamW>(
         net->parameters(), torch::optim::AdamWOptions(args.lr).betas({0.9, 0.95}).weight_decay(args.weight_decay));
-    auto sched = std::make_shared<trainer::WarmupCosineLR>(opt, args.warmup_steps, args.max_steps, args.min_lr_ratio);
+    auto sched = std::make_shared<trainer::WarmupCosineLR>(opt, args.warmup_steps, args.decay_steps, args.min_lr_ratio);
     return {opt, sched};
   }
   at::Tensor training_step(const trainer::Batch& b, int64_t) override {
@@ -103,10 +105,85 @@ struct GptModule : trainer::TrainingModule {
             {"batch_size", std::to_string(args.batch_size)}, {"seed", std::to_string(args.seed)}};
   }
   void on_train_start() override { start_step = global_step(); }
+
+  // Training throughput: from the end of the first batch of this run (warm-up excluded)
+  // to the end of the last one, without the time spent validating in between.
+  using Clock = std::chrono::steady_clock;
+  std::optional<Clock::time_point> first_end, last_end, val_start;
+  double val_seconds = 0;
+  int64_t timed_batches = 0;
+  void on_train_batch_end(const at::Tensor&, const trainer::Batch&, int64_t) override {
+    last_end = Clock::now();
+    if (!first_end) first_end = last_end;
+    else ++timed_batches;
+  }
+  void on_validation_start() override { val_start = Clock::now(); }
+  void on_validation_end() override {
+    if (first_end && val_start) val_seconds += std::chrono::duration<double>(Clock::now() - *val_start).count();
+  }
+  double train_seconds() const {
+    if (!first_end) return 0;
+    return std::chrono::duration<double>(*last_end - *first_end).count() - val_seconds;
+  }
 };
 
 void check(bool ok, const std::string& msg) {
   if (!ok) throw CLI::ValidationError(msg);
+}
+
+// --- metrics.csv across resumed runs ------------------------------------------------
+// The CSV logger rewrites OUT/metrics.csv with the rows of the current run; a resumed run
+// keeps the earlier run's rows up to the step it resumed from (columns merged by name).
+struct Csv {
+  std::vector<std::string> header;
+  std::vector<std::vector<std::string>> rows;
+};
+
+std::vector<std::string> split_csv_line(const std::string& line) {
+  std::vector<std::string> out;
+  std::string cell;
+  std::istringstream in(line);
+  while (std::getline(in, cell, ',')) out.push_back(cell);
+  if (!line.empty() && line.back() == ',') out.emplace_back();
+  return out;
+}
+
+Csv read_csv(const std::string& path) {
+  Csv c;
+  std::ifstream in(path);
+  std::string line;
+  if (!std::getline(in, line)) return c;
+  c.header = split_csv_line(line);
+  while (std::getline(in, line))
+    if (!line.empty()) c.rows.push_back(split_csv_line(line));
+  return c;
+}
+
+void merge_previous_metrics(const std::string& path, const Csv& before, int64_t resumed_at) {
+  if (before.header.empty() || before.header[0] != "step") return;
+  Csv now = read_csv(path);
+  std::vector<std::string> cols = now.header;
+  for (const auto& h : before.header)
+    if (std::find(cols.begin(), cols.end(), h) == cols.end()) cols.push_back(h);
+  auto emit = [&](std::ostream& out, const Csv& c, const std::vector<std::string>& row) {
+    for (size_t i = 0; i < cols.size(); ++i) {
+      auto it = std::find(c.header.begin(), c.header.end(), cols[i]);
+      const size_t j = static_cast<size_t>(it - c.header.begin());
+      out << (i ? "," : "") << (it != c.header.end() && j < row.size() ? row[j] : "");
+    }
+    out << "\n";
+  };
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    for (size_t i = 0; i < cols.size(); ++i) out << (i ? "," : "") << cols[i];
+    out << "\n";
+    for (const auto& r : before.rows)
+      if (!r.empty() && std::atoll(r[0].c_str()) <= resumed_at) emit(out, before, r);
+    for (const auto& r : now.rows) emit(out, now, r);
+    if (!out) throw std::runtime_error("cannot write " + tmp);
+  }
+  fs::rename(tmp, path);
 }
 
 int run_train(TrainArgs a) {
@@ -123,9 +200,11 @@ int run_train(TrainArgs a) {
                                        std::to_string(a.n_head));
   if (a.strategy == "single") check(world == 1, "--strategy single runs one process, but " + std::to_string(world) +
                                                     " ranks were asked for (--devices / the launcher)");
-  if (a.warmup_steps < 0) a.warmup_steps = std::min<int64_t>(30, a.max_steps / 10);
-  check(a.warmup_steps < a.max_steps, "--warmup-steps " + std::to_string(a.warmup_steps) +
-                                          " must be smaller than --max-steps " + std::to_string(a.max_steps));
+  if (a.decay_steps == 0) a.decay_steps = a.max_steps;
+  if (a.warmup_steps < 0) a.warmup_steps = std::min<int64_t>(30, a.decay_steps / 10);
+  check(a.warmup_steps < a.decay_steps, "--warmup-steps " + std::to_string(a.warmup_steps) +
+                                            " must be smaller than --lr-decay-steps (default --max-steps) " +
+                                            std::to_string(a.decay_steps));
   if (a.sharding != "full") check(a.strategy == "fsdp", "--sharding " + a.sharding + " needs --strategy fsdp");
 
   trainer::TrainerOptions o;
@@ -168,6 +247,8 @@ int run_train(TrainArgs a) {
   f.print("gpt: ", a.n_layer, " layers, ", a.n_head, " heads, d_model ", a.d_model, ", strategy ", a.strategy,
           " on ", world, " rank(s), global batch ", a.batch_size, ", ", threads, " thread(s) per rank");
 
+  const std::string metrics_path = (fs::path(a.out) / "metrics.csv").string();
+  const Csv before = !a.resume.empty() && f.is_global_zero() ? read_csv(metrics_path) : Csv{};
   GptModule m(a, cfg);
   const trainer::TensorData val{data.val.inputs, data.val.targets};
   const auto t0 = std::chrono::steady_clock::now();
@@ -179,14 +260,17 @@ int run_train(TrainArgs a) {
     const trainer::Metrics vm = t.validate(m, val);
     if (vm.count("val_loss")) val_loss = vm.at("val_loss");
   }
+  if (f.is_global_zero() && !a.resume.empty()) merge_previous_metrics(metrics_path, before, m.start_step);
   const int64_t steps = t.global_step() - m.start_step;
-  const double tok_s = static_cast<double>(steps * a.batch_size * a.seq_len) / std::max(secs, 1e-9);
+  const double tok_s = m.timed_batches > 0 ? static_cast<double>(m.timed_batches * a.batch_size * a.seq_len) /
+                                                 std::max(m.train_seconds(), 1e-9)
+                                           : 0.0;
   std::ostringstream s;
   s << std::setprecision(6) << "gpt: done step=" << t.global_step() << " steps_this_run=" << steps
     << " val_loss=" << val_loss << " tokens_per_s=" << std::setprecision(4) << tok_s << " seconds=" << secs
     << " params=" << gpt::count_parameters(cfg);
   f.print(s.str());
-  f.print("gpt: metrics ", t.log_dir(), "/metrics.csv; checkpoint ", t.last_checkpoint_path());
+  f.print("gpt: metrics ", metrics_path, "; checkpoint ", t.last_checkpoint_path());
   return 0;
 }
 
@@ -219,7 +303,15 @@ int run_sample(const SampleArgs& a) {
   state::StateDict target;
   const state::StateDict own = state::state_dict(*net);
   own.for_each([&](const std::string& k, const state::Value& v) { target.set("model." + k, v); });
-  checkpoint::load_local(target, a.ckpt);  // strict: every weight must be there
+  // Not strict: the optimizer and scheduler state in the checkpoint are not wanted here,
+  // but every weight of the model must be there with its shape.
+  const checkpoint::LoadResult res = checkpoint::load_local(target, a.ckpt, lax);
+  if (!res.missing.empty() || !res.mismatched.empty()) {
+    std::string what;
+    for (const auto& k : res.missing) what += " missing " + k + ";";
+    for (const auto& k : res.mismatched) what += " " + k + ";";
+    throw std::runtime_error("--ckpt: '" + a.ckpt + "' does not hold this model's weights:" + what);
+  }
   net->eval();
 
   std::string prompt = a.prompt;
@@ -279,6 +371,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   train->add_option("--warmup-steps", ta.warmup_steps, "learning-rate warmup steps (default min(30, max-steps/10))")
       ->check(CLI::NonNegativeNumber);
+  train->add_option("--lr-decay-steps", ta.decay_steps,
+                    "steps of the cosine schedule (default --max-steps; set it when stopping early to resume later)")
+      ->check(CLI::NonNegativeNumber);
   train->add_option("--seed", ta.seed, "initial weights and data order")->capture_default_str();
   train->add_option("--data", ta.data, "text file(s) to train on (repeatable)")->check(CLI::ExistingFile);
   train->add_option("--val-fraction", ta.val_fraction, "held-out share of the bytes (the end of the text)")
@@ -311,6 +406,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 256))->capture_default_str();
   sample->add_option("--seed", sa.seed, "sampling seed")->capture_default_str();
 
+  if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "train" && std::string(argv[1]) != "sample") {
+    std::cerr << "gpt: unknown command '" << argv[1] << "' (commands: train, sample; see gpt --help)" << std::endl;
+    return 2;
+  }
   try {
     app.parse(argc, argv);
     if (train->parsed()) return run_train(ta);
