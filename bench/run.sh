@@ -14,4 +14,6 @@ if [ -f bench/strategy/run.sh ]; then
   echo "== strategies: step time vs a plain loop and Python DDP =="
   bash bench/strategy/run.sh "$BUILD"
 fi
+echo "== GPT: tokens/s of single/DDP/FSDP at 1 and 2 ranks vs Python DDP, make demo's wall time =="
+bash bench/gpt/run.sh "$BUILD"
 /usr/bin/python3 bench/report.py
