@@ -253,6 +253,47 @@ TEST(CsvLogger, MetricsColumnsCellsAndAtomicRewrite) {
   EXPECT_CONTAINS(error_of([&] { l.log_metrics({{"a,b", 1}}, 6); }), "metric name 'a,b'");
 }
 
+TEST(CsvLogger, KeepExistingRowsOfAnEarlierRun) {
+  const std::string root = temp_dir("tessera-loggers");
+  auto first = trainer::CsvLogger::flat(root);
+  first->log_metrics({{"train_loss", 0.5}, {"epoch", 0}}, 1);
+  first->log_metrics({{"train_loss", 0.25}, {"epoch", 0}}, 2);
+  first->log_metrics({{"val_loss", 0.75}, {"epoch", 0}}, 2);
+  first->log_metrics({{"train_loss", 0.125}, {"epoch", 1}}, 3);  // after the checkpoint at step 2
+  first->log_metrics({{"train_loss", 0.0625}, {"epoch", 1}}, 4);
+  first->save();
+  const std::string path = root + "/metrics.csv";
+  const std::string before = read_bytes(path);
+  EXPECT_EQ(before, "step,epoch,train_loss,val_loss\n1,0,0.5,\n2,0,0.25,\n2,0,,0.75\n3,1,0.125,\n4,1,0.0625,\n");
+
+  // The resumed run (from step 2) keeps rows 1-2 and redoes 3-4; a new column is added.
+  auto resumed = trainer::CsvLogger::flat(root);
+  resumed->keep_existing();
+  resumed->setup(true, {});
+  resumed->save();
+  EXPECT_EQ(read_bytes(path), before);  // nothing lost before this run logs
+  resumed->log_metrics({{"train_loss", 9}, {"lr", 0.5}, {"epoch", 1}}, 3);
+  resumed->save();
+  EXPECT_EQ(read_bytes(path), "step,epoch,train_loss,val_loss,lr\n1,0,0.5,,\n2,0,0.25,,\n2,0,,0.75,\n3,1,9,,0.5\n");
+
+  // Without keep_existing the file is replaced (a fresh run in the same directory).
+  auto fresh = trainer::CsvLogger::flat(root);
+  fresh->log_metrics({{"x", 1}}, 1);
+  fresh->save();
+  EXPECT_EQ(read_bytes(path), "step,epoch,x\n1,,1\n");
+
+  // A file it cannot read back is an error naming it, and is left as it was.
+  write_bytes(path, "when,what\n1,2\n");
+  auto bad = trainer::CsvLogger::flat(root);
+  bad->keep_existing();
+  EXPECT_CONTAINS(error_of([&] { bad->setup(true, {}); }), path);
+  write_bytes(path, "step,epoch,a\n1,0,oops\n");
+  auto bad2 = trainer::CsvLogger::flat(root);
+  bad2->keep_existing();
+  EXPECT_CONTAINS(error_of([&] { bad2->setup(true, {}); }), "line 2: 'oops' is not a number");
+  EXPECT_EQ(read_bytes(path), "step,epoch,a\n1,0,oops\n");
+}
+
 TEST(CsvLogger, HparamsYamlQuoting) {
   const std::string root = temp_dir("tessera-loggers");
   auto l = trainer::CsvLogger::flat(root);

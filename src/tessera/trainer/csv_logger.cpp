@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 
 #include "tessera/core/error.h"
+
+namespace fs = std::filesystem;
 
 namespace tessera::trainer {
 
@@ -24,7 +28,53 @@ void CsvLogger::setup(bool rank_zero, const std::function<std::string(const std:
   if (set_up_) return;  // once per object: every rank has the same state, so no rank waits in share
   dir_ = setup_run_dir(spec_, rank_zero, share);
   write_ = rank_zero;
+  if (write_ && keep_existing_) load_existing();  // throws before this logger counts as set up
   set_up_ = true;
+}
+
+void CsvLogger::load_existing() {
+  const std::string path = metrics_path();
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return;
+  std::ifstream in(path);
+  TESSERA_CHECK(in, "CsvLogger: cannot read the existing '", path, "' (keep_existing)");
+  auto split = [](const std::string& line) {
+    std::vector<std::string> cells;
+    size_t p = 0;
+    while (true) {
+      const size_t c = line.find(',', p);
+      cells.push_back(line.substr(p, c == std::string::npos ? std::string::npos : c - p));
+      if (c == std::string::npos) return cells;
+      p = c + 1;
+    }
+  };
+  std::string line;
+  std::getline(in, line);
+  const std::vector<std::string> header = split(line);
+  TESSERA_CHECK(header.size() >= 2 && header[0] == "step" && header[1] == "epoch", "CsvLogger: the existing '", path,
+                "' does not start with the columns step,epoch (keep_existing will not overwrite it)");
+  std::vector<Row> rows;  // committed to the logger only once the whole file has been read
+  auto number = [&](const std::string& cell, int64_t line_no) {
+    char* end = nullptr;
+    const double v = std::strtod(cell.c_str(), &end);
+    TESSERA_CHECK(!cell.empty() && end && *end == '\0', "CsvLogger: the existing '", path, "' line ", line_no,
+                  ": '", cell, "' is not a number (keep_existing will not overwrite it)");
+    return v;
+  };
+  for (int64_t no = 2; std::getline(in, line); ++no) {
+    if (line.empty()) continue;
+    const std::vector<std::string> cells = split(line);
+    TESSERA_CHECK(cells.size() == header.size(), "CsvLogger: the existing '", path, "' line ", no, " has ",
+                  cells.size(), " cells, its header ", header.size(), " (keep_existing will not overwrite it)");
+    Row r{static_cast<int64_t>(number(cells[0], no)), std::nullopt, {}};
+    if (!cells[1].empty()) r.epoch = number(cells[1], no);
+    for (size_t i = 2; i < cells.size(); ++i)
+      if (!cells[i].empty()) r.values.emplace(header[i], number(cells[i], no));
+    rows.push_back(std::move(r));
+  }
+  columns_.assign(header.begin() + 2, header.end());
+  rows_ = std::move(rows);
+  previous_rows_ = rows_.size();
 }
 
 void CsvLogger::log_hyperparams(const std::map<std::string, std::string>& hparams) {
@@ -36,6 +86,11 @@ void CsvLogger::log_hyperparams(const std::map<std::string, std::string>& hparam
 void CsvLogger::log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
   if (!set_up_) setup(true, {});
   if (!write_ || metrics.empty()) return;
+  if (previous_rows_ > 0) {  // the first row of this run: drop the old rows it redoes
+    rows_.erase(std::remove_if(rows_.begin(), rows_.end(), [&](const Row& r) { return r.step >= step; }),
+                rows_.end());
+    previous_rows_ = 0;
+  }
   Row row{step, std::nullopt, {}};
   for (const auto& [k, v] : metrics) {
     TESSERA_CHECK(k != "step", "CsvLogger: metric name 'step' is reserved (the step is the log_metrics argument)");

@@ -38,6 +38,16 @@ class CsvLogger : public Logger {
 
   std::string metrics_path() const { return dir_ + "/metrics.csv"; }
 
+  // Keep the rows of a metrics.csv already in the run directory (a resumed run writing
+  // to the same flat or fixed-version directory) instead of replacing them: setup()
+  // reads them back (an unreadable file is an error naming it, never overwritten), and
+  // the first row this run logs, at step s, drops the old rows at steps >= s (the part
+  // of the earlier run after its checkpoint, which this run redoes). Call before setup.
+  CsvLogger& keep_existing(bool on = true) {
+    keep_existing_ = on;
+    return *this;
+  }
+
  private:
   struct Row {
     int64_t step;
@@ -46,9 +56,11 @@ class CsvLogger : public Logger {
   };
   RunDirSpec spec_;
   std::string dir_;
-  bool write_ = false, set_up_ = false;
+  bool write_ = false, set_up_ = false, keep_existing_ = false;
+  size_t previous_rows_ = 0;  // rows_[0, previous_rows_) came from the existing file
   std::vector<std::string> columns_;
   std::vector<Row> rows_;
+  void load_existing();
 };
 
 }  // namespace tessera::trainer
