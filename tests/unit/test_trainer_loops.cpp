@@ -18,6 +18,7 @@
 #include "test_util.h"
 #include "tessera/trainer/callbacks.h"
 #include "tessera/trainer/csv_logger.h"
+#include "tessera/trainer/tensorboard_logger.h"
 #include "tessera/trainer/trainer.h"
 
 using namespace tessera;
@@ -106,6 +107,11 @@ TEST(TrainerLoops, ValidatesEveryHalfEpochAndAveragesOverSamples) {
   EXPECT_NEAR(tr.at("test_loss"), full_mse(m, test), 1e-6);
   EXPECT_EQ(m.test_batches, 2);
   EXPECT_EQ(m.validations, 5);
+
+  // A fresh Trainer validates the weights of the fit's last checkpoint the same way.
+  trainer::Trainer t2(o);
+  Reg fresh;
+  EXPECT_NEAR(t2.validate(fresh, val, t.last_checkpoint_path()).at("val_loss"), r.at("val_loss"), 1e-7);
 }
 
 TEST(TrainerLoops, LimitsBatchesAndValidatesEveryNEpochs) {
@@ -554,4 +560,55 @@ TEST(TrainerConfig, RefusesBadOptionsNamingThem) {
   NoVal nv;
   EXPECT_CONTAINS(error_of([&] { t3.fit(nv, regression_data(10), regression_data(4)); }),
                   "does not override validation_step");
+}
+
+// A checkpoint written at a step whose validation had not run yet (every_n_train_steps
+// saves before the step's validation): the resumed run validates first, so its metrics
+// and losses match the uninterrupted run.
+TEST(TrainerResume, FromACheckpointSavedBeforeItsValidation) {
+  TempDir tmp;
+  auto opts = [&] {
+    auto o = local_options(tmp.path);
+    o.max_steps = 6;
+    o.val_check_interval = 2;
+    trainer::ModelCheckpointOptions mo;
+    mo.every_n_train_steps = 2;
+    mo.save_top_k = -1;
+    o.callbacks = {std::make_shared<trainer::ModelCheckpoint>(mo)};
+    return o;
+  };
+  trainer::Trainer full(opts());
+  Reg m;
+  m.momentum = 0.9;
+  full.fit(m, regression_data(16), regression_data(6));
+  const Csv want = read_csv(full.log_dir() + "/metrics.csv");
+  ASSERT_EQ(column_of(want, "val_loss").size(), 3u);
+  trainer::Trainer t(opts());
+  Reg m2;
+  m2.momentum = 0.9;
+  t.fit(m2, regression_data(16), regression_data(6), tmp.path + "/checkpoints/epoch=0-step=2.ckpt");
+  const Csv got = read_csv(t.log_dir() + "/metrics.csv");
+  expect_same(column_of(got, "val_loss"), column_of(want, "val_loss"), 2, "validation after resume");
+  expect_same(losses_of(got), losses_of(want), 3, "losses after resume");
+}
+
+// Several loggers receive the same rows; log_dir() is the first one's.
+TEST(TrainerLoggers, CsvAndTensorBoardTogether) {
+  TempDir tmp;
+  auto o = local_options(tmp.path);
+  o.max_steps = 3;
+  o.loggers = {trainer::CsvLogger::flat(tmp.path + "/csv"),
+               std::make_shared<trainer::TensorBoardLogger>(tmp.path, "tb")};
+  trainer::Trainer t(o);
+  Reg m;
+  t.fit(m, regression_data(16), regression_data(4));
+  EXPECT_EQ(t.log_dir(), tmp.path + "/csv");
+  EXPECT_EQ(losses_of(read_csv(tmp.path + "/csv/metrics.csv")).size(), 3u);
+  const auto tb = entries(tmp.path + "/tb/version_0");
+  ASSERT_FALSE(tb.empty());
+  bool events = false;
+  for (auto& f : tb)
+    events = events || (f.rfind("events.out.tfevents.", 0) == 0 && fs::file_size(tmp.path + "/tb/version_0/" + f) > 100);
+  EXPECT_TRUE(events) << "no TensorBoard event file in " << tmp.path << "/tb/version_0";
+  EXPECT_FALSE(fs::exists(tmp.path + "/lightning_logs"));  // no default CsvLogger when loggers are given
 }
