@@ -43,17 +43,15 @@ test-asan:
 soak: build
 	bash scripts/soak.sh $(BUILD)
 
-# The async-save, launcher and dead-rank tests under ThreadSanitizer (build-tsan).
+# Async saves, the launcher and a dead rank under ThreadSanitizer (build-tsan): the
+# library, CLI and worker built with -fsanitize=thread, run by scripts/tsan.sh.
 # libtorch/Gloo are not instrumented: see docs/reliability.md and scripts/tsan.supp.
 test-tsan:
 	@bash scripts/setup.sh
 	cmake -S . -B build-tsan -G Ninja -DTESSERA_BUILD_BENCH=OFF \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" -DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread
-	cmake --build build-tsan -j $(JOBS) --target tessera_tests tessera_test_worker tessera_cli
-	cd build-tsan && TSAN_OPTIONS="suppressions=$(CURDIR)/scripts/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
-	  setarch $$(uname -m) -R ctest --output-on-failure -j $(JOBS) --timeout 900 \
-	  -R '$(TSAN_TESTS)'
-TSAN_TESTS ?= Launcher|TesseraRun|CheckpointDist.Async|ReliabilityDeadRank
+	cmake --build build-tsan -j $(JOBS) --target tessera_cli tessera_test_worker
+	bash scripts/tsan.sh build-tsan
 
 clean:
 	rm -rf $(BUILD)
