@@ -111,6 +111,7 @@ TEST(ReliabilityCrash, SigkillAtRandomMomentsOfMultiRankSavesLeavesACompleteChec
                                      << v.all_output();
     ASSERT_FALSE(v.out[0].empty());
     iterations.insert(std::stol(v.out[0].back().substr(10)));
+    if (soak()) std::cout << "[crash] " << where << ": ok" << std::endl;  // progress of long runs
   }
   // A completed save to each path removes every leftover of the interrupted ones.
   for (const std::string& target : {dir + "/ckpt", dir + "/full.safetensors"}) {
