@@ -110,16 +110,23 @@ struct GptModule : trainer::TrainingModule {
   // to the end of the last one, without the time spent validating in between.
   using Clock = std::chrono::steady_clock;
   std::optional<Clock::time_point> first_end, last_end, val_start;
-  double val_seconds = 0;
+  double val_seconds = 0, pending_val = 0;  // pending: validation after the last timed batch
   int64_t timed_batches = 0;
   void on_train_batch_end(const at::Tensor&, const trainer::Batch&, int64_t) override {
     last_end = Clock::now();
-    if (!first_end) first_end = last_end;
-    else ++timed_batches;
+    if (!first_end) {
+      first_end = last_end;
+    } else {
+      ++timed_batches;
+      val_seconds += pending_val;
+    }
+    pending_val = 0;
   }
+  int64_t last_val_step = -1;  // global step of the last validation in fit
   void on_validation_start() override { val_start = Clock::now(); }
   void on_validation_end() override {
-    if (first_end && val_start) val_seconds += std::chrono::duration<double>(Clock::now() - *val_start).count();
+    last_val_step = global_step();
+    if (first_end && val_start) pending_val += std::chrono::duration<double>(Clock::now() - *val_start).count();
   }
   double train_seconds() const {
     if (!first_end) return 0;
@@ -252,17 +259,20 @@ int run_train(TrainArgs a) {
   GptModule m(a, cfg);
   const trainer::TensorData val{data.val.inputs, data.val.targets};
   const auto t0 = std::chrono::steady_clock::now();
-  t.fit(m, {data.train.inputs, data.train.targets}, a.val_every > 0 ? val : trainer::TensorData{}, a.resume);
+  const trainer::Metrics fitted =
+      t.fit(m, {data.train.inputs, data.train.targets}, a.val_every > 0 ? val : trainer::TensorData{}, a.resume);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // The final validation loss over the whole held-out split.
   double val_loss = std::nan("");
-  if (!val.empty()) {
+  if (!val.empty() && m.last_val_step == t.global_step() && fitted.count("val_loss")) {
+    val_loss = fitted.at("val_loss");  // fit validated at the last step already
+  } else if (!val.empty()) {
     const trainer::Metrics vm = t.validate(m, val);
     if (vm.count("val_loss")) val_loss = vm.at("val_loss");
   }
   if (f.is_global_zero() && !a.resume.empty()) merge_previous_metrics(metrics_path, before, m.start_step);
   const int64_t steps = t.global_step() - m.start_step;
-  const double tok_s = m.timed_batches > 0 ? static_cast<double>(m.timed_batches * a.batch_size * a.seq_len) /
+  const double tok_s = m.timed_batches > 0 && m.train_seconds() > 0 ? static_cast<double>(m.timed_batches * a.batch_size * a.seq_len) /
                                                  std::max(m.train_seconds(), 1e-9)
                                            : 0.0;
   std::ostringstream s;

@@ -37,6 +37,10 @@ const std::string kTiny =
     " --n-layer 2 --n-head 2 --d-model 32 --seq-len 16 --batch-size 8 --lr 3e-3 --seed 5 --log-every 1 --val-every 4 "
     "--threads 1 --no-progress-bar";
 
+// Parameters of the tiny model, untied: embeddings 256*32 + 16*32, 2 blocks of
+// 12,704 (LayerNorms 128, qkv 3,168, proj 1,056, fc 4,224, fc_out 4,128), ln_f 64, head 256*32.
+constexpr int64_t kTinyUntiedParams = 256 * 32 + 16 * 32 + 2 * 12704 + 64 + 256 * 32;
+
 // ~12 KB of text with some structure to learn.
 std::string make_text() {
   std::ostringstream s;
@@ -143,6 +147,23 @@ TEST_F(Gpt, SingleAndFsdpTwoRanksWriteTheSameLosses) {
                                        " --prompt 'shard tensor' --tokens 40 --temperature 0.9 --top-k 20 --seed 12");
   ASSERT_EQ(rc6, 0) << other_seed;
   EXPECT_NE(other_seed, cons_text) << "the seed does not change the sample";
+}
+
+// Tied head: the token embedding's weight is used twice inside FSDP's root unit (one
+// registered tensor, so no shared-parameter refusal); both uses' gradients must arrive.
+TEST_F(Gpt, TiedHeadUnderFsdpMatchesOneProcess) {
+  GptRun r;
+  const std::string tiny = " --max-steps 4 --tie-weights --data " + r.data + kTiny;
+  auto [rc1, out1] = run_command(kEnv + kGpt + " train --strategy single --out " + r.dir + "/single" + tiny);
+  ASSERT_EQ(rc1, 0) << out1;
+  auto [rc2, out2] = run_command(kEnv + kGpt + " train --strategy fsdp --devices 2 --out " + r.dir + "/fsdp" + tiny);
+  ASSERT_EQ(rc2, 0) << out2;
+  auto single = read_metrics(r.dir + "/single/metrics.csv");
+  auto fsdp = read_metrics(r.dir + "/fsdp/metrics.csv");
+  ASSERT_EQ(single["train_loss"].size(), 4u);
+  expect_close(fsdp["train_loss"], single["train_loss"], 1e-4, "tied train_loss fsdp vs single");
+  // One weight fewer than untied: 256 x 32 head weights are not there.
+  EXPECT_NE(out1.find("params=" + std::to_string(kTinyUntiedParams - 256 * 32)), std::string::npos) << out1;
 }
 
 TEST_F(Gpt, ResumeFromLastCheckpointContinuesTheRun) {
