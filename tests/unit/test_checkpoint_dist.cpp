@@ -67,6 +67,15 @@ TEST(CheckpointDist, FullSaveFromShardsLoadsShardedAndPlain) {
   }
 }
 
+// Tensors of 40 MiB are gathered to rank 0 and written as several slices of rows while
+// the next slice is gathered; the file must equal the tensors exactly.
+TEST(CheckpointDist, FullSaveStreamsLargeTensorsInSlices) {
+  const std::string file = temp_dir() + "/big.safetensors";
+  auto s = run_ranks(3, {"ckpt_full_big", file}, 180);
+  ASSERT_EQ(s.launch.exit_code, 0) << s.all_output();
+  EXPECT_TRUE(ck::verify(file).ok);
+}
+
 TEST(CheckpointDist, PlainSaveLoadsSharded) {
   const std::string dir = temp_dir() + "/plain";
   auto s = run_ranks(2, {"ckpt_save", dir, "sharded", "plain"}, 120);

@@ -56,6 +56,37 @@ TEST(Crc32c, KnownVectorsAndBothImplementationsAgree) {
   EXPECT_THROW(parse_crc_hex("e306928g", "x"), Error);
 }
 
+// A tensor streamed as uneven runs of rows (crossing checksum-block boundaries) gives
+// the same file, byte for byte, as writing it whole; bad parts are refused.
+TEST(Safetensors, WritePartMatchesWholeWrite) {
+  const std::string dir = temp_dir();
+  // 10 MiB + 12 bytes: three 4 MiB checksum blocks, the last one short.
+  const int64_t rows = (10 << 20) / 12 + 1;
+  at::Tensor big = at::arange(rows * 3, at::kFloat).reshape({rows, 3});
+  at::Tensor small = at::arange(6, at::kInt).reshape({2, 3});
+  const std::vector<SafetensorsWriter::Spec> specs = {{"big", at::kFloat, {rows, 3}}, {"small", at::kInt, {2, 3}}};
+  SafetensorsWriter whole(dir + "/whole.safetensors", specs, {});
+  whole.write(big);
+  whole.write(small);
+  auto w1 = whole.finish();
+  SafetensorsWriter parts(dir + "/parts.safetensors", specs, {});
+  EXPECT_THROW(parts.write_part(at::zeros({1, 4}, at::kFloat)), Error);  // wrong row shape
+  EXPECT_THROW(parts.write_part(at::zeros({1, 3}, at::kInt)), Error);    // wrong dtype
+  const int64_t cuts[] = {0, 1, 349525, 700000, rows - 1, rows};          // 349525 rows ~ 4 MiB
+  for (size_t i = 0; i + 1 < std::size(cuts); ++i) parts.write_part(big.narrow(0, cuts[i], cuts[i + 1] - cuts[i]));
+  EXPECT_EQ(parts.next_index(), 1u);
+  EXPECT_THROW(parts.write_part(at::zeros({3, 3}, at::kInt)), Error);  // more rows than declared
+  parts.write_part(small.narrow(0, 0, 1));
+  parts.write_part(small.narrow(0, 1, 1));
+  auto w2 = parts.finish();
+  ASSERT_EQ(w1.size(), w2.size());
+  EXPECT_EQ(w1[0].crcs.size(), 3u);
+  for (size_t i = 0; i < w1.size(); ++i) EXPECT_EQ(w1[i].crcs, w2[i].crcs) << w1[i].name;
+  EXPECT_TRUE(read_bytes(dir + "/whole.safetensors") == read_bytes(dir + "/parts.safetensors"));
+  SafetensorsReader r(dir + "/parts.safetensors");
+  EXPECT_TRUE(at::equal(r.read("big"), big));
+}
+
 TEST(Safetensors, WriterOutputIsValidAndRoundTrips) {
   const std::string dir = temp_dir();
   const std::string path = dir + "/a.safetensors";

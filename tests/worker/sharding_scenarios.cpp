@@ -87,6 +87,17 @@ SCENARIO("sharded_roundtrip") {
           at::Tensor g = st.gather(dst);
           WCHECK(r == dst ? bits_equal(g, full) : !g.defined(), "gather to ", dst, " ", tag);
         }
+        // Regions: runs of rows (what a consolidated save gathers) and an inner box.
+        std::vector<Box> regions = {full_box(shape)};
+        for (int64_t r0 = 0; r0 < shape[0]; r0 += 2)
+          regions.push_back({{r0, 0}, {std::min<int64_t>(2, shape[0] - r0), shape[1]}});
+        if (shape[0] > 2 && shape[1] > 2) regions.push_back({{1, 1}, {shape[0] - 2, shape[1] - 2}});
+        for (const Box& region : regions) {
+          const int dst = static_cast<int>(region.offsets[0] % n);
+          at::Tensor g = st.gather_region(region, dst);
+          WCHECK(r == dst ? bits_equal(g, narrow_to(full, full_box(shape), region).contiguous()) : !g.defined(),
+                 "gather_region ", region.to_string(), " to ", dst, " ", tag);
+        }
         // To every other layout and back.
         for (size_t j = 0; j < all_specs.size(); ++j) {
           ShardedTensor other = st.reshard(all_specs[j].second);

@@ -268,35 +268,79 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> 
 
 SafetensorsWriter::~SafetensorsWriter() = default;
 
-void SafetensorsWriter::write(const at::Tensor& t) {
-  TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", file_.path(), "': more tensors written than declared");
-  const Spec& s = specs_[next_];
-  TESSERA_CHECK(t.scalar_type() == s.dtype && t.sizes().vec() == s.shape, "'", file_.path(), "' tensor '", s.name,
-                "': got ", t.scalar_type(), t.sizes(), " but declared ", s.dtype, " ", at::IntArrayRef(s.shape));
+namespace {
+at::Tensor dense_cpu(const at::Tensor& t) {
   at::Tensor c = t.device().is_cpu() ? t : t.cpu();
   c = c.is_contiguous() && !c.is_conj() && !c.is_neg() ? c : c.contiguous().resolve_conj().resolve_neg();
   if (c.layout() != at::kStrided) c = c.to_dense();
+  return c;
+}
+}  // namespace
+
+void SafetensorsWriter::write(const at::Tensor& t) {
+  TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", file_.path(), "': more tensors written than declared");
+  const Spec& s = specs_[next_];
+  TESSERA_CHECK(part_bytes_ == 0, "'", file_.path(), "' tensor '", s.name, "': write() after write_part()");
+  TESSERA_CHECK(t.scalar_type() == s.dtype && t.sizes().vec() == s.shape, "'", file_.path(), "' tensor '", s.name,
+                "': got ", t.scalar_type(), t.sizes(), " but declared ", s.dtype, " ", at::IntArrayRef(s.shape));
+  at::Tensor c = dense_cpu(t);
+  append(c.data_ptr(), written_[next_].end - written_[next_].begin);
+}
+
+void SafetensorsWriter::write_part(const at::Tensor& rows) {
+  TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", file_.path(), "': more tensors written than declared");
+  const Spec& s = specs_[next_];
+  const bool rows_match = !s.shape.empty() && rows.dim() == static_cast<int64_t>(s.shape.size()) &&
+                          std::equal(s.shape.begin() + 1, s.shape.end(), rows.sizes().begin() + 1);
+  TESSERA_CHECK(rows.scalar_type() == s.dtype && rows_match, "'", file_.path(), "' tensor '", s.name, "': part ",
+                rows.scalar_type(), rows.sizes(), " is not a run of rows of ", s.dtype, " ",
+                at::IntArrayRef(s.shape));
+  at::Tensor c = dense_cpu(rows);
+  append(c.data_ptr(), static_cast<uint64_t>(c.numel()) * c.element_size());
+}
+
+void SafetensorsWriter::append(const void* data, uint64_t n) {
   Written& w = written_[next_];
   const uint64_t nb = w.end - w.begin;
-  // Streamed in slices of whole checksum blocks: each slice is checksummed, written,
-  // and its writeback started at once, so the disk writes while the CPU checksums and
-  // copies the next slice; waiting on the slice two behind keeps the dirty pages (and
-  // the work left for finish()'s fsync) to a few slices.
-  const char* p = static_cast<const char*>(c.data_ptr());
+  TESSERA_CHECK(part_bytes_ + n <= nb, "'", file_.path(), "' tensor '", w.name, "': ", part_bytes_ + n,
+                " bytes written but it has ", nb);
+  // Streamed in slices: each slice is checksummed (blocks of kCrcBlock bytes from the
+  // tensor's start, carried across calls), written, and its writeback started at once,
+  // so the disk writes while the CPU checksums and copies the next slice; waiting on
+  // the slice two behind keeps the dirty pages (and the work left for finish()'s fsync)
+  // to a few slices.
+  const auto* p = static_cast<const unsigned char*>(data);
   constexpr uint64_t kSlice = 4 * kCrcBlock;
-  for (uint64_t off = 0; off < nb; off += kSlice) {
-    const uint64_t len = std::min<uint64_t>(kSlice, nb - off);
-    std::vector<uint32_t> crcs = block_crcs(p + off, static_cast<size_t>(len));
-    w.crcs.insert(w.crcs.end(), crcs.begin(), crcs.end());
-    file_.write_all(p + off, len);
-    file_.start_writeback(w.begin + off, len);
-    const uint64_t end = w.begin + off + len;
-    if (end >= waited_ + 3 * kSlice) {
-      file_.wait_writeback(waited_, end - 2 * kSlice - waited_);
-      waited_ = end - 2 * kSlice;
+  for (uint64_t off = 0; off < n;) {
+    const uint64_t len = std::min<uint64_t>(kSlice, n - off);
+    for (uint64_t k = 0; k < len;) {
+      const uint64_t take = std::min<uint64_t>(len - k, kCrcBlock - block_fill_);
+      block_crc_ = crc32c_extend(block_crc_, p + off + k, static_cast<size_t>(take));
+      block_fill_ += take;
+      k += take;
+      if (block_fill_ == kCrcBlock) {
+        w.crcs.push_back(block_crc_);
+        block_crc_ = 0;
+        block_fill_ = 0;
+      }
     }
+    const uint64_t at = w.begin + part_bytes_ + off;
+    file_.write_all(p + off, len);
+    file_.start_writeback(at, len);
+    if (at + len >= waited_ + 3 * kSlice) {
+      file_.wait_writeback(waited_, at + len - 2 * kSlice - waited_);
+      waited_ = at + len - 2 * kSlice;
+    }
+    off += len;
   }
-  ++next_;
+  part_bytes_ += n;
+  if (part_bytes_ == nb) {  // the tensor is complete
+    if (block_fill_ > 0) w.crcs.push_back(block_crc_);
+    block_crc_ = 0;
+    block_fill_ = 0;
+    part_bytes_ = 0;
+    ++next_;
+  }
 }
 
 std::vector<SafetensorsWriter::Written> SafetensorsWriter::finish() {

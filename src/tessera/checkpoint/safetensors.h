@@ -84,6 +84,10 @@ class SafetensorsWriter {
   // Writes the next tensor; it must match the next spec's dtype and shape (any
   // device/layout: a contiguous CPU copy is made when needed).
   void write(const at::Tensor& t);
+  // Writes the next tensor in pieces: consecutive runs of rows (dim 0) of the declared
+  // shape, in order; the tensor is done when all its bytes are written. Lets a caller
+  // stream a tensor it never holds whole (consolidated save of a sharded tensor).
+  void write_part(const at::Tensor& rows);
   // Patches the checksums into the header, fsyncs and closes. Every spec must have been written.
   std::vector<Written> finish();
   size_t next_index() const { return next_; }
@@ -96,7 +100,11 @@ class SafetensorsWriter {
   uint64_t data_start_ = 0, crc_pos_ = 0;
   std::string header_;           // the header text as written, checksummed at finish()
   uint64_t header_crc_pos_ = 0;  // file offset of tessera.header_crc32c's 8 hex digits
-  uint64_t waited_ = 0;  // writeback awaited up to this file offset (see write())
+  void append(const void* data, uint64_t n);
+  uint64_t waited_ = 0;      // writeback awaited up to this file offset (see append())
+  uint64_t part_bytes_ = 0;  // bytes of the current tensor written so far
+  uint32_t block_crc_ = 0;   // checksum of the current block so far
+  uint64_t block_fill_ = 0;  // bytes in the current block
   bool finished_ = false;
 };
 

@@ -2,6 +2,8 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <future>
 #include <mutex>
 #include <thread>
 
@@ -128,6 +130,9 @@ void save_sharded(const state::StateDict& sd, const std::string& path, dist::Com
   agree(comm, err, concat("saving '", path, "'"));
 }
 
+// Bytes of a sharded tensor gathered to rank 0 at a time by a consolidated save.
+constexpr int64_t kGatherSliceBytes = 16 << 20;
+
 void save_full(const state::StateDict& sd, const std::string& path, dist::Communicator& comm) {
   const int rank = comm.rank();
   auto flat = flatten_values(sd);
@@ -152,24 +157,51 @@ void save_full(const state::StateDict& sd, const std::string& path, dist::Commun
       err = e.what();
     }
   }
+  // Rank 0 writes each piece on a second thread while the next one is gathered, one
+  // piece in flight: the disk and the network work at the same time, and the extra
+  // memory stays at two slices of kGatherSliceBytes (a sharded tensor is gathered as
+  // runs of rows, never whole).
+  std::future<void> writing;
+  auto wait_write = [&] {
+    if (!writing.valid()) return;
+    try {
+      writing.get();
+    } catch (const std::exception& e) {
+      if (err.empty()) err = e.what();
+    }
+  };
+  auto put = [&](at::Tensor piece, bool part) {
+    wait_write();
+    if (!err.empty()) return;
+    writing = std::async(std::launch::async, [&w, piece = std::move(piece), part] {
+      if (part) w->write_part(piece);
+      else w->write(piece);
+    });
+  };
   // Every rank takes part in every gather, even after rank 0 failed, so that nobody hangs.
   for (const auto& [fqn, v] : flat) {
-    at::Tensor full;
     if (auto s = std::get_if<sharding::ShardedTensor>(v)) {
-      full = s->gather(0);
-    } else if (auto t = std::get_if<at::Tensor>(v)) {
-      if (rank == 0) full = *t;
-    } else {
-      continue;
-    }
-    if (rank == 0 && err.empty()) {
-      try {
-        w->write(full);
-      } catch (const std::exception& e) {
-        err = e.what();
+      const std::vector<int64_t>& shape = s->shape();
+      const int64_t numel = s->numel();
+      if (shape.empty() || numel == 0) {
+        at::Tensor full = s->gather(0);
+        if (rank == 0) put(full, false);
+        continue;
       }
+      const int64_t row_bytes = numel / shape[0] * static_cast<int64_t>(c10::elementSize(s->dtype()));
+      const int64_t rows = std::max<int64_t>(1, kGatherSliceBytes / std::max<int64_t>(row_bytes, 1));
+      for (int64_t r0 = 0; r0 < shape[0]; r0 += rows) {
+        sharding::Box region{std::vector<int64_t>(shape.size(), 0), shape};
+        region.offsets[0] = r0;
+        region.sizes[0] = std::min(rows, shape[0] - r0);
+        at::Tensor piece = s->gather_region(region, 0);
+        if (rank == 0) put(piece, true);
+      }
+    } else if (auto t = std::get_if<at::Tensor>(v)) {
+      if (rank == 0) put(*t, false);
     }
   }
+  wait_write();
   if (rank == 0) {
     if (err.empty()) {
       try {

@@ -311,55 +311,73 @@ std::string ShardedTensor::describe() const {
 at::Tensor ShardedTensor::gather(int dst) const {
   TESSERA_CHECK(dst >= 0 && comm_ && dst < comm_->size(), "gather: destination rank ", dst, " is outside the group of ",
                 comm_ ? comm_->size() : 0);
-  return gather_impl(false, dst);
+  return gather_impl(false, dst, full_box(shape_));
 }
 
-at::Tensor ShardedTensor::full_tensor() const { return gather_impl(true, 0); }
+at::Tensor ShardedTensor::full_tensor() const { return gather_impl(true, 0, full_box(shape_)); }
 
-at::Tensor ShardedTensor::gather_impl(bool everywhere, int dst) const {
+at::Tensor ShardedTensor::gather_region(const Box& region, int dst) const {
+  TESSERA_CHECK(defined(), "gather_region on an undefined ShardedTensor");
+  TESSERA_CHECK(dst >= 0 && dst < comm_->size(), "gather_region: destination rank ", dst,
+                " is outside the group of ", comm_->size());
+  TESSERA_CHECK(region.dim() == shape_.size() && region.offsets.size() == shape_.size() &&
+                    contains(full_box(shape_), region),
+                "gather_region: region ", region.to_string(), " is not inside the global shape ", shape_str(shape_));
+  return gather_impl(false, dst, region);
+}
+
+at::Tensor ShardedTensor::gather_impl(bool everywhere, int dst, const Box& region) const {
   TESSERA_CHECK(defined(), "gather on an undefined ShardedTensor");
   TESSERA_CHECK(dst >= 0 && dst < comm_->size(), "gather: destination rank ", dst, " is outside the group of ",
                 comm_->size());
   const int me = comm_->rank(), n = comm_->size();
   const c10::Device dev = buffer_device({&all_}, me);
   auto opts = at::TensorOptions().dtype(dtype_).device(dev);
-  const Box whole = full_box(shape_);
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype_));
+  // Every shard's overlap with the region, in all_ order (known to every rank).
+  std::vector<std::optional<Box>> part(all_.size());
   std::vector<int64_t> send(n, 0);
-  for (auto& m : all_) send[m.placement.rank] += m.box.numel() * es;
+  for (size_t i = 0; i < all_.size(); ++i) {
+    if (all_[i].box.empty()) continue;
+    part[i] = intersect(all_[i].box, region);
+    if (part[i]) send[all_[i].placement.rank] += part[i]->numel() * es;
+  }
   const int64_t total = std::accumulate(send.begin(), send.end(), int64_t{0});
   if (total == 0 || n == 1) {
     if (!everywhere && me != dst) return at::Tensor();
-    at::Tensor out = at::empty(shape_, opts);
-    for (auto& s : local_) copy_overlap(out, whole, s.tensor, s.meta.box);
+    at::Tensor out = at::empty(region.sizes, opts);
+    for (auto& s : local_) copy_overlap(out, region, s.tensor, s.meta.box);
     return out;
   }
+  // This rank's overlaps, packed in all_ order (local_ follows all_'s order per rank).
   at::Tensor mine = at::empty({send[me]}, at::TensorOptions().dtype(at::kByte).device(dev));
   int64_t off = 0;
   for (auto& s : local_) {
     if (s.meta.box.empty()) continue;
-    typed_view(mine, off, s.meta.box.sizes, dtype_).copy_(s.tensor);
-    off += s.meta.box.numel() * es;
+    std::optional<Box> p = intersect(s.meta.box, region);
+    if (!p) continue;
+    typed_view(mine, off, p->sizes, dtype_).copy_(narrow_to(s.tensor, s.meta.box, *p));
+    off += p->numel() * es;
   }
   at::Tensor all;
   if (everywhere) {
     all = comm_->all_gather(mine, send);
   } else {
-    // Only dst receives; every other rank sends its shards to dst and gets nothing.
+    // Only dst receives; every other rank sends its overlaps to dst and gets nothing.
     std::vector<int64_t> to(n, 0), from(n, 0);
     to[dst] = send[me];
     if (me == dst) from = send;
     all = comm_->all_to_all(mine, to, from);
     if (me != dst) return at::Tensor();
   }
-  at::Tensor out = at::empty(shape_, opts);
+  at::Tensor out = at::empty(region.sizes, opts);
   std::vector<int64_t> cursor(n, 0);
   for (int r = 1; r < n; ++r) cursor[r] = cursor[r - 1] + send[r - 1];
-  for (auto& m : all_) {
-    if (m.box.empty()) continue;
-    int64_t& c = cursor[m.placement.rank];
-    narrow_to(out, whole, m.box).copy_(typed_view(all, c, m.box.sizes, dtype_));
-    c += m.box.numel() * es;
+  for (size_t i = 0; i < all_.size(); ++i) {
+    if (!part[i]) continue;
+    int64_t& c = cursor[all_[i].placement.rank];
+    narrow_to(out, region, *part[i]).copy_(typed_view(all, c, part[i]->sizes, dtype_));
+    c += part[i]->numel() * es;
   }
   return out;
 }

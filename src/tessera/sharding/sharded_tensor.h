@@ -66,6 +66,11 @@ class ShardedTensor {
   at::Tensor gather(int dst = 0) const;
   // The full tensor on every rank.
   at::Tensor full_tensor() const;
+  // The part of the full tensor inside `region` (a box of the global shape), on `dst`
+  // only (an undefined tensor elsewhere). Collective; each rank sends only its shards'
+  // overlap with the region, so gathering a large tensor region by region bounds the
+  // destination's extra memory by the region's size.
+  at::Tensor gather_region(const Box& region, int dst = 0) const;
   // A new ShardedTensor with the same values laid out by `spec` (only overlapping
   // pieces move).
   ShardedTensor reshard(const ShardingSpec& spec) const;
@@ -84,7 +89,7 @@ class ShardedTensor {
   std::string describe() const;
 
  private:
-  at::Tensor gather_impl(bool everywhere, int dst) const;
+  at::Tensor gather_impl(bool everywhere, int dst, const Box& region) const;
 
   std::vector<int64_t> shape_;
   at::ScalarType dtype_ = at::kFloat;
