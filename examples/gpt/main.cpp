@@ -138,61 +138,6 @@ void check(bool ok, const std::string& msg) {
   if (!ok) throw CLI::ValidationError(msg);
 }
 
-// --- metrics.csv across resumed runs ------------------------------------------------
-// The CSV logger rewrites OUT/metrics.csv with the rows of the current run; a resumed run
-// keeps the earlier run's rows up to the step it resumed from (columns merged by name).
-struct Csv {
-  std::vector<std::string> header;
-  std::vector<std::vector<std::string>> rows;
-};
-
-std::vector<std::string> split_csv_line(const std::string& line) {
-  std::vector<std::string> out;
-  std::string cell;
-  std::istringstream in(line);
-  while (std::getline(in, cell, ',')) out.push_back(cell);
-  if (!line.empty() && line.back() == ',') out.emplace_back();
-  return out;
-}
-
-Csv read_csv(const std::string& path) {
-  Csv c;
-  std::ifstream in(path);
-  std::string line;
-  if (!std::getline(in, line)) return c;
-  c.header = split_csv_line(line);
-  while (std::getline(in, line))
-    if (!line.empty()) c.rows.push_back(split_csv_line(line));
-  return c;
-}
-
-void merge_previous_metrics(const std::string& path, const Csv& before, int64_t resumed_at) {
-  if (before.header.empty() || before.header[0] != "step") return;
-  Csv now = read_csv(path);
-  std::vector<std::string> cols = now.header;
-  for (const auto& h : before.header)
-    if (std::find(cols.begin(), cols.end(), h) == cols.end()) cols.push_back(h);
-  auto emit = [&](std::ostream& out, const Csv& c, const std::vector<std::string>& row) {
-    for (size_t i = 0; i < cols.size(); ++i) {
-      auto it = std::find(c.header.begin(), c.header.end(), cols[i]);
-      const size_t j = static_cast<size_t>(it - c.header.begin());
-      out << (i ? "," : "") << (it != c.header.end() && j < row.size() ? row[j] : "");
-    }
-    out << "\n";
-  };
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    for (size_t i = 0; i < cols.size(); ++i) out << (i ? "," : "") << cols[i];
-    out << "\n";
-    for (const auto& r : before.rows)
-      if (!r.empty() && std::atoll(r[0].c_str()) <= resumed_at) emit(out, before, r);
-    for (const auto& r : now.rows) emit(out, now, r);
-    if (!out) throw std::runtime_error("cannot write " + tmp);
-  }
-  fs::rename(tmp, path);
-}
-
 int run_train(TrainArgs a) {
   // Ranks and batch split (the launcher's environment when started by one).
   const bool launched = std::getenv("WORLD_SIZE") != nullptr;
@@ -236,7 +181,10 @@ int run_train(TrainArgs a) {
   o.eval_batch_size = o.batch_size;
   o.default_root_dir = a.out;  // checkpoints in OUT/checkpoints
   o.checkpoint_every_n_train_steps = a.ckpt_every;
-  o.loggers = {trainer::CsvLogger::flat(a.out)};  // OUT/metrics.csv, OUT/hparams.yaml
+  // OUT/metrics.csv and OUT/hparams.yaml; a resumed run keeps the earlier rows up to its step.
+  auto csv = trainer::CsvLogger::flat(a.out);
+  csv->keep_existing(!a.resume.empty());
+  o.loggers = {csv};
   if (a.val_every > 0) o.val_check_interval = trainer::BatchCount(a.val_every);
   o.enable_progress_bar = a.progress_bar;
 
@@ -255,7 +203,6 @@ int run_train(TrainArgs a) {
           " on ", world, " rank(s), global batch ", a.batch_size, ", ", threads, " thread(s) per rank");
 
   const std::string metrics_path = (fs::path(a.out) / "metrics.csv").string();
-  const Csv before = !a.resume.empty() && f.is_global_zero() ? read_csv(metrics_path) : Csv{};
   GptModule m(a, cfg);
   const trainer::TensorData val{data.val.inputs, data.val.targets};
   const auto t0 = std::chrono::steady_clock::now();
@@ -270,7 +217,6 @@ int run_train(TrainArgs a) {
     const trainer::Metrics vm = t.validate(m, val);
     if (vm.count("val_loss")) val_loss = vm.at("val_loss");
   }
-  if (f.is_global_zero() && !a.resume.empty()) merge_previous_metrics(metrics_path, before, m.start_step);
   const int64_t steps = t.global_step() - m.start_step;
   const double tok_s = m.timed_batches > 0 && m.train_seconds() > 0 ? static_cast<double>(m.timed_batches * a.batch_size * a.seq_len) /
                                                  std::max(m.train_seconds(), 1e-9)
