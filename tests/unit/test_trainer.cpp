@@ -18,6 +18,7 @@
 
 #include "test_trainer_util.h"
 #include "test_util.h"
+#include "tessera/strategy/fsdp.h"
 #include "tessera/trainer/trainer.h"
 #include "unit/harness.h"
 
@@ -290,4 +291,53 @@ TEST(TrainerDocs, DocQuotesTheCompiledExample) {
   const std::string cmake = read_bytes(std::string(TESSERA_SOURCE_DIR) + "/examples/trainer_mlp/CMakeLists.txt");
   EXPECT_NE(doc.find("```cpp\n" + code + "```"), std::string::npos) << "docs/trainer.md does not quote main.cpp verbatim";
   EXPECT_NE(doc.find("```cmake\n" + cmake + "```"), std::string::npos) << "docs/trainer.md does not quote CMakeLists.txt";
+}
+
+namespace {
+// A model whose pieces configure_model may build through init_module, the strategy's
+// module-init context.
+struct Pieces : trainer::TrainingModule {
+  bool use_init;
+  std::string refused;  // init_module's error outside configure_model
+  torch::nn::Sequential net;
+  explicit Pieces(bool u) : use_init(u) {}
+  torch::nn::AnyModule configure_model() override {
+    at::manual_seed(9);
+    auto lin = [](int64_t i, int64_t o) { return [=] { return torch::nn::AnyModule(torch::nn::Linear(i, o)); }; };
+    net = torch::nn::Sequential();
+    net->push_back(use_init ? init_module(lin(3, 6)) : lin(3, 6)());
+    net->push_back(torch::nn::Tanh());
+    net->push_back(use_init ? init_module(lin(6, 1)) : lin(6, 1)());
+    return torch::nn::AnyModule(strategy::WrappedModule(net));
+  }
+  trainer::OptimizerConfig configure_optimizers() override {
+    return {std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1))};
+  }
+  at::Tensor training_step(const trainer::Batch& b, int64_t) override {
+    if (refused.empty()) refused = error_of([&] { init_module([] { return torch::nn::AnyModule(torch::nn::Tanh()); }); });
+    return (model().forward<at::Tensor>(b.inputs) - b.targets).pow(2).mean();
+  }
+};
+}  // namespace
+
+// Under FSDP each piece built through init_module is a unit from the start (sharded as it
+// is built); training equals the same model built plainly; outside configure_model,
+// init_module is refused.
+TEST(TrainerLocal, InitModuleBuildsFsdpUnitsInsideConfigureModel) {
+  std::vector<at::Tensor> finals[2];
+  for (int use = 0; use < 2; ++use) {
+    TempDir tmp;
+    auto o = local_options(tmp.path);
+    o.fabric.strategy = "fsdp";
+    o.max_steps = 4;
+    o.enable_checkpointing = false;
+    trainer::Trainer t(o);
+    Pieces m(use == 1);
+    t.fit(m, data(16));
+    EXPECT_EQ(std::dynamic_pointer_cast<strategy::FsdpUnitImpl>(m.net->ptr(0)) != nullptr, use == 1);
+    EXPECT_CONTAINS(m.refused, "only valid inside configure_model");
+    for (auto& p : m.net->parameters()) finals[use].push_back(p.detach().clone());
+  }
+  ASSERT_EQ(finals[0].size(), finals[1].size());
+  for (size_t i = 0; i < finals[0].size(); ++i) EXPECT_TRUE(at::equal(finals[0][i], finals[1][i])) << "parameter " << i;
 }

@@ -49,6 +49,12 @@ fabric::Fabric& TrainingModule::fabric() {
   return trainer_->fabric();
 }
 
+torch::nn::AnyModule TrainingModule::init_module(const std::function<torch::nn::AnyModule()>& build) {
+  TESSERA_CHECK(trainer_ && trainer_->configuring_model_,
+                "TrainingModule::init_module: only valid inside configure_model()");
+  return trainer_->fabric().init_module(build);
+}
+
 Trainer& TrainingModule::trainer() {
   TESSERA_CHECK(trainer_, "TrainingModule::trainer(): only valid during Trainer::fit/validate/test");
   return *trainer_;
@@ -297,7 +303,16 @@ void Trainer::attach(TrainingModule& module) {
 
 void Trainer::setup_model(TrainingModule& module, bool with_optimizers) {
   if (!model_set_up_) {
-    module.model_ = fabric_->setup_module(module.configure_model());
+    configuring_model_ = true;
+    torch::nn::AnyModule built;
+    try {
+      built = module.configure_model();
+    } catch (...) {
+      configuring_model_ = false;
+      throw;
+    }
+    configuring_model_ = false;
+    module.model_ = fabric_->setup_module(std::move(built));
     model_set_up_ = true;
   }
   if (!with_optimizers || optimizers_set_up_) return;

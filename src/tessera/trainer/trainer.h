@@ -31,6 +31,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/any.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -79,8 +80,10 @@ class Trainer;
 class TrainingModule {
  public:
   virtual ~TrainingModule() = default;
-  // Builds the model; called once per Trainer, before configure_optimizers. A
-  // torch::nn::Sequential can be returned as AnyModule(strategy::WrappedModule(seq)).
+  // Builds the model; called once per Trainer (the first fit/validate/test), before
+  // configure_optimizers. A torch::nn::Sequential can be returned as
+  // AnyModule(strategy::WrappedModule(seq)). Build large pieces (transformer blocks)
+  // through init_module() so FSDP shards each one as soon as it exists.
   virtual torch::nn::AnyModule configure_model() = 0;
   // Optimizers over the model's parameters (called after the model is set up), with
   // optional LR schedulers. Returning one optimizer or a vector of them converts.
@@ -132,6 +135,12 @@ class TrainingModule {
   void log_dict(const Metrics& metrics, bool prog_bar = false, bool sync_dist = false);
   fabric::Fabric& fabric();
   Trainer& trainer();
+  // The strategy's module-init context, for configure_model(): builds one piece of the
+  // model and returns it ready to register. FSDP shards the piece's parameters at once
+  // (it becomes an FSDP unit), so a model larger than one rank's memory is never
+  // materialized whole; the other strategies return the piece as built. Only valid
+  // inside configure_model().
+  torch::nn::AnyModule init_module(const std::function<torch::nn::AnyModule()>& build);
   int64_t global_step() const { return global_step_; }
   int64_t current_epoch() const { return epoch_; }
 
@@ -301,6 +310,7 @@ class Trainer {
   bool epoch_end_done_ = false, val_pending_ = false;
   std::string last_ckpt_;
   bool model_set_up_ = false, optimizers_set_up_ = false;
+  bool configuring_model_ = false;  // inside TrainingModule::configure_model (init_module is valid)
 };
 
 }  // namespace tessera::trainer
