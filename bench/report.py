@@ -19,10 +19,10 @@ def fmt(v):
     return str(v)
 
 
-def flatten(prefix, v, out):
+def flatten(prefix, v, out, sep="."):
     if isinstance(v, dict):
         for k, x in v.items():
-            flatten(f"{prefix}.{k}" if prefix else k, x, out)
+            flatten(f"{prefix}{sep}{k}" if prefix else k, x, out, sep)
     else:
         out.append((prefix, v))
 
@@ -41,7 +41,10 @@ def table(doc):
     meta = {k: v for k, v in doc.items() if k not in ("rows", "benchmark")}
     lines = "\n".join(out) + "\n"
     if meta:
-        lines += "\n" + ", ".join(f"{k}: {fmt(v)}" for k, v in meta.items()) + "\n"
+        # Nested results (ratios, memory) as one "a / b: value" line each.
+        pairs = []
+        flatten("", meta, pairs, sep=" / ")
+        lines += "\n" + "".join(f"- {k}: {fmt(v)}\n" for k, v in pairs)
     return lines
 
 

@@ -349,15 +349,29 @@ at::Tensor ShardedTensor::gather_impl(bool everywhere, int dst, const Box& regio
     for (auto& s : local_) copy_overlap(out, region, s.tensor, s.meta.box);
     return out;
   }
+  // A run of whole rows of one contiguous tensor is already laid out as the bytes to send
+  // (and to receive), so it moves without packing or unpacking.
+  auto whole_rows = [](const Box& sub, const Box& of) {
+    return std::equal(sub.sizes.begin() + 1, sub.sizes.end(), of.sizes.begin() + 1);
+  };
   // This rank's overlaps, packed in all_ order (local_ follows all_'s order per rank).
-  at::Tensor mine = at::empty({send[me]}, at::TensorOptions().dtype(at::kByte).device(dev));
-  int64_t off = 0;
+  std::vector<std::pair<const Shard*, Box>> overlaps;
   for (auto& s : local_) {
     if (s.meta.box.empty()) continue;
-    std::optional<Box> p = intersect(s.meta.box, region);
-    if (!p) continue;
-    typed_view(mine, off, p->sizes, dtype_).copy_(narrow_to(s.tensor, s.meta.box, *p));
-    off += p->numel() * es;
+    if (std::optional<Box> p = intersect(s.meta.box, region)) overlaps.emplace_back(&s, *p);
+  }
+  at::Tensor mine;
+  if (overlaps.size() == 1 && overlaps[0].first->tensor.is_contiguous() &&
+      whole_rows(overlaps[0].second, overlaps[0].first->meta.box)) {
+    const Shard& sh = *overlaps[0].first;
+    mine = narrow_to(sh.tensor, sh.meta.box, overlaps[0].second).reshape({-1}).view(at::kByte);
+  } else {
+    mine = at::empty({send[me]}, at::TensorOptions().dtype(at::kByte).device(dev));
+    int64_t off = 0;
+    for (auto& [sh, p] : overlaps) {
+      typed_view(mine, off, p.sizes, dtype_).copy_(narrow_to(sh->tensor, sh->meta.box, p));
+      off += p.numel() * es;
+    }
   }
   at::Tensor all;
   if (everywhere) {
@@ -370,9 +384,15 @@ at::Tensor ShardedTensor::gather_impl(bool everywhere, int dst, const Box& regio
     all = comm_->all_to_all(mine, to, from);
     if (me != dst) return at::Tensor();
   }
-  at::Tensor out = at::empty(region.sizes, opts);
   std::vector<int64_t> cursor(n, 0);
   for (int r = 1; r < n; ++r) cursor[r] = cursor[r - 1] + send[r - 1];
+  // One shard covers the whole region: the received bytes are the result.
+  for (size_t i = 0; i < all_.size(); ++i)
+    if (part[i] && *part[i] == region) {
+      auto* p = static_cast<uint8_t*>(all.data_ptr()) + cursor[all_[i].placement.rank];
+      return at::from_blob(p, region.sizes, [keep = all](void*) {}, all.options().dtype(dtype_));  // keeps `all` alive
+    }
+  at::Tensor out = at::empty(region.sizes, opts);
   for (size_t i = 0; i < all_.size(); ++i) {
     if (!part[i]) continue;
     int64_t& c = cursor[all_[i].placement.rank];
