@@ -31,6 +31,19 @@ struct DeadRankCase {
   int victim;
 };
 
+// The environment of rank r of a job started without a launcher (torchrun's variables).
+std::map<std::string, std::string> rank_env(int r, int port) {
+  return {{"RANK", std::to_string(r)},
+          {"LOCAL_RANK", std::to_string(r)},
+          {"WORLD_SIZE", std::to_string(kWorld)},
+          {"LOCAL_WORLD_SIZE", std::to_string(kWorld)},
+          {"GROUP_RANK", "0"},
+          {"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_PORT", std::to_string(port)},
+          {"OMP_NUM_THREADS", "1"},
+          {"TESSERA_TEST_TIMEOUT_MS", std::to_string(kTimeoutMs)}};
+}
+
 void print_output(const std::vector<Child>& ranks) {
   for (size_t r = 0; r < ranks.size(); ++r) std::cerr << "--- rank " << r << ":\n" << ranks[r].text << "\n";
 }
@@ -47,15 +60,7 @@ TEST_P(ReliabilityDeadRank, SurvivorsFailWithinTheTimeoutAndTheLastCheckpointLoa
   std::vector<Child> ranks;
   for (int r = 0; r < kWorld; ++r) {
     ranks.push_back(spawn({TESSERA_WORKER, "rel_train", phase, std::to_string(victim), dir, "6", std::to_string(seed)},
-                          {{"RANK", std::to_string(r)},
-                           {"LOCAL_RANK", std::to_string(r)},
-                           {"WORLD_SIZE", std::to_string(kWorld)},
-                           {"LOCAL_WORLD_SIZE", std::to_string(kWorld)},
-                           {"GROUP_RANK", "0"},
-                           {"MASTER_ADDR", "127.0.0.1"},
-                           {"MASTER_PORT", std::to_string(port)},
-                           {"OMP_NUM_THREADS", "1"},
-                           {"TESSERA_TEST_TIMEOUT_MS", std::to_string(kTimeoutMs)}}));
+                          rank_env(r, port)));
     ASSERT_GT(ranks.back().pid, 0);
   }
   // The victim dies by SIGKILL (bounded wait: start-up and 4 steps).
@@ -117,15 +122,7 @@ TEST(ReliabilityDeadRankFrozen, SurvivorsOfAStoppedRankFailAfterTheTimeout) {
   std::vector<Child> ranks;
   for (int r = 0; r < kWorld; ++r) {
     ranks.push_back(spawn({TESSERA_WORKER, "rel_train", "freeze", std::to_string(victim), dir, "6"},
-                          {{"RANK", std::to_string(r)},
-                           {"LOCAL_RANK", std::to_string(r)},
-                           {"WORLD_SIZE", std::to_string(kWorld)},
-                           {"LOCAL_WORLD_SIZE", std::to_string(kWorld)},
-                           {"GROUP_RANK", "0"},
-                           {"MASTER_ADDR", "127.0.0.1"},
-                           {"MASTER_PORT", std::to_string(port)},
-                           {"OMP_NUM_THREADS", "1"},
-                           {"TESSERA_TEST_TIMEOUT_MS", std::to_string(kTimeoutMs)}}));
+                          rank_env(r, port)));
     ASSERT_GT(ranks.back().pid, 0);
   }
   const bool froze = ranks[victim].wait_for("victim freezes in collective", 120000);
