@@ -324,12 +324,12 @@ void SafetensorsWriter::append(const void* data, uint64_t n) {
         block_fill_ = 0;
       }
     }
-    const uint64_t at = w.begin + part_bytes_ + off;
+    const uint64_t pos = w.begin + part_bytes_ + off;  // file offset of this slice
     file_.write_all(p + off, len);
-    file_.start_writeback(at, len);
-    if (at + len >= waited_ + 3 * kSlice) {
-      file_.wait_writeback(waited_, at + len - 2 * kSlice - waited_);
-      waited_ = at + len - 2 * kSlice;
+    file_.start_writeback(pos, len);
+    if (pos + len >= waited_ + 3 * kSlice) {
+      file_.wait_writeback(waited_, pos + len - 2 * kSlice - waited_);
+      waited_ = pos + len - 2 * kSlice;
     }
     off += len;
   }

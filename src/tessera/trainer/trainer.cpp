@@ -631,14 +631,7 @@ Metrics Trainer::fit(TrainingModule& module, const TensorData& train, const Tens
   auto& f = *fabric_;
   attach(module);
   fitted_ = true;
-  struct Detach {
-    TrainingModule* m;
-    std::string& stage;
-    ~Detach() {
-      m->trainer_ = nullptr;
-      stage.clear();
-    }
-  } detach{&module, stage_};
+  StageScope scope{&module, stage_};
   stage_ = "fit";
   should_stop_ = false;
 
@@ -821,14 +814,7 @@ Metrics Trainer::evaluate(TrainingModule& module, const TensorData& data, const 
   check_data(data, fn.c_str(), stage == "test" ? "test" : "validation", false);
   TESSERA_CHECK(stage_.empty(), fn, ": called during ", stage_);
   attach(module);
-  struct Detach {
-    TrainingModule* m;
-    std::string& stage;
-    ~Detach() {
-      m->trainer_ = nullptr;
-      stage.clear();
-    }
-  } detach{&module, stage_};
+  StageScope scope{&module, stage_};
   stage_ = stage;
   setup_model(module, /*with_optimizers=*/false);
   setup_loggers(module);

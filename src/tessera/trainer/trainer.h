@@ -266,6 +266,16 @@ class Trainer {
 
  private:
   friend class TrainingModule;
+  // While fit/validate/test runs: detaches the module and clears the stage when it ends,
+  // however it ends.
+  struct StageScope {
+    TrainingModule* module;
+    std::string& stage;
+    ~StageScope() {
+      module->trainer_ = nullptr;
+      stage.clear();
+    }
+  };
   struct EvalAcc {
     double sum = 0, weight = 0;
     bool sync = false, prog_bar = false;
