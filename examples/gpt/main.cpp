@@ -79,7 +79,10 @@ struct GptModule : trainer::TrainingModule {
 
   torch::nn::AnyModule configure_model() override {
     at::manual_seed(args.seed);  // the same initial weights on every rank
-    net = gpt::Gpt(cfg);
+    // Each block through the strategy's module-init context: under FSDP a block is a
+    // unit, sharded as soon as it is built (no rank ever holds the whole model); under
+    // DDP or a single device it is simply built.
+    net = gpt::Gpt(cfg, [this](const std::function<torch::nn::AnyModule()>& b) { return init_module(b); });
     return torch::nn::AnyModule(net);
   }
   trainer::OptimizerConfig configure_optimizers() override {
@@ -170,7 +173,6 @@ int run_train(TrainArgs a) {
                            : a.sharding == "grad-op" ? SS::ShardGradOp
                            : a.sharding == "none"    ? SS::NoShard
                                                      : SS::HybridShard;
-  o.fabric.fsdp.auto_wrap = strategy::wrap_by_type<gpt::BlockImpl>();
   const std::string sd = a.state_dict.empty() ? (a.strategy == "fsdp" ? "sharded" : "full") : a.state_dict;
   o.fabric.state_dict_type = sd == "sharded" ? strategy::StateDictType::Sharded : strategy::StateDictType::Full;
   o.max_steps = a.max_steps;

@@ -1,8 +1,9 @@
 // A byte-level GPT written with libtorch modules: token + position embeddings, pre-norm
 // transformer blocks (causal self-attention, GELU MLP) and a final LayerNorm + linear head
-// over the 256 byte values. The blocks sit in a torch::nn::Sequential, so an FSDP wrap
-// policy (wrap_by_type<BlockImpl>) makes each block its own unit; the embeddings and the
-// head belong to the root unit.
+// over the 256 byte values. The blocks sit in a torch::nn::Sequential. Built through a
+// strategy's module-init context (the `make_block` constructor argument) each block is
+// an FSDP unit from the start; built plainly, a wrap policy (wrap_by_type<BlockImpl>)
+// makes the same units at setup. The embeddings and the head belong to the root unit.
 //
 // Tied head (`tie_weights`): the logits use the token embedding's weight directly, so the
 // one tensor is registered once ("embed.tok.weight") and is used twice inside the root
@@ -12,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -20,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -46,6 +49,16 @@ struct BlockImpl : torch::nn::Module {
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     fc = register_module("fc", torch::nn::Linear(c.d_model, 4 * c.d_model));
     fc_out = register_module("fc_out", torch::nn::Linear(4 * c.d_model, c.d_model));
+    // GPT-2 initialization, done here so that a block built as an FSDP unit (sharded the
+    // moment it exists) starts from the same values as one built whole: N(0, 0.02)
+    // weights, residual projections scaled by 1/sqrt(2 * n_layer), zero biases,
+    // LayerNorms (1, 0).
+    at::NoGradGuard ng;
+    const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(c.n_layer));
+    for (auto* l : {qkv.get(), proj.get(), fc.get(), fc_out.get()}) {
+      l->weight.normal_(0.0, l == proj.get() || l == fc_out.get() ? resid_std : 0.02);
+      l->bias.zero_();
+    }
   }
 
   at::Tensor attention(const at::Tensor& x) {
@@ -73,27 +86,30 @@ struct GptImpl : torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};
   torch::nn::Linear head{nullptr};  // null when tied
 
-  // Initialization follows GPT-2: N(0, 0.02) weights, zero biases, residual projections
-  // scaled by 1/sqrt(2 * n_layer). Deterministic for a given torch seed.
-  explicit GptImpl(const Config& c) : cfg(c) {
+  // Builds each block through `make_block` when given one: pass a strategy's module-init
+  // context (TrainingModule::init_module, Fabric::init_module) and under FSDP every block
+  // is its own unit, sharded as soon as it is built, so no rank ever holds the whole
+  // model. Initialization follows GPT-2 (see BlockImpl) and consumes the random stream
+  // in construction order, so the weights for a seed do not depend on how blocks are built.
+  using BlockBuilder = std::function<torch::nn::AnyModule(const std::function<torch::nn::AnyModule()>&)>;
+  explicit GptImpl(const Config& c, const BlockBuilder& make_block = nullptr) : cfg(c) {
     tok = register_module("tok", torch::nn::Embedding(kVocab, c.d_model));
     pos = register_module("pos", torch::nn::Embedding(c.seq_len, c.d_model));
-    for (int64_t i = 0; i < c.n_layer; ++i) blocks->push_back(Block(c));
+    {
+      at::NoGradGuard ng;
+      tok->weight.normal_(0.0, 0.02);
+      pos->weight.normal_(0.0, 0.02);
+    }
+    for (int64_t i = 0; i < c.n_layer; ++i) {
+      auto build = [&c] { return torch::nn::AnyModule(Block(c)); };
+      blocks->push_back(make_block ? make_block(build) : build());
+    }
     register_module("blocks", blocks);
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-    if (!c.tie_weights) head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, kVocab).bias(false)));
-    at::NoGradGuard ng;
-    const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(c.n_layer));
-    for (auto& np : named_parameters()) {
-      const std::string& name = np.key();
-      at::Tensor p = np.value();
-      if (name.find("ln") != std::string::npos) continue;  // LayerNorms keep (1, 0)
-      if (p.dim() == 1) {
-        p.zero_();
-      } else {
-        const bool resid = name.find(".proj.") != std::string::npos || name.find(".fc_out.") != std::string::npos;
-        p.normal_(0.0, resid ? resid_std : 0.02);
-      }
+    if (!c.tie_weights) {
+      head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, kVocab).bias(false)));
+      at::NoGradGuard ng;
+      head->weight.normal_(0.0, 0.02);
     }
   }
 

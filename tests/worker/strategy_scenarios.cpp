@@ -13,6 +13,7 @@
 #include <torch/serialize.h>
 
 #include <cmath>
+#include <functional>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -99,6 +100,15 @@ at::Tensor rows_of(const at::Tensor& t, int rank, int n) {
   return t.narrow(0, rank * per, per);
 }
 
+// A fixed evaluation batch: every rank runs the no-grad forward on all of it.
+std::pair<at::Tensor, at::Tensor> eval_batch() { return global_batch(9999); }
+
+double eval_loss(const std::function<at::Tensor(const at::Tensor&)>& forward) {
+  at::NoGradGuard ng;
+  auto [x, y] = eval_batch();
+  return at::mse_loss(forward(x), y).item<double>();
+}
+
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 double rel(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-12);
@@ -106,6 +116,7 @@ double rel(const at::Tensor& a, const at::Tensor& b) {
 
 struct Trace {
   std::vector<double> losses, norms;
+  std::vector<double> evals;  // no-grad loss on the evaluation batch after each step
   std::map<std::string, at::Tensor> params;
 };
 
@@ -122,6 +133,7 @@ Trace reference(int steps, double clip, double lr, int micro = 1) {
     if (clip > 0) t.norms.push_back(torch::nn::utils::clip_grad_norm_(model->parameters(), clip));
     opt.step();
     opt.zero_grad();
+    t.evals.push_back(eval_loss([&](const at::Tensor& x) { return model->forward(x); }));
   }
   for (auto& kv : model->named_parameters()) t.params[kv.key()] = kv.value().detach().clone();
   (void)micro;
@@ -211,9 +223,12 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
              ddp->buckets().size(), " buckets)");
     strat->optimizer_step(*opt);
     opt->zero_grad();
+    t.evals.push_back(eval_loss([&](const at::Tensor& x) { return m.forward(x); }));
+    if (fsdp) WCHECK(!fsdp->any_gathered(), kind, ": parameters still gathered after a no-grad forward");
   }
-  // Activation checkpointing runs each block's forward again in backward.
-  const int64_t want_forwards = 2 * steps * micro * (kind == "full_ckpt" ? 2 : 1);
+  // Activation checkpointing runs each block's forward again in backward; the no-grad
+  // evaluation after each step runs each block once more.
+  const int64_t want_forwards = 2 * steps * micro * (kind == "full_ckpt" ? 2 : 1) + 2 * steps;
   WCHECK(g_block_forwards == want_forwards, kind, ": ", g_block_forwards, " block forwards, expected ", want_forwards);
   if (fsdp && fsdp->options().prefetch && fsdp->shard_comm()->size() > 1)
     WCHECK(fsdp->prefetches() > 0, kind, ": no prefetch issued");
@@ -232,6 +247,13 @@ void compare(const Trace& got, const Trace& want, const std::string& what, doubl
     double r = rel(got.losses[s], want.losses[s]);
     worst = std::max(worst, r);
     WCHECK(r <= tol, what, ": step ", s, " loss ", got.losses[s], " vs single-process ", want.losses[s], " (rel ", r, ")");
+  }
+  WCHECK(got.evals.size() == want.evals.size(), what, ": ", got.evals.size(), " evaluations vs ", want.evals.size());
+  for (size_t s = 0; s < want.evals.size(); ++s) {
+    double r = rel(got.evals[s], want.evals[s]);
+    worst = std::max(worst, r);
+    WCHECK(r <= tol, what, ": no-grad evaluation after step ", s, " loss ", got.evals[s], " vs single-process ",
+           want.evals[s], " (rel ", r, ")");
   }
   for (size_t s = 0; s < want.norms.size(); ++s) {
     double r = rel(got.norms[s], want.norms[s]);
@@ -287,7 +309,7 @@ int64_t optimizer_state_bytes(torch::optim::Optimizer& opt) {
 }
 
 void train_steps(Strategy& strat, torch::nn::AnyModule& m, torch::optim::Optimizer& opt, int from, int to,
-                 std::vector<double>* losses) {
+                 std::vector<double>* losses, std::vector<double>* evals = nullptr) {
   auto c = strat.comm();
   for (int s = from; s < to; ++s) {
     auto [gx, gy] = global_batch(s);
@@ -296,6 +318,7 @@ void train_steps(Strategy& strat, torch::nn::AnyModule& m, torch::optim::Optimiz
     if (losses) losses->push_back(c->all_reduce_double(loss.item<double>(), dist::ReduceOp::Avg));
     strat.optimizer_step(opt);
     opt.zero_grad();
+    if (evals) evals->push_back(eval_loss([&](const at::Tensor& x) { return m.forward(x); }));
   }
 }
 
@@ -395,9 +418,14 @@ SCENARIO("strategy_explicit_units") {
   auto m = strat.setup(torch::nn::AnyModule(net));
   WCHECK(strat.num_units() == 3, strat.num_units(), " units");
   torch::optim::Adam opt(strat.module()->parameters(), torch::optim::AdamOptions(1e-2));
-  std::vector<double> losses;
-  train_steps(strat, m, opt, 0, steps, &losses);
-  for (int s = 0; s < steps; ++s) WCHECK(rel(losses[s], want.losses[s]) <= 1e-5, "step ", s);
+  std::vector<double> losses, evals;
+  train_steps(strat, m, opt, 0, steps, &losses, &evals);
+  for (int s = 0; s < steps; ++s) {
+    WCHECK(rel(losses[s], want.losses[s]) <= 1e-5, "step ", s, " loss ", losses[s], " vs ", want.losses[s]);
+    WCHECK(rel(evals[s], want.evals[s]) <= 1e-5, "no-grad evaluation after step ", s, ": ", evals[s], " vs ",
+           want.evals[s]);
+  }
+  WCHECK(!strat.any_gathered(), "parameters still gathered after a no-grad forward");
   auto sd = strat.state_dict(StateDictType::Full, false);
   for (auto& [k, v] : want.params) WCHECK(rel(sd.tensor(k), v) <= 1e-5, k);
   std::printf("explicit units ok rank %d\n", c->rank());
