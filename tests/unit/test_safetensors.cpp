@@ -46,6 +46,18 @@ TEST(Crc32c, KnownVectorsAndBothImplementationsAgree) {
       EXPECT_EQ(crc32c(data.data() + off, n), crc32c_extend_portable(0, data.data() + off, n)) << off << " " << n;
     }
   }
+  // Long inputs take the three-stream path of the hardware implementation (rounds of
+  // 3 x 4 KiB joined by shift tables): lengths around round boundaries, odd starts.
+  std::string big(3 * 3 * 4096 + 4096 + 13, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>((i * 40503u) >> 7);
+  for (size_t off : {0, 5}) {
+    for (size_t n : {size_t{3 * 4096 - 1}, size_t{3 * 4096}, size_t{3 * 4096 + 8}, size_t{6 * 4096 + 3},
+                     big.size() - off}) {
+      EXPECT_EQ(crc32c(big.data() + off, n), crc32c_extend_portable(0, big.data() + off, n)) << off << " " << n;
+      EXPECT_EQ(crc32c_extend(0x12345678u, big.data() + off, n), crc32c_extend_portable(0x12345678u, big.data() + off, n))
+          << "extended, " << off << " " << n;
+    }
+  }
   // Extending in pieces equals one pass.
   uint32_t c = crc32c_extend(0, data.data(), 777);
   c = crc32c_extend(c, data.data() + 777, data.size() - 777);

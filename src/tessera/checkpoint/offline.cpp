@@ -69,9 +69,22 @@ void write_consolidated(const CheckpointMetadata& m, const std::string& tmp) {
     if (e.is_tensor()) specs.push_back({k, e.dtype, e.shape});
   }
   SafetensorsWriter w(tmp, specs, consolidated_header(m));
+  // One buffer, sized for the largest tensor, takes every tensor in turn (chunks are
+  // read straight into it): memory stays at the largest tensor, and its pages are
+  // faulted in once rather than for every tensor.
+  uint64_t largest = 0;
   for (const auto& k : m.keys) {
     const EntryInfo& e = m.entries.at(k);
-    if (e.is_tensor()) w.write(reader.read_box(k, e, sharding::full_box(e.shape)));
+    if (e.is_tensor()) largest = std::max(largest, byte_size(e.shape, e.dtype, k));
+  }
+  at::Tensor buffer = at::empty({static_cast<int64_t>(largest)}, at::TensorOptions().dtype(at::kByte));
+  for (const auto& k : m.keys) {
+    const EntryInfo& e = m.entries.at(k);
+    if (!e.is_tensor()) continue;
+    const sharding::Box box = sharding::full_box(e.shape);
+    at::Tensor t = buffer.narrow(0, 0, static_cast<int64_t>(byte_size(e.shape, e.dtype, k))).view(e.dtype).view(e.shape);
+    for (const auto& c : e.chunks) reader.copy_into(k, e, c, t, box);
+    w.write(t);
   }
   w.finish();
 }
