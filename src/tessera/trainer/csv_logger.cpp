@@ -12,27 +12,13 @@ namespace fs = std::filesystem;
 
 namespace tessera::trainer {
 
-CsvLogger::CsvLogger(std::string save_dir, std::string name, std::optional<int> version) {
-  spec_.save_dir = std::move(save_dir);
-  spec_.name = std::move(name);
-  spec_.version = version;
-}
+CsvLogger::CsvLogger(std::string save_dir, std::string name, std::optional<int> version)
+    : RunDirLogger(std::move(save_dir), std::move(name), version) {}
 
-std::shared_ptr<CsvLogger> CsvLogger::flat(std::string dir) {
-  auto l = std::make_shared<CsvLogger>();
-  l->spec_.flat_dir = std::move(dir);
-  return l;
-}
+std::shared_ptr<CsvLogger> CsvLogger::flat(std::string dir) { return make_flat<CsvLogger>(std::move(dir)); }
 
-void CsvLogger::setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) {
-  if (set_up_) return;  // once per object: every rank has the same state, so no rank waits in share
-  dir_ = setup_run_dir(spec_, rank_zero, share);
-  write_ = rank_zero;
-  if (write_ && keep_existing_) load_existing();  // throws before this logger counts as set up
-  set_up_ = true;
-}
-
-void CsvLogger::load_existing() {
+void CsvLogger::on_writer_setup() {
+  if (!keep_existing_) return;
   const std::string path = metrics_path();
   std::error_code ec;
   if (!fs::exists(path, ec)) return;
@@ -78,14 +64,12 @@ void CsvLogger::load_existing() {
 }
 
 void CsvLogger::log_hyperparams(const std::map<std::string, std::string>& hparams) {
-  if (!set_up_) setup(true, {});  // used on its own, outside a Trainer: a single writer
-  if (!write_) return;
-  write_hparams_yaml(dir_, hparams);
+  if (!writes()) return;
+  write_hparams_yaml(log_dir(), hparams);
 }
 
 void CsvLogger::log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
-  if (!set_up_) setup(true, {});
-  if (!write_ || metrics.empty()) return;
+  if (!writes() || metrics.empty()) return;
   if (previous_rows_ > 0) {  // the first row of this run: drop the old rows it redoes
     rows_.erase(std::remove_if(rows_.begin(), rows_.end(), [&](const Row& r) { return r.step >= step; }),
                 rows_.end());
@@ -117,8 +101,7 @@ std::string format_value(double v) {
 }  // namespace
 
 void CsvLogger::save() {
-  if (!set_up_) setup(true, {});
-  if (!write_) return;
+  if (!writes()) return;
   std::string csv = "step,epoch";
   for (const auto& c : columns_) csv += "," + c;
   csv += "\n";

@@ -15,7 +15,7 @@
 
 namespace tessera::trainer {
 
-class CsvLogger : public Logger {
+class CsvLogger : public RunDirLogger {
  public:
   // log_dir = save_dir/name/version_N (N = version, or the next free one); with an
   // empty name, save_dir/version_N.
@@ -25,9 +25,7 @@ class CsvLogger : public Logger {
   // options.loggers.push_back(CsvLogger::flat(dir)).
   static std::shared_ptr<CsvLogger> flat(std::string dir);
 
-  void setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) override;
   std::string name() const override { return "csv"; }
-  std::string log_dir() const override { return dir_; }
   void log_hyperparams(const std::map<std::string, std::string>& hparams) override;
   // Names "step" and "epoch" are columns of their own: "epoch" fills the epoch column;
   // "step" is refused (the step is the argument). Names may not contain a comma, quote
@@ -36,7 +34,7 @@ class CsvLogger : public Logger {
   void save() override;
   void finalize() override { save(); }
 
-  std::string metrics_path() const { return dir_ + "/metrics.csv"; }
+  std::string metrics_path() const { return log_dir() + "/metrics.csv"; }
 
   // Keep the rows of a metrics.csv already in the run directory (a resumed run writing
   // to the same flat or fixed-version directory) instead of replacing them: setup()
@@ -54,13 +52,11 @@ class CsvLogger : public Logger {
     std::optional<double> epoch;
     std::map<std::string, double> values;
   };
-  RunDirSpec spec_;
-  std::string dir_;
-  bool write_ = false, set_up_ = false, keep_existing_ = false;
+  bool keep_existing_ = false;
   size_t previous_rows_ = 0;  // rows_[0, previous_rows_) came from the existing file
   std::vector<std::string> columns_;
   std::vector<Row> rows_;
-  void load_existing();
+  void on_writer_setup() override;  // keep_existing: reads the earlier metrics.csv back
 };
 
 }  // namespace tessera::trainer

@@ -91,6 +91,25 @@ std::string setup_run_dir(const RunDirSpec& spec, bool rank_zero,
   return dir;
 }
 
+RunDirLogger::RunDirLogger(std::string save_dir, std::string name, std::optional<int> version) {
+  spec_.save_dir = std::move(save_dir);
+  spec_.name = std::move(name);
+  spec_.version = version;
+}
+
+void RunDirLogger::setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) {
+  if (set_up_) return;  // once per object: every rank has the same state, so no rank waits in share
+  dir_ = setup_run_dir(spec_, rank_zero, share);
+  write_ = rank_zero;
+  if (write_) on_writer_setup();  // throws before this logger counts as set up
+  set_up_ = true;
+}
+
+bool RunDirLogger::writes() {
+  if (!set_up_) setup(true, {});  // used on its own, outside a Trainer: a single writer
+  return write_;
+}
+
 std::string yaml_scalar(const std::string& s) {
   auto lower = s;
   std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });

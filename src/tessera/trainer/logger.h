@@ -1,6 +1,7 @@
 // Trainer loggers: the Logger interface every logger implements (CsvLogger in
-// csv_logger.h, TensorBoardLogger in tensorboard_logger.h) and the helpers they share:
-// the versioned run directory (<save_dir>/<name>/version_<N>) and hparams.yaml.
+// csv_logger.h, TensorBoardLogger in tensorboard_logger.h) and what they share: the
+// RunDirLogger base (run directory chosen once, on rank zero), the versioned run directory
+// (<save_dir>/<name>/version_<N>) and hparams.yaml.
 //
 // Every rank holds the logger object; only global rank zero writes. The Trainer calls
 // setup() once on every rank before anything is logged; `share` broadcasts a string
@@ -44,6 +45,39 @@ struct RunDirSpec {
   std::optional<std::string> flat_dir;
 };
 
+// The part the built-in loggers (CsvLogger, TensorBoardLogger) share: the RunDirSpec they
+// were made with, the run directory setup() chose and whether this rank writes. setup()
+// chooses the directory once per object (setup_run_dir below); a second setup keeps it
+// and calls no `share`. A logger used before setup (on its own, outside a Trainer) sets
+// itself up as the single writer through writes().
+class RunDirLogger : public Logger {
+ public:
+  void setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) override;
+  std::string log_dir() const override { return dir_; }
+
+ protected:
+  // save_dir/name/version_N (N = version, or the next free one); with an empty name,
+  // save_dir/version_N.
+  RunDirLogger(std::string save_dir, std::string name, std::optional<int> version);
+  // A default-constructed L whose directory is `dir` exactly (the loggers' flat()).
+  template <typename L>
+  static std::shared_ptr<L> make_flat(std::string dir) {
+    auto logger = std::make_shared<L>();
+    static_cast<RunDirLogger&>(*logger).spec_.flat_dir = std::move(dir);
+    return logger;
+  }
+  // Called by setup() on the writing rank once the directory is chosen; when it throws,
+  // the logger does not count as set up.
+  virtual void on_writer_setup() {}
+  // Whether this rank writes; sets the logger up as the single writer first if nothing has.
+  bool writes();
+
+ private:
+  RunDirSpec spec_;
+  std::string dir_;
+  bool write_ = false, set_up_ = false;
+};
+
 // The first free "version_N" below root/name (root itself when name is empty): one
 // more than the largest existing version_<digits> directory, 0 when there is none.
 std::string next_version_dir(const std::string& root, const std::string& name = "lightning_logs");
@@ -54,8 +88,8 @@ std::string next_version_dir(const std::string& root, const std::string& name = 
 // be created. Called on rank zero only.
 std::string create_run_dir(const RunDirSpec& spec);
 
-// Shared by the loggers' setup(): rank zero creates the directory, every rank gets its
-// path through `share`.
+// Shared by the loggers' setup() (RunDirLogger::setup): rank zero creates the directory,
+// every rank gets its path through `share`.
 std::string setup_run_dir(const RunDirSpec& spec, bool rank_zero,
                           const std::function<std::string(const std::string&)>& share);
 

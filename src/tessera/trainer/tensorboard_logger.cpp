@@ -135,27 +135,15 @@ std::string host_name() {
 }
 }  // namespace
 
-TensorBoardLogger::TensorBoardLogger(std::string save_dir, std::string name, std::optional<int> version) {
-  spec_.save_dir = std::move(save_dir);
-  spec_.name = std::move(name);
-  spec_.version = version;
-}
+TensorBoardLogger::TensorBoardLogger(std::string save_dir, std::string name, std::optional<int> version)
+    : RunDirLogger(std::move(save_dir), std::move(name), version) {}
 
 std::shared_ptr<TensorBoardLogger> TensorBoardLogger::flat(std::string dir) {
-  auto l = std::make_shared<TensorBoardLogger>();
-  l->spec_.flat_dir = std::move(dir);
-  return l;
+  return make_flat<TensorBoardLogger>(std::move(dir));
 }
 
 TensorBoardLogger::~TensorBoardLogger() {
   if (file_) std::fclose(file_);
-}
-
-void TensorBoardLogger::setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) {
-  if (set_up_) return;  // once per object: every rank has the same state, so no rank waits in share
-  dir_ = setup_run_dir(spec_, rank_zero, share);
-  write_ = rank_zero;
-  set_up_ = true;
 }
 
 void TensorBoardLogger::open() {
@@ -165,7 +153,7 @@ void TensorBoardLogger::open() {
   // 'x': never append to (or clobber) another writer's file; a second file in the same
   // second from this process gets a suffix.
   for (int i = 0; !file_; ++i) {
-    path_ = (fs::path(dir_) / (i == 0 ? stem : stem + "." + std::to_string(i))).string();
+    path_ = (fs::path(log_dir()) / (i == 0 ? stem : stem + "." + std::to_string(i))).string();
     file_ = std::fopen(path_.c_str(), "wbx");
     TESSERA_CHECK(file_ || (errno == EEXIST && i < 1000), "TensorBoardLogger: cannot create '", path_,
                   "': ", std::strerror(errno));
@@ -180,9 +168,8 @@ void TensorBoardLogger::write_event(const std::string& event) {
 }
 
 void TensorBoardLogger::log_hyperparams(const std::map<std::string, std::string>& hparams) {
-  if (!set_up_) setup(true, {});  // used on its own, outside a Trainer: a single writer
-  if (!write_) return;
-  write_hparams_yaml(dir_, hparams);
+  if (!writes()) return;
+  write_hparams_yaml(log_dir(), hparams);
   if (hparams.empty()) return;
   // A Markdown table for TensorBoard's Text tab ('|' escaped inside cells).
   auto cell = [](const std::string& s) {
@@ -200,8 +187,7 @@ void TensorBoardLogger::log_hyperparams(const std::map<std::string, std::string>
 }
 
 void TensorBoardLogger::log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
-  if (!set_up_) setup(true, {});
-  if (!write_ || metrics.empty()) return;
+  if (!writes() || metrics.empty()) return;
   open();
   const double t = wall_now();
   for (const auto& [k, v] : metrics) {

@@ -22,7 +22,7 @@
 
 namespace tessera::trainer {
 
-class TensorBoardLogger : public Logger {
+class TensorBoardLogger : public RunDirLogger {
  public:
   explicit TensorBoardLogger(std::string save_dir = ".", std::string name = "lightning_logs",
                              std::optional<int> version = {});
@@ -32,9 +32,7 @@ class TensorBoardLogger : public Logger {
   TensorBoardLogger(const TensorBoardLogger&) = delete;
   TensorBoardLogger& operator=(const TensorBoardLogger&) = delete;
 
-  void setup(bool rank_zero, const std::function<std::string(const std::string&)>& share) override;
   std::string name() const override { return "tensorboard"; }
-  std::string log_dir() const override { return dir_; }
   void log_hyperparams(const std::map<std::string, std::string>& hparams) override;
   void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override;
   void save() override;
@@ -46,9 +44,7 @@ class TensorBoardLogger : public Logger {
  private:
   void open();
   void write_event(const std::string& event);
-  RunDirSpec spec_;
-  std::string dir_, path_;
-  bool write_ = false, set_up_ = false;
+  std::string path_;
   std::FILE* file_ = nullptr;
 };
 
