@@ -10,7 +10,6 @@ Started once per rank with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the env
   py_gpt.py N_LAYER N_HEAD D_MODEL SEQ_LEN GLOBAL_BATCH STEPS
 """
 import json
-import math
 import os
 import sys
 import time
@@ -20,27 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.d, self.heads = d, heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def attention(self, x):
-        B, T, _ = x.shape
-        hd = self.d // self.heads
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        att = q @ k.transpose(-2, -1) / math.sqrt(hd)
-        future = torch.ones(T, T, dtype=torch.bool).triu(1)
-        att = att.masked_fill(future, float("-inf")).softmax(-1)
-        return self.proj((att @ v).transpose(1, 2).reshape(B, T, self.d))
-
-    def forward(self, x):
-        h = x + self.attention(self.ln1(x))
-        return h + self.fc_out(F.gelu(self.fc(self.ln2(h))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from py_blocks import Block  # noqa: E402  (the pre-norm block, shared with bench/strategy/py_ddp.py)
 
 
 class Gpt(nn.Module):

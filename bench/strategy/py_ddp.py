@@ -1,24 +1,12 @@
 """Peer for strategy_bench: the same block stack, batch and optimizer under PyTorch's
 own DDP (gloo, CPU). Run with torchrun, or `tessera run -n 2 /usr/bin/python3 py_ddp.py`.
 Prints {"mode": "py_ddp", "world", "params", "step_ms"} on rank 0."""
-import json, math, os, sys, time
+import json, os, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 
-class Block(nn.Module):
-    def __init__(self, d, heads=4):
-        super().__init__()
-        self.d, self.heads = d, heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-    def forward(self, x):
-        B, T, _ = x.shape
-        hd = self.d // self.heads
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
-        att = q @ k.transpose(-2, -1) / math.sqrt(hd)
-        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -1e9).softmax(-1)
-        h = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, self.d))
-        return h + self.fc2(nn.functional.gelu(self.fc1(self.ln2(h))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from py_blocks import Block  # the pre-norm block, shared with bench/gpt/py_gpt.py
+
 
 def main():
     dim = int(sys.argv[1]) if len(sys.argv) > 1 else 256
@@ -27,7 +15,8 @@ def main():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(dim, dim), *[Block(dim) for _ in range(layers)], nn.Linear(dim, dim))
+    blocks = [Block(dim, 4, mask_value=-1e9) for _ in range(layers)]  # as strategy_bench.cpp's Block
+    model = nn.Sequential(nn.Linear(dim, dim), *blocks, nn.Linear(dim, dim))
     params = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
