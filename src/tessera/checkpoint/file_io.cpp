@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "tessera/core/error.h"
@@ -101,6 +102,143 @@ void File::wait_writeback(uint64_t offset, uint64_t n) {
   (void)offset;
   (void)n;
 #endif
+}
+
+File File::adopt(int fd, const std::string& path) {
+  File f;
+  f.fd_ = fd;
+  f.path_ = path;
+  return f;
+}
+
+// ------------------------------------------------------------------ StreamWriter
+
+namespace {
+constexpr uint64_t kDirectAlign = 4096;  // O_DIRECT: buffer address, offset and length
+}  // namespace
+
+struct StreamWriter::Buffer {
+  char* data = nullptr;
+  uint64_t size = 0;
+  explicit Buffer(uint64_t n) : size(n) {
+    void* p = nullptr;
+    TESSERA_CHECK(::posix_memalign(&p, kDirectAlign, n) == 0, "cannot allocate a ", n, "-byte write buffer");
+    data = static_cast<char*>(p);
+  }
+  ~Buffer() { std::free(data); }
+};
+
+StreamWriter::StreamWriter(const std::string& path, uint64_t buffer_bytes) : buffered_(path, "w") {
+  const uint64_t n = std::max<uint64_t>(kDirectAlign, buffer_bytes / kDirectAlign * kDirectAlign);
+  buf_[0] = std::make_unique<Buffer>(n);
+  buf_[1] = std::make_unique<Buffer>(n);
+#if defined(O_DIRECT)
+  if (std::getenv("TESSERA_NO_DIRECT_IO") == nullptr) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+    if (fd >= 0) {
+      direct_fd_ = File::adopt(fd, path);
+      direct_ = true;
+    }
+  }
+#endif
+}
+
+StreamWriter::~StreamWriter() {
+  if (inflight_.valid()) {
+    try {
+      inflight_.get();
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+void StreamWriter::write_out(const char* p, uint64_t offset, uint64_t n) {
+  if (direct_) {
+    // A filesystem may still refuse a direct write (EINVAL); the rest then goes
+    // through the page cache.
+    while (n > 0) {
+      ssize_t put = ::pwrite(direct_fd_.fd(), p, static_cast<size_t>(std::min<uint64_t>(n, 1u << 30)),
+                             static_cast<off_t>(offset));
+      if (put < 0 && errno == EINTR) continue;
+      if (put < 0 && errno == EINVAL) {
+        direct_ = false;
+        direct_fd_.close();
+        break;
+      }
+      TESSERA_CHECK(put > 0, "cannot write '", buffered_.path(), "' at byte ", offset, ": ", err());
+      p += put;
+      offset += static_cast<uint64_t>(put);
+      n -= static_cast<uint64_t>(put);
+      if (n > 0 && (static_cast<uint64_t>(put) % kDirectAlign) != 0) {
+        direct_ = false;  // a short unaligned direct write: finish through the page cache
+        direct_fd_.close();
+        break;
+      }
+    }
+    if (n == 0) return;
+  }
+  buffered_.pwrite_exact(offset, p, n);
+  buffered_.start_writeback(offset, n);
+  const uint64_t behind = 2 * buf_[0]->size;
+  if (offset + n >= waited_ + behind + buf_[0]->size) {
+    buffered_.wait_writeback(waited_, offset + n - behind - waited_);
+    waited_ = offset + n - behind;
+  }
+}
+
+void StreamWriter::wait() {
+  if (inflight_.valid()) inflight_.get();
+}
+
+void StreamWriter::submit() {
+  wait();  // the other buffer is free again (and an earlier failure surfaces here)
+  Buffer* b = buf_[cur_].get();
+  const uint64_t off = flushed_, n = fill_;
+  inflight_ = std::async(std::launch::async, [this, b, off, n] { write_out(b->data, off, n); });
+  flushed_ += fill_;
+  fill_ = 0;
+  cur_ ^= 1;
+}
+
+void StreamWriter::append(const void* src, uint64_t n) {
+  TESSERA_CHECK(!closed_, "'", buffered_.path(), "': append after finish()");
+  const auto* p = static_cast<const char*>(src);
+  const uint64_t cap = buf_[0]->size;
+  while (n > 0) {
+    const uint64_t take = std::min(n, cap - fill_);
+    std::memcpy(buf_[cur_]->data + fill_, p, static_cast<size_t>(take));
+    fill_ += take;
+    appended_ += take;
+    p += take;
+    n -= take;
+    if (fill_ == cap) submit();
+  }
+}
+
+void StreamWriter::flush() {
+  wait();
+  if (fill_ > 0) {
+    // The tail is not a whole number of aligned blocks: through the page cache.
+    buffered_.pwrite_exact(flushed_, buf_[cur_]->data, fill_);
+    flushed_ += fill_;
+    fill_ = 0;
+  }
+}
+
+void StreamWriter::patch(uint64_t offset, const void* src, uint64_t n) {
+  TESSERA_CHECK(offset + n <= appended_, "'", buffered_.path(), "': patch of bytes ", offset, "..", offset + n,
+                " past the ", appended_, " written");
+  flush();
+  buffered_.pwrite_exact(offset, src, n);
+}
+
+void StreamWriter::finish() {
+  TESSERA_CHECK(!closed_, "'", buffered_.path(), "': finish() called twice");
+  flush();
+  buffered_.fsync();
+  direct_fd_.close();
+  buffered_.close();
+  closed_ = true;
 }
 
 void File::fsync() { TESSERA_CHECK(::fsync(fd_) == 0, "cannot fsync '", path_, "': ", err()); }

@@ -216,7 +216,7 @@ at::Tensor SafetensorsReader::read(const std::string& name) const {
 
 SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> specs,
                                      std::map<std::string, std::string> metadata)
-    : specs_(std::move(specs)) {
+    : path_(path), specs_(std::move(specs)) {
   check_little_endian();
   nlohmann::ordered_json h = nlohmann::ordered_json::object();
   uint64_t off = 0, blocks = 0;
@@ -258,12 +258,12 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> 
     w.begin += data_start_;
     w.end += data_start_;
   }
-  file_ = File(path, "w");
+  out_ = std::make_unique<StreamWriter>(path);
   unsigned char lenbuf[8];
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i, n >>= 8) lenbuf[i] = static_cast<unsigned char>(n & 0xff);
-  file_.write_all(lenbuf, 8);
-  file_.write_all(text.data(), text.size());
+  out_->append(lenbuf, 8);
+  out_->append(text.data(), text.size());
 }
 
 SafetensorsWriter::~SafetensorsWriter() = default;
@@ -278,21 +278,21 @@ at::Tensor dense_cpu(const at::Tensor& t) {
 }  // namespace
 
 void SafetensorsWriter::write(const at::Tensor& t) {
-  TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", file_.path(), "': more tensors written than declared");
+  TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", path_, "': more tensors written than declared");
   const Spec& s = specs_[next_];
-  TESSERA_CHECK(part_bytes_ == 0, "'", file_.path(), "' tensor '", s.name, "': write() after write_part()");
-  TESSERA_CHECK(t.scalar_type() == s.dtype && t.sizes().vec() == s.shape, "'", file_.path(), "' tensor '", s.name,
+  TESSERA_CHECK(part_bytes_ == 0, "'", path_, "' tensor '", s.name, "': write() after write_part()");
+  TESSERA_CHECK(t.scalar_type() == s.dtype && t.sizes().vec() == s.shape, "'", path_, "' tensor '", s.name,
                 "': got ", t.scalar_type(), t.sizes(), " but declared ", s.dtype, " ", at::IntArrayRef(s.shape));
   at::Tensor c = dense_cpu(t);
   append(c.data_ptr(), written_[next_].end - written_[next_].begin);
 }
 
 void SafetensorsWriter::write_part(const at::Tensor& rows) {
-  TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", file_.path(), "': more tensors written than declared");
+  TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", path_, "': more tensors written than declared");
   const Spec& s = specs_[next_];
   const bool rows_match = !s.shape.empty() && rows.dim() == static_cast<int64_t>(s.shape.size()) &&
                           std::equal(s.shape.begin() + 1, s.shape.end(), rows.sizes().begin() + 1);
-  TESSERA_CHECK(rows.scalar_type() == s.dtype && rows_match, "'", file_.path(), "' tensor '", s.name, "': part ",
+  TESSERA_CHECK(rows.scalar_type() == s.dtype && rows_match, "'", path_, "' tensor '", s.name, "': part ",
                 rows.scalar_type(), rows.sizes(), " is not a run of rows of ", s.dtype, " ",
                 at::IntArrayRef(s.shape));
   at::Tensor c = dense_cpu(rows);
@@ -302,36 +302,23 @@ void SafetensorsWriter::write_part(const at::Tensor& rows) {
 void SafetensorsWriter::append(const void* data, uint64_t n) {
   Written& w = written_[next_];
   const uint64_t nb = w.end - w.begin;
-  TESSERA_CHECK(part_bytes_ + n <= nb, "'", file_.path(), "' tensor '", w.name, "': ", part_bytes_ + n,
+  TESSERA_CHECK(part_bytes_ + n <= nb, "'", path_, "' tensor '", w.name, "': ", part_bytes_ + n,
                 " bytes written but it has ", nb);
-  // Streamed in slices: each slice is checksummed (blocks of kCrcBlock bytes from the
-  // tensor's start, carried across calls), written, and its writeback started at once,
-  // so the disk writes while the CPU checksums and copies the next slice; waiting on
-  // the slice two behind keeps the dirty pages (and the work left for finish()'s fsync)
-  // to a few slices.
+  // Checksummed in blocks of kCrcBlock bytes from the tensor's start (carried across
+  // calls, so a tensor may come in parts) and handed to the stream writer, which writes
+  // in the background while the next bytes are checksummed.
   const auto* p = static_cast<const unsigned char*>(data);
-  constexpr uint64_t kSlice = 4 * kCrcBlock;
-  for (uint64_t off = 0; off < n;) {
-    const uint64_t len = std::min<uint64_t>(kSlice, n - off);
-    for (uint64_t k = 0; k < len;) {
-      const uint64_t take = std::min<uint64_t>(len - k, kCrcBlock - block_fill_);
-      block_crc_ = crc32c_extend(block_crc_, p + off + k, static_cast<size_t>(take));
-      block_fill_ += take;
-      k += take;
-      if (block_fill_ == kCrcBlock) {
-        w.crcs.push_back(block_crc_);
-        block_crc_ = 0;
-        block_fill_ = 0;
-      }
+  for (uint64_t k = 0; k < n;) {
+    const uint64_t take = std::min<uint64_t>(n - k, kCrcBlock - block_fill_);
+    block_crc_ = crc32c_extend(block_crc_, p + k, static_cast<size_t>(take));
+    out_->append(p + k, take);
+    block_fill_ += take;
+    k += take;
+    if (block_fill_ == kCrcBlock) {
+      w.crcs.push_back(block_crc_);
+      block_crc_ = 0;
+      block_fill_ = 0;
     }
-    const uint64_t pos = w.begin + part_bytes_ + off;  // file offset of this slice
-    file_.write_all(p + off, len);
-    file_.start_writeback(pos, len);
-    if (pos + len >= waited_ + 3 * kSlice) {
-      file_.wait_writeback(waited_, pos + len - 2 * kSlice - waited_);
-      waited_ = pos + len - 2 * kSlice;
-    }
-    off += len;
   }
   part_bytes_ += n;
   if (part_bytes_ == nb) {  // the tensor is complete
@@ -344,23 +331,22 @@ void SafetensorsWriter::append(const void* data, uint64_t n) {
 }
 
 std::vector<SafetensorsWriter::Written> SafetensorsWriter::finish() {
-  TESSERA_CHECK(!finished_, "'", file_.path(), "': finish() called twice");
-  TESSERA_CHECK(next_ == specs_.size(), "'", file_.path(), "': ", specs_.size() - next_, " declared tensors not written");
+  TESSERA_CHECK(!finished_, "'", path_, "': finish() called twice");
+  TESSERA_CHECK(next_ == specs_.size(), "'", path_, "': ", specs_.size() - next_, " declared tensors not written");
   std::string hex;
   // Checksums in data-offset order (== declaration order here).
   for (auto& w : written_)
     for (uint32_t c : w.crcs) hex += crc_hex(c);
-  if (!hex.empty()) file_.pwrite_exact(crc_pos_, hex.data(), hex.size());
+  if (!hex.empty()) out_->patch(crc_pos_, hex.data(), hex.size());
   // The header checksum covers the final header: length, text, block checksums included.
   header_.replace(crc_pos_ - 8, hex.size(), hex);
   unsigned char lenbuf[8];
   uint64_t n = header_.size();
   for (int i = 0; i < 8; ++i, n >>= 8) lenbuf[i] = static_cast<unsigned char>(n & 0xff);
   const std::string hc = crc_hex(header_crc(lenbuf, header_, header_crc_pos_ - 8));
-  file_.pwrite_exact(header_crc_pos_, hc.data(), hc.size());
+  out_->patch(header_crc_pos_, hc.data(), hc.size());
   header_.clear();
-  file_.fsync();
-  file_.close();
+  out_->finish();
   finished_ = true;
   return written_;
 }

@@ -93,7 +93,8 @@ class SafetensorsWriter {
   size_t next_index() const { return next_; }
 
  private:
-  File file_;
+  std::unique_ptr<StreamWriter> out_;
+  std::string path_;
   std::vector<Spec> specs_;
   std::vector<Written> written_;
   size_t next_ = 0;
@@ -101,7 +102,6 @@ class SafetensorsWriter {
   std::string header_;           // the header text as written, checksummed at finish()
   uint64_t header_crc_pos_ = 0;  // file offset of tessera.header_crc32c's 8 hex digits
   void append(const void* data, uint64_t n);
-  uint64_t waited_ = 0;      // writeback awaited up to this file offset (see append())
   uint64_t part_bytes_ = 0;  // bytes of the current tensor written so far
   uint32_t block_crc_ = 0;   // checksum of the current block so far
   uint64_t block_fill_ = 0;  // bytes in the current block
