@@ -14,6 +14,8 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 
 def fmt(v):
+    if isinstance(v, list):
+        return ", ".join(fmt(x) for x in v)
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)

@@ -2,12 +2,18 @@
 //   checkpoint_bench MODE DIR TOTAL_MIB
 // MODE: sharded | full. Builds a state of TOTAL_MIB MiB of float32 (16 tensors of equal
 // size, each sharded along dim 0 over the ranks), saves it to DIR, loads it back into a
-// zeroed state of the same sharding, checks the values and prints one JSON line on rank 0:
+// zeroed state of the same sharding (cold: the checkpoint's files are first dropped from
+// the page cache, as for a load in a later job), checks the values and prints one JSON
+// line on rank 0:
 // {"mode", "ranks", "bytes", "save_s", "load_s", "save_gib_s", "load_gib_s"}.
 #include <ATen/ATen.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "tessera/checkpoint/checkpoint.h"
@@ -37,6 +43,22 @@ state::StateDict make(const std::shared_ptr<dist::Communicator>& c, int64_t rows
   }
   return sd;
 }
+// Drops the (clean, fsync'ed) pages of every file under `path` from the page cache.
+void drop_cached(const std::string& path) {
+  namespace fs = std::filesystem;
+  auto drop = [](const fs::path& f) {
+    const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  };
+  if (fs::is_directory(path)) {
+    for (const auto& e : fs::directory_iterator(path))
+      if (e.is_regular_file()) drop(e.path());
+  } else {
+    drop(path);
+  }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -58,6 +80,7 @@ int main(int argc, char** argv) {
   c->barrier();
   const double save_s = now_s() - t0;
   auto target = make(c, rows, cols, count, true);
+  if (c->rank() == 0) drop_cached(dir);
   c->barrier();
   t0 = now_s();
   ck::load(target, dir, *c);

@@ -3,36 +3,31 @@
 # limit) and Python torch.save/torch.load (/usr/bin/python3), plus consolidation
 # throughput and peak RSS. Writes bench/results/checkpoint.json.
 #   bench/checkpoint/run_checkpoint_bench.sh BUILD_DIR [MIB] [WORK_DIR]
+#   CKPT_BENCH_ROUNDS=N   rounds (default 5)
+#
+# The disk of a shared machine changes speed by 3x within minutes, so one measurement of
+# each peer says little. Every round measures all peers once, in an order that rotates
+# from round to round; the report gives each figure's median over the rounds and, for
+# every ratio, the median of the per-round ratios (peers measured within seconds of each
+# other), with its minimum and maximum.
 set -euo pipefail
 BUILD=${1:?usage: run_checkpoint_bench.sh BUILD_DIR [MIB] [WORK_DIR]}
 MIB=${2:-1024}
 WORK=${3:-$(mktemp -d /tmp/tessera-ckpt-bench-XXXXXX)}
+ROUNDS=${CKPT_BENCH_ROUNDS:-5}
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT="$HERE/../results/checkpoint.json"
 mkdir -p "$(dirname "$OUT")" "$WORK"
 TESSERA="$BUILD/bin/tessera"
 BENCH="$BUILD/bin/checkpoint_bench"
 now() { date +%s.%N; }
+since() { awk -v a="$2" -v b="$1" 'BEGIN { printf "%.6f", a - b }'; }  # since T0 T1 -> T1 - T0
 trap 'rm -rf "$WORK"' EXIT
 
-# The disk limit: dd write (fsync'ed) and read of the same number of bytes.
-t0=$(now); dd if=/dev/zero of="$WORK/dd.bin" bs=1M count="$MIB" conv=fsync status=none; t1=$(now)
-dd if="$WORK/dd.bin" of=/dev/null bs=1M status=none; t2=$(now)
-rm -f "$WORK/dd.bin"
-DD_W=$(echo "$t1 - $t0" | bc -l); DD_R=$(echo "$t2 - $t1" | bc -l)
-
-SHARDED=$("$TESSERA" run -n 2 -- "$BENCH" sharded "$WORK/sharded" "$MIB" | grep '^\[rank 0\] {' | sed 's/^\[rank 0\] //')
-FULL=$("$TESSERA" run -n 2 -- "$BENCH" full "$WORK/full.safetensors" "$MIB" | grep '^\[rank 0\] {' | sed 's/^\[rank 0\] //')
-
-# Consolidation of the sharded checkpoint: throughput and peak RSS.
-t0=$(now)
-RSS_KB=$( { /usr/bin/time -f '%M' "$TESSERA" ckpt consolidate "$WORK/sharded" -o "$WORK/cons.safetensors" >/dev/null; } 2>&1 | tail -1 )
-t1=$(now)
-CONS_S=$(echo "$t1 - $t0" | bc -l)
-rm -f "$WORK/cons.safetensors"
-
-# Python torch.save / torch.load of the same tensors.
-PY=$(/usr/bin/python3 - "$WORK/py.pt" "$MIB" <<'PYEOF'
+# Python torch.save / torch.load of the same tensors (16 tensors of MIB/16 MiB, the
+# shapes and values checkpoint_bench saves), fsync'ed like Tessera's files. Every load
+# (Tessera's, torch.load, dd's read) is cold: the file's pages are dropped first.
+cat > "$WORK/py_peer.py" <<'PYEOF'
 import json, os, sys, time, torch
 path, mib = sys.argv[1], int(sys.argv[2])
 count, cols = 16, 1024
@@ -43,35 +38,111 @@ with open(path, "wb") as f:
     torch.save(sd, f)
     f.flush(); os.fsync(f.fileno())
 t1 = time.perf_counter()
+# Cold load, like Tessera's: the file's pages leave the page cache first.
+fd = os.open(path, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
 d = torch.load(path)
 t2 = time.perf_counter()
 assert torch.equal(d["layer3.weight"], sd["layer3.weight"])
+os.remove(path)
 print(json.dumps({"save_s": t1 - t0, "load_s": t2 - t1}))
 PYEOF
-)
-rm -f "$WORK/py.pt"
 
-/usr/bin/python3 - "$OUT" "$MIB" "$DD_W" "$DD_R" "$SHARDED" "$FULL" "$CONS_S" "$RSS_KB" "$PY" <<'PYEOF'
-import json, sys
-out, mib, ddw, ddr, sh, full, cons_s, rss_kb, py = sys.argv[1:]
-mib = int(mib); gib = mib / 1024
-sh, full, py = json.loads(sh), json.loads(full), json.loads(py)
-ddw, ddr, cons_s = float(ddw), float(ddr), float(cons_s)
+# One measurement of one peer -> one JSON line on stdout.
+measure() {
+  case $1 in
+    dd)
+      # The disk limit: dd write (fsync'ed) and read of the same number of bytes.
+      local t0 t1 t2
+      t0=$(now); dd if=/dev/zero of="$WORK/dd.bin" bs=1M count="$MIB" conv=fsync status=none; t1=$(now)
+      dd if="$WORK/dd.bin" iflag=nocache count=0 status=none  # cold read: drop the file's cached pages
+      t1=$(now); dd if="$WORK/dd.bin" of=/dev/null bs=1M status=none; t2=$(now)
+      rm -f "$WORK/dd.bin"
+      echo "{\"write_s\": $(since "$t0" "$t1"), \"read_s\": $(since "$t1" "$t2")}" ;;
+    sharded|full)
+      local target="$WORK/$1"
+      [ "$1" = full ] && target="$WORK/full.safetensors"
+      "$TESSERA" run -n 2 -- "$BENCH" "$1" "$target" "$MIB" | grep '^\[rank 0\] {' | sed 's/^\[rank 0\] //'
+      # The sharded checkpoint stays for the consolidation that follows in the round.
+      [ "$1" = full ] && rm -f "$target"
+      true ;;
+    python)
+      /usr/bin/python3 "$WORK/py_peer.py" "$WORK/py.pt" "$MIB" ;;
+    consolidate)
+      # Consolidation of the sharded checkpoint (saved earlier in this round): time, peak RSS.
+      local t0 t1 rss
+      t0=$(now)
+      rss=$( { /usr/bin/time -f '%M' "$TESSERA" ckpt consolidate "$WORK/sharded" -o "$WORK/cons.safetensors" --force >/dev/null; } 2>&1 | tail -1 )
+      t1=$(now)
+      rm -f "$WORK/cons.safetensors"
+      echo "{\"seconds\": $(since "$t0" "$t1"), \"peak_rss_kib\": $rss}" ;;
+  esac
+}
+
+peers=(dd sharded full python)
+: > "$WORK/rounds.jsonl"
+for ((r = 0; r < ROUNDS; r++)); do
+  # Rotate the order so that no peer always runs first (or right after another).
+  order=()
+  for ((k = 0; k < ${#peers[@]}; k++)); do order+=("${peers[(k + r) % ${#peers[@]}]}"); done
+  echo "-- round $((r + 1))/$ROUNDS: ${order[*]} consolidate" >&2
+  for p in "${order[@]}" consolidate; do
+    echo "{\"round\": $r, \"peer\": \"$p\", \"result\": $(measure "$p")}" >> "$WORK/rounds.jsonl"
+  done
+  rm -rf "$WORK/sharded"
+done
+
+/usr/bin/python3 - "$OUT" "$MIB" "$WORK/rounds.jsonl" <<'PYEOF'
+import json, statistics, sys
+out, mib, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+gib = mib / 1024
+rounds = {}
+for line in open(path):
+    e = json.loads(line)
+    rounds.setdefault(e["round"], {})[e["peer"]] = e["result"]
+R = [rounds[k] for k in sorted(rounds)]
+med = lambda xs: statistics.median(xs)
+def spread(xs):
+    return {"median": med(xs), "min": min(xs), "max": max(xs)}
+def times(peer, key):
+    return [r[peer][key] for r in R]
+def ratio(num, den):
+    # Per-round ratio num/den (> 1: the Tessera side is faster), then median/min/max.
+    return spread([n / d for n, d in zip(num, den)])
+dd_w, dd_r = times("dd", "write_s"), times("dd", "read_s")
+sh_s, sh_l = times("sharded", "save_s"), times("sharded", "load_s")
+fu_s, fu_l = times("full", "save_s"), times("full", "load_s")
+py_s, py_l = times("python", "save_s"), times("python", "load_s")
+co_s = times("consolidate", "seconds")
 res = {
-    "bytes": sh["bytes"],
-    "dd": {"write_s": ddw, "read_s": ddr, "write_gib_s": gib / ddw, "read_gib_s": gib / ddr},
-    "tessera_sharded_2ranks": sh,
-    "tessera_full_2ranks": full,
-    "python_torch": {"save_s": py["save_s"], "load_s": py["load_s"]},
-    "consolidate": {"seconds": cons_s, "gib_s": gib / cons_s, "peak_rss_mib": int(rss_kb) / 1024,
-                    "largest_tensor_mib": mib / 16},
-    "ratios": {
-        "sharded_save_vs_dd_write": ddw / sh["save_s"],
-        "sharded_load_vs_dd_read": ddr / sh["load_s"],
-        "full_save_vs_dd_write": ddw / full["save_s"],
-        "sharded_save_speedup_vs_torch_save": py["save_s"] / sh["save_s"],
-        "sharded_load_speedup_vs_torch_load": py["load_s"] / sh["load_s"],
-        "full_save_speedup_vs_torch_save": py["save_s"] / full["save_s"],
+    "benchmark": "checkpoint",
+    "bytes": R[0]["sharded"]["bytes"],
+    "rounds": len(R),
+    "median_seconds": {
+        "dd write (fsync)": med(dd_w), "dd read": med(dd_r),
+        "tessera sharded save (2 ranks)": med(sh_s), "tessera sharded load (2 ranks)": med(sh_l),
+        "tessera full save (2 ranks)": med(fu_s), "tessera full load (2 ranks)": med(fu_l),
+        "torch.save (fsync)": med(py_s), "torch.load": med(py_l),
+        "tessera ckpt consolidate": med(co_s),
+    },
+    "median_gib_per_s": {
+        "dd write": gib / med(dd_w), "sharded save": gib / med(sh_s), "full save": gib / med(fu_s),
+        "torch.save": gib / med(py_s), "sharded load": gib / med(sh_l), "consolidate": gib / med(co_s),
+    },
+    "per_round_seconds": {
+        "dd write": dd_w, "sharded save": sh_s, "full save": fu_s, "torch.save": py_s, "consolidate": co_s,
+    },
+    "consolidate_memory": {
+        "peak_rss_mib (max over rounds)": max(r["consolidate"]["peak_rss_kib"] for r in R) / 1024,
+        "largest_tensor_mib": mib / 16,
+    },
+    "ratios (per-round, median [min, max]; > 1 means Tessera is faster)": {
+        "sharded save vs dd write (target >= 0.8)": ratio(dd_w, sh_s),
+        "full save vs dd write (target >= 0.8)": ratio(dd_w, fu_s),
+        "sharded load vs dd read": ratio(dd_r, sh_l),
+        "sharded save vs torch.save (target > 1)": ratio(py_s, sh_s),
+        "full save vs torch.save (target > 1)": ratio(py_s, fu_s),
+        "sharded load vs torch.load": ratio(py_l, sh_l),
+        "full load vs torch.load": ratio(py_l, fu_l),
     },
 }
 json.dump(res, open(out, "w"), indent=2)
