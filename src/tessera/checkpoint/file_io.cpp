@@ -61,6 +61,10 @@ void File::pread_exact(uint64_t offset, void* dst, uint64_t n) const {
   }
 }
 
+void File::will_need(uint64_t offset, uint64_t n) const {
+  if (n > 0) (void)::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(n), POSIX_FADV_WILLNEED);
+}
+
 void File::pwrite_exact(uint64_t offset, const void* src, uint64_t n) {
   const auto* p = static_cast<const char*>(src);
   while (n > 0) {

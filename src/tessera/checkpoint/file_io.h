@@ -28,6 +28,10 @@ class File {
   // Exactly n bytes at `offset`, or an error naming the file (short file = truncated).
   void pread_exact(uint64_t offset, void* dst, uint64_t n) const;
   void pwrite_exact(uint64_t offset, const void* src, uint64_t n);
+  // Asks the kernel to start reading [offset, offset+n) into the page cache now, all of
+  // it at once (posix_fadvise WILLNEED), so a following large read finds the disk busy
+  // with a deep queue instead of readahead-window-sized synchronous steps. Advisory.
+  void will_need(uint64_t offset, uint64_t n) const;
   // Appends at the current position.
   void write_all(const void* src, uint64_t n);
   // Asks the kernel to start writing [offset, offset+n) to disk now, without waiting

@@ -105,25 +105,48 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
     throw Error(msg);
   }
 
-  // Everything is validated; read.
+  // Everything is validated; read. Tensors are read piece by piece (a plain tensor, or
+  // each local shard of a sharded one) while the kernel is already reading the pieces
+  // after it (up to kReadAhead bytes ahead), so the disk never waits for the copy and
+  // checksum of the current piece.
   at::NoGradGuard no_grad;
   ChunkReader reader(meta);
+  struct Piece {
+    const Job* job;
+    at::Tensor dst;
+    sharding::Box box;
+    uint64_t prefetched = 0;
+  };
+  std::vector<Piece> pieces;
   for (const auto& j : jobs) {
-    const EntryInfo& e = *j.e;
-    auto fill = [&](at::Tensor dst, const sharding::Box& box) {
-      int64_t n = 0;
-      for (const auto& c : e.chunks) n += reader.copy_into(j.fqn, e, c, dst, box);
-      TESSERA_CHECK(n == box.numel(), "loading '", path, "' key '", j.fqn, "': only ", n, " of ", box.numel(),
-                    " elements of ", box.to_string(), " found");
-    };
     if (auto t = std::get_if<at::Tensor>(j.v)) {
-      fill(*t, sharding::full_box(e.shape));
+      pieces.push_back({&j, *t, sharding::full_box(j.e->shape)});
     } else if (auto s = std::get_if<sharding::ShardedTensor>(j.v)) {
-      for (auto& sh : s->local_shards()) fill(sh.tensor, sh.meta.box);
-    } else if (std::holds_alternative<double>(*j.v) && std::holds_alternative<int64_t>(e.value)) {
-      *j.v = static_cast<double>(std::get<int64_t>(e.value));
-    } else {
-      *j.v = e.value;
+      for (auto& sh : s->local_shards()) pieces.push_back({&j, sh.tensor, sh.meta.box});
+    }
+  }
+  constexpr uint64_t kReadAhead = 64u << 20;
+  size_t next = 0;       // first piece not yet prefetched
+  uint64_t ahead = 0;    // bytes prefetched for pieces not yet read
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    while (next < pieces.size() && (next <= k || ahead < kReadAhead)) {
+      Piece& q = pieces[next++];
+      for (const auto& c : q.job->e->chunks) q.prefetched += reader.prefetch(q.job->fqn, *q.job->e, c, q.box);
+      ahead += q.prefetched;
+    }
+    Piece& p = pieces[k];
+    const EntryInfo& e = *p.job->e;
+    int64_t n = 0;
+    for (const auto& c : e.chunks) n += reader.copy_into(p.job->fqn, e, c, p.dst, p.box);
+    TESSERA_CHECK(n == p.box.numel(), "loading '", path, "' key '", p.job->fqn, "': only ", n, " of ", p.box.numel(),
+                  " elements of ", p.box.to_string(), " found");
+    ahead -= p.prefetched;
+  }
+  for (const auto& j : jobs) {
+    if (std::holds_alternative<double>(*j.v) && std::holds_alternative<int64_t>(j.e->value)) {
+      *j.v = static_cast<double>(std::get<int64_t>(j.e->value));
+    } else if (!std::holds_alternative<at::Tensor>(*j.v) && !std::holds_alternative<sharding::ShardedTensor>(*j.v)) {
+      *j.v = j.e->value;
     }
     res.loaded.push_back(j.fqn);
   }

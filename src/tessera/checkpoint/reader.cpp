@@ -137,6 +137,38 @@ void ChunkReader::check_header_entry(const std::string& fqn, const EntryInfo& e,
                 "' disagrees with the metadata (dtype, shape or byte range)");
 }
 
+ChunkReader::Range ChunkReader::range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const {
+  Range r;
+  // Row-major strides of the chunk, and the first and last element of the overlap.
+  const size_t nd = c.box.dim();
+  r.strides.assign(nd, 1);
+  for (size_t d = nd; d-- > 1;) r.strides[d - 1] = r.strides[d] * c.box.sizes[d];
+  int64_t last = 0;
+  for (size_t d = 0; d < nd; ++d) {
+    r.first += (ov.offsets[d] - c.box.offsets[d]) * r.strides[d];
+    last += (ov.offsets[d] + ov.sizes[d] - 1 - c.box.offsets[d]) * r.strides[d];
+  }
+  const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
+  const uint64_t block = c.crcs.empty() ? nbytes : meta_.crc_block;
+  r.b0 = static_cast<uint64_t>(r.first) * is;
+  r.b1 = static_cast<uint64_t>(last + 1) * is;
+  if (!c.crcs.empty()) {
+    r.b0 = r.b0 / block * block;
+    r.b1 = std::min(nbytes, (r.b1 + block - 1) / block * block);
+  }
+  return r;
+}
+
+uint64_t ChunkReader::prefetch(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c,
+                               const sharding::Box& dst_box) {
+  auto ov = sharding::intersect(dst_box, c.box);
+  if (!ov || c.memory.defined()) return 0;
+  check_header_entry(fqn, e, c);
+  const Range r = range_of(e, c, *ov);
+  reader(c.file).file().will_need(c.begin + r.b0, r.b1 - r.b0);
+  return r.b1 - r.b0;
+}
+
 int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, at::Tensor& dst,
                                const sharding::Box& dst_box) {
   auto ov = sharding::intersect(dst_box, c.box);
@@ -144,22 +176,12 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   if (c.memory.defined()) return sharding::copy_overlap(dst, dst_box, c.memory, c.box);
   check_header_entry(fqn, e, c);
   const SafetensorsReader& r = reader(c.file);
-  // Row-major strides of the chunk, and the first and last element of the overlap.
-  const size_t nd = c.box.dim();
-  std::vector<int64_t> strides(nd, 1);
-  for (size_t d = nd; d-- > 1;) strides[d - 1] = strides[d] * c.box.sizes[d];
-  int64_t first = 0, last = 0;
-  for (size_t d = 0; d < nd; ++d) {
-    first += (ov->offsets[d] - c.box.offsets[d]) * strides[d];
-    last += (ov->offsets[d] + ov->sizes[d] - 1 - c.box.offsets[d]) * strides[d];
-  }
+  const Range rg = range_of(e, c, *ov);
+  const std::vector<int64_t>& strides = rg.strides;
+  const int64_t first = rg.first;
   const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
   const uint64_t block = c.crcs.empty() ? nbytes : meta_.crc_block;
-  uint64_t b0 = static_cast<uint64_t>(first) * is, b1 = static_cast<uint64_t>(last + 1) * is;
-  if (!c.crcs.empty()) {
-    b0 = b0 / block * block;
-    b1 = std::min(nbytes, (b1 + block - 1) / block * block);
-  }
+  const uint64_t b0 = rg.b0, b1 = rg.b1;
   // Fast path: the destination wants the whole chunk and holds it contiguously on the
   // CPU: read straight into it.
   at::Tensor view = sharding::narrow_to(dst, dst_box, *ov);

@@ -31,6 +31,9 @@ class ChunkReader {
   // overlap. Returns the number of elements copied.
   int64_t copy_into(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, at::Tensor& dst,
                     const sharding::Box& dst_box);
+  // Asks the kernel to start reading the bytes copy_into(fqn, e, c, ., dst_box) will
+  // read (read-ahead); returns their count.
+  uint64_t prefetch(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, const sharding::Box& dst_box);
   // A tensor of `box` (inside the entry's shape) assembled from every chunk.
   at::Tensor read_box(const std::string& fqn, const EntryInfo& e, const sharding::Box& box);
   // Reads every block of the chunk and checks it (and the data file's header entry).
@@ -40,6 +43,14 @@ class ChunkReader {
 
  private:
   void check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
+  // The bytes [b0, b1) of chunk `c` (relative to its start) that hold its overlap `ov`,
+  // widened to whole checksum blocks; `first` is the overlap's first element.
+  struct Range {
+    uint64_t b0 = 0, b1 = 0;
+    int64_t first = 0;
+    std::vector<int64_t> strides;
+  };
+  Range range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const;
   const CheckpointMetadata& meta_;
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
 };
