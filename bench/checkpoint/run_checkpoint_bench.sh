@@ -129,7 +129,8 @@ res = {
         "torch.save": gib / med(py_s), "sharded load": gib / med(sh_l), "consolidate": gib / med(co_s),
     },
     "per_round_seconds": {
-        "dd write": dd_w, "sharded save": sh_s, "full save": fu_s, "torch.save": py_s, "consolidate": co_s,
+        "dd write": dd_w, "sharded save": sh_s, "full save": fu_s, "torch.save": py_s,
+        "dd read": dd_r, "sharded load": sh_l, "full load": fu_l, "torch.load": py_l, "consolidate": co_s,
     },
     "consolidate_memory": {
         "peak_rss_mib (max over rounds)": max(r["consolidate"]["peak_rss_kib"] for r in R) / 1024,
