@@ -158,18 +158,18 @@ StreamWriter::~StreamWriter() {
 
 void StreamWriter::write_out(const char* p, uint64_t offset, uint64_t n) {
   if (direct_) {
-    // A filesystem may still refuse a direct write (EINVAL); the rest then goes
-    // through the page cache.
+    // A filesystem may still refuse a direct write (EINVAL from tmpfs or FUSE, others
+    // elsewhere): the rest then goes through the page cache, whose own error (a full
+    // disk, say) is the one reported.
     while (n > 0) {
       ssize_t put = ::pwrite(direct_fd_.fd(), p, static_cast<size_t>(std::min<uint64_t>(n, 1u << 30)),
                              static_cast<off_t>(offset));
       if (put < 0 && errno == EINTR) continue;
-      if (put < 0 && errno == EINVAL) {
+      if (put <= 0) {
         direct_ = false;
         direct_fd_.close();
         break;
       }
-      TESSERA_CHECK(put > 0, "cannot write '", buffered_.path(), "' at byte ", offset, ": ", err());
       p += put;
       offset += static_cast<uint64_t>(put);
       n -= static_cast<uint64_t>(put);
