@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+
 #include "tessera/checkpoint/crc32c.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/interop.h"
@@ -143,15 +145,14 @@ ChunkReader::Range ChunkReader::range_of(const EntryInfo& e, const ChunkInfo& c,
   const size_t nd = c.box.dim();
   r.strides.assign(nd, 1);
   for (size_t d = nd; d-- > 1;) r.strides[d - 1] = r.strides[d] * c.box.sizes[d];
-  int64_t last = 0;
   for (size_t d = 0; d < nd; ++d) {
     r.first += (ov.offsets[d] - c.box.offsets[d]) * r.strides[d];
-    last += (ov.offsets[d] + ov.sizes[d] - 1 - c.box.offsets[d]) * r.strides[d];
+    r.last += (ov.offsets[d] + ov.sizes[d] - 1 - c.box.offsets[d]) * r.strides[d];
   }
   const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
   const uint64_t block = c.crcs.empty() ? nbytes : meta_.crc_block;
   r.b0 = static_cast<uint64_t>(r.first) * is;
-  r.b1 = static_cast<uint64_t>(last + 1) * is;
+  r.b1 = static_cast<uint64_t>(r.last + 1) * is;
   if (!c.crcs.empty()) {
     r.b0 = r.b0 / block * block;
     r.b1 = std::min(nbytes, (r.b1 + block - 1) / block * block);
@@ -182,10 +183,14 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
   const uint64_t block = c.crcs.empty() ? nbytes : meta_.crc_block;
   const uint64_t b0 = rg.b0, b1 = rg.b1;
-  // Fast path: the destination wants the whole chunk and holds it contiguously on the
-  // CPU: read straight into it.
+  // Fast path: the overlap is one contiguous byte range of the chunk (whole rows, or
+  // the whole chunk), the range needs no widening to checksum blocks, and the
+  // destination holds it contiguously on the CPU: read straight into the destination
+  // (a sharded load of a consolidated file reads each rank's rows this way).
   at::Tensor view = sharding::narrow_to(dst, dst_box, *ov);
-  const bool direct = *ov == c.box && view.device().is_cpu() && view.is_contiguous() && b0 == 0 && b1 == nbytes;
+  const bool whole_rows = c.box.dim() == 0 || std::equal(ov->sizes.begin() + 1, ov->sizes.end(), c.box.sizes.begin() + 1);
+  const bool direct = whole_rows && view.device().is_cpu() && view.is_contiguous() &&
+                      b0 == static_cast<uint64_t>(rg.first) * is && b1 == static_cast<uint64_t>(rg.last + 1) * is;
   at::Tensor buf = direct ? view : at::empty({static_cast<int64_t>((b1 - b0) / is)}, at::TensorOptions().dtype(e.dtype));
   auto* p = static_cast<char*>(buf.data_ptr());
   r.file().pread_exact(c.begin + b0, p, b1 - b0);

@@ -44,10 +44,10 @@ class ChunkReader {
  private:
   void check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
   // The bytes [b0, b1) of chunk `c` (relative to its start) that hold its overlap `ov`,
-  // widened to whole checksum blocks; `first` is the overlap's first element.
+  // widened to whole checksum blocks.
   struct Range {
     uint64_t b0 = 0, b1 = 0;
-    int64_t first = 0;
+    int64_t first = 0, last = 0;  // first and last element of the overlap in the chunk
     std::vector<int64_t> strides;
   };
   Range range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const;
