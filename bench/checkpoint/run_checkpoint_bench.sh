@@ -43,7 +43,6 @@ fd = os.open(path, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNE
 d = torch.load(path)
 t2 = time.perf_counter()
 assert torch.equal(d["layer3.weight"], sd["layer3.weight"])
-os.remove(path)
 print(json.dumps({"save_s": t1 - t0, "load_s": t2 - t1}))
 PYEOF
 
@@ -53,27 +52,23 @@ measure() {
     dd)
       # The disk limit: dd write (fsync'ed) and read of the same number of bytes.
       local t0 t1 t2
-      t0=$(now); dd if=/dev/zero of="$WORK/dd.bin" bs=1M count="$MIB" conv=fsync status=none; t1=$(now)
-      dd if="$WORK/dd.bin" iflag=nocache count=0 status=none  # cold read: drop the file's cached pages
-      t1=$(now); dd if="$WORK/dd.bin" of=/dev/null bs=1M status=none; t2=$(now)
-      rm -f "$WORK/dd.bin"
+      t0=$(now); dd if=/dev/zero of="$RD/dd.bin" bs=1M count="$MIB" conv=fsync status=none; t1=$(now)
+      dd if="$RD/dd.bin" iflag=nocache count=0 status=none  # cold read: drop the file's cached pages
+      t1=$(now); dd if="$RD/dd.bin" of=/dev/null bs=1M status=none; t2=$(now)
       echo "{\"write_s\": $(since "$t0" "$t1"), \"read_s\": $(since "$t1" "$t2")}" ;;
     sharded|full)
-      local target="$WORK/$1"
-      [ "$1" = full ] && target="$WORK/full.safetensors"
+      local target="$RD/$1"
+      [ "$1" = full ] && target="$RD/full.safetensors"
       "$TESSERA" run -n 2 -- "$BENCH" "$1" "$target" "$MIB" | grep '^\[rank 0\] {' | sed 's/^\[rank 0\] //'
-      # The sharded checkpoint stays for the consolidation that follows in the round.
-      [ "$1" = full ] && rm -f "$target"
       true ;;
     python)
-      /usr/bin/python3 "$WORK/py_peer.py" "$WORK/py.pt" "$MIB" ;;
+      /usr/bin/python3 "$WORK/py_peer.py" "$RD/py.pt" "$MIB" ;;
     consolidate)
       # Consolidation of the sharded checkpoint (saved earlier in this round): time, peak RSS.
       local t0 t1 rss
       t0=$(now)
-      rss=$( { /usr/bin/time -f '%M' "$TESSERA" ckpt consolidate "$WORK/sharded" -o "$WORK/cons.safetensors" --force >/dev/null; } 2>&1 | tail -1 )
+      rss=$( { /usr/bin/time -f '%M' "$TESSERA" ckpt consolidate "$RD/sharded" -o "$RD/cons.safetensors" >/dev/null; } 2>&1 | tail -1 )
       t1=$(now)
-      rm -f "$WORK/cons.safetensors"
       echo "{\"seconds\": $(since "$t0" "$t1"), \"peak_rss_kib\": $rss}" ;;
   esac
 }
@@ -85,10 +80,15 @@ for ((r = 0; r < ROUNDS; r++)); do
   order=()
   for ((k = 0; k < ${#peers[@]}; k++)); do order+=("${peers[(k + r) % ${#peers[@]}]}"); done
   echo "-- round $((r + 1))/$ROUNDS: ${order[*]} consolidate" >&2
+  # Every file of the round stays until the round ends. This filesystem may be mounted
+  # with `discard`: deleting a GiB sends TRIMs that slow the next cold reads for a second
+  # or two, so deleting after each peer would slow whichever peer came next.
+  RD="$WORK/round$r"
+  mkdir -p "$RD"
   for p in "${order[@]}" consolidate; do
     echo "{\"round\": $r, \"peer\": \"$p\", \"result\": $(measure "$p")}" >> "$WORK/rounds.jsonl"
   done
-  rm -rf "$WORK/sharded"
+  rm -rf "$RD"
 done
 
 /usr/bin/python3 - "$OUT" "$MIB" "$WORK/rounds.jsonl" <<'PYEOF'
