@@ -1,7 +1,7 @@
 // Checkpoint throughput benchmark, one rank program (start it with `tessera run -n N`).
-//   checkpoint_bench MODE DIR TOTAL_MIB
-// MODE: sharded | full. Builds a state of TOTAL_MIB MiB of float32 (16 tensors of equal
-// size, each sharded along dim 0 over the ranks), saves it to DIR, loads it back into a
+//   checkpoint_bench MODE DIR TOTAL_MIB [TENSOR_MIB]
+// MODE: sharded | full. Builds a state of TOTAL_MIB MiB of float32 (tensors of TENSOR_MIB
+// MiB each, default TOTAL_MIB/16, each sharded along dim 0 over the ranks), saves it to DIR, loads it back into a
 // zeroed state of the same sharding (cold: the checkpoint's files are first dropped from
 // the page cache, as for a load in a later job), checks the values and prints one JSON
 // line on rank 0:
@@ -63,13 +63,14 @@ void drop_cached(const std::string& path) {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::cerr << "usage: checkpoint_bench sharded|full DIR TOTAL_MIB\n";
+    std::cerr << "usage: checkpoint_bench sharded|full DIR TOTAL_MIB [TENSOR_MIB]\n";
     return 2;
   }
   const std::string mode = argv[1], dir = argv[2];
   const int64_t mib = std::stoll(argv[3]);
   auto c = dist::Communicator::create(dist::World::from_env());
-  const int count = 16;
+  const int64_t tensor_mib = argc > 4 ? std::stoll(argv[4]) : std::max<int64_t>(1, mib / 16);
+  const int count = static_cast<int>(std::max<int64_t>(1, mib / tensor_mib));
   const int64_t cols = 1024;
   const int64_t rows = mib * (1 << 20) / 4 / cols / count;
   const uint64_t bytes = static_cast<uint64_t>(rows * cols * 4) * count;

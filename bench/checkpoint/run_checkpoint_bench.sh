@@ -91,9 +91,23 @@ for ((r = 0; r < ROUNDS; r++)); do
   rm -rf "$RD"
 done
 
-/usr/bin/python3 - "$OUT" "$MIB" "$WORK/rounds.jsonl" <<'PYEOF'
+# Consolidation memory vs model size: models of 4x to 32x the largest tensor (64 MiB tensors),
+# saved sharded by 2 ranks and consolidated offline; peak RSS should follow the largest
+# tensor, not the model.
+: > "$WORK/sizes.jsonl"
+for size in 256 1024 2048; do
+  [ "$size" -le $((MIB * 2)) ] || continue
+  "$TESSERA" run -n 2 -- "$BENCH" sharded "$WORK/size-$size" "$size" 64 > /dev/null
+  t0=$(now)
+  rss=$( { /usr/bin/time -f '%M' "$TESSERA" ckpt consolidate "$WORK/size-$size" -o "$WORK/size-$size.safetensors" >/dev/null; } 2>&1 | tail -1 )
+  t1=$(now)
+  echo "{\"model_mib\": $size, \"largest_tensor_mib\": 64, \"seconds\": $(since "$t0" "$t1"), \"peak_rss_kib\": $rss}" >> "$WORK/sizes.jsonl"
+  rm -rf "$WORK/size-$size" "$WORK/size-$size.safetensors"
+done
+
+/usr/bin/python3 - "$OUT" "$MIB" "$WORK/rounds.jsonl" "$WORK/sizes.jsonl" <<'PYEOF'
 import json, statistics, sys
-out, mib, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out, mib, path, sizes_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 gib = mib / 1024
 rounds = {}
 for line in open(path):
@@ -135,6 +149,11 @@ res = {
     "consolidate_memory": {
         "peak_rss_mib (max over rounds)": max(r["consolidate"]["peak_rss_kib"] for r in R) / 1024,
         "largest_tensor_mib": mib / 16,
+    },
+    # Offline consolidation of models of growing size with 64 MiB tensors: seconds, peak RSS.
+    "consolidate_vs_model_size": {
+        f"{e['model_mib']} MiB model": {"seconds": e["seconds"], "peak_rss_mib": e["peak_rss_kib"] / 1024}
+        for e in map(json.loads, open(sizes_path))
     },
 }
 # The ratios as table rows: per-round ratio (> 1: Tessera faster), median, min and max.
