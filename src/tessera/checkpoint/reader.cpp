@@ -150,13 +150,15 @@ ChunkReader::Range ChunkReader::range_of(const EntryInfo& e, const ChunkInfo& c,
     r.last += (ov.offsets[d] + ov.sizes[d] - 1 - c.box.offsets[d]) * r.strides[d];
   }
   const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
-  const uint64_t block = c.crcs.empty() ? nbytes : meta_.crc_block;
-  r.b0 = static_cast<uint64_t>(r.first) * is;
-  r.b1 = static_cast<uint64_t>(r.last + 1) * is;
+  r.block = c.crcs.empty() ? nbytes : meta_.crc_block;
+  const uint64_t o0 = static_cast<uint64_t>(r.first) * is, o1 = static_cast<uint64_t>(r.last + 1) * is;
+  r.b0 = o0;
+  r.b1 = o1;
   if (!c.crcs.empty()) {
-    r.b0 = r.b0 / block * block;
-    r.b1 = std::min(nbytes, (r.b1 + block - 1) / block * block);
+    r.b0 = o0 / r.block * r.block;
+    r.b1 = std::min(nbytes, (o1 + r.block - 1) / r.block * r.block);
   }
+  r.exact = r.b0 == o0 && r.b1 == o1;
   return r;
 }
 
@@ -178,19 +180,15 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   check_header_entry(fqn, e, c);
   const SafetensorsReader& r = reader(c.file);
   const Range rg = range_of(e, c, *ov);
-  const std::vector<int64_t>& strides = rg.strides;
-  const int64_t first = rg.first;
   const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
-  const uint64_t block = c.crcs.empty() ? nbytes : meta_.crc_block;
-  const uint64_t b0 = rg.b0, b1 = rg.b1;
+  const uint64_t block = rg.block, b0 = rg.b0, b1 = rg.b1;
   // Fast path: the overlap is one contiguous byte range of the chunk (whole rows, or
   // the whole chunk), the range needs no widening to checksum blocks, and the
   // destination holds it contiguously on the CPU: read straight into the destination
   // (a sharded load of a consolidated file reads each rank's rows this way).
   at::Tensor view = sharding::narrow_to(dst, dst_box, *ov);
   const bool whole_rows = c.box.dim() == 0 || std::equal(ov->sizes.begin() + 1, ov->sizes.end(), c.box.sizes.begin() + 1);
-  const bool direct = whole_rows && view.device().is_cpu() && view.is_contiguous() &&
-                      b0 == static_cast<uint64_t>(rg.first) * is && b1 == static_cast<uint64_t>(rg.last + 1) * is;
+  const bool direct = whole_rows && rg.exact && view.device().is_cpu() && view.is_contiguous();
   at::Tensor buf = direct ? view : at::empty({static_cast<int64_t>((b1 - b0) / is)}, at::TensorOptions().dtype(e.dtype));
   auto* p = static_cast<char*>(buf.data_ptr());
   r.file().pread_exact(c.begin + b0, p, b1 - b0);
@@ -204,8 +202,7 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
     }
   }
   if (direct) return ov->numel();
-  std::vector<int64_t> sizes = ov->sizes;
-  at::Tensor src = buf.as_strided(sizes, strides, first - static_cast<int64_t>(b0 / is));
+  at::Tensor src = buf.as_strided(ov->sizes, rg.strides, rg.first - static_cast<int64_t>(b0 / is));
   view.copy_(src);
   return ov->numel();
 }

@@ -48,6 +48,8 @@ class ChunkReader {
   struct Range {
     uint64_t b0 = 0, b1 = 0;
     int64_t first = 0, last = 0;  // first and last element of the overlap in the chunk
+    uint64_t block = 0;           // checksum block size (the whole chunk when it has none)
+    bool exact = false;           // [b0, b1) is the overlap's own bytes (no widening)
     std::vector<int64_t> strides;
   };
   Range range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const;
