@@ -283,7 +283,7 @@ Pending Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
 void Communicator::all_reduce(at::Tensor& tensor, ReduceOp op) { all_reduce_async(tensor, op).wait(); }
 
 // ---------------------------------------------------------------- all_gather
-Pending Communicator::all_gather_async(const at::Tensor& local, const std::vector<int64_t>& sizes) {
+Pending Communicator::all_gather_async(const at::Tensor& local, const std::vector<int64_t>& sizes, at::Tensor out) {
   Impl& I = *impl_;
   const int n = I.size;
   TESSERA_CHECK(local.dim() >= 1, "all_gather needs a tensor of at least one dimension, got a scalar");
@@ -291,63 +291,97 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
                 " dim-0 sizes given for a group of ", n, " ranks");
   TESSERA_CHECK(local.size(0) == sizes[I.rank], "all_gather: rank ", I.rank, " holds ", local.size(0),
                 " rows but dim0_sizes says ", sizes[I.rank]);
-  if (n == 1) return Pending([local] { return local; });
   const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
   const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
-  auto opts = local.options();
-  if (maxs == 0) {
-    return Pending([local, opts] { return at::empty(rest_shape(local, 0), opts); });
+  if (out.defined()) {
+    TESSERA_CHECK(out.is_contiguous() && out.sizes().vec() == rest_shape(local, total) &&
+                      out.scalar_type() == local.scalar_type() && out.device() == local.device(),
+                  "all_gather: the output tensor (", out.scalar_type(), " ", out.sizes(), " on ", out.device(),
+                  ", contiguous ", out.is_contiguous(), ") is not a contiguous ", local.scalar_type(), " ",
+                  at::IntArrayRef(rest_shape(local, total)), " on ", local.device());
   }
+  if (n == 1) {
+    if (!out.defined()) return Pending([local] { return local; });
+    if (out.data_ptr() != local.data_ptr() || out.numel() == 0) out.copy_(local);
+    return Pending([out] { return out; });
+  }
+  if (!out.defined()) out = at::empty(rest_shape(local, total), local.options());
+  if (maxs == 0) return Pending([out] { return out; });
   const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; });
   at::Tensor send = local.contiguous();
-  if (!even) {
-    at::Tensor padded = at::zeros(rest_shape(local, maxs), opts);
-    if (sizes[I.rank] > 0) padded.narrow(0, 0, sizes[I.rank]).copy_(send);
-    send = padded;
-  }
-  // All-gather moves bits: a backend without bf16 kernels carries them as 16-bit halves (copied, never computed on).
-  bool upcast = send.scalar_type() == at::kBFloat16 && I.caps(local).bf16 == 0;
-  if (upcast) send = send.view(at::kHalf);
-  at::Tensor buf = at::empty(rest_shape(send, maxs * n), send.options());
   auto& caps = I.caps(local);
   auto& be = I.backend(local);
+  // All-gather moves bits: a backend without bf16 kernels carries them as 16-bit halves.
+  const bool as_half = send.scalar_type() == at::kBFloat16 && caps.bf16 == 0;
+  at::Tensor send_w = as_half ? send.view(at::kHalf) : send;
+  at::Tensor out_w = as_half ? out.view(at::kHalf) : out;
   c10::intrusive_ptr<compat::Work> work;
+  enum class Via { Native, AllToAll, Padded } via = Via::Padded;
+  at::Tensor buf;  // the padded path's landing buffer
   try {
-    if (caps.allgather_base != 0) {
+    // NCCL: the native all-gather into one tensor, straight into `out`, when the pieces are even.
+    if (local.is_cuda() && even && caps.allgather_base != 0) {
       try {
-        work = be._allgather_base(buf, send);
+        work = be._allgather_base(out_w, send_w);
         caps.allgather_base = 1;
+        via = Via::Native;
       } catch (const std::exception& e) {
         if (!is_unsupported(e)) throw;
         caps.allgather_base = 0;
       }
     }
+    // Otherwise (Gloo) one all-to-all whose every outgoing piece is this rank's tensor:
+    // the same bytes a ring all-gather moves, received straight into `out` at each
+    // rank's exact offset (no padding of uneven pieces, no copy out of a staging buffer).
+    if (!work && caps.alltoall != 0) {
+      const int64_t mine = sizes[I.rank];
+      std::vector<int64_t> times(send_w.dim(), 1);
+      times[0] = n;
+      at::Tensor rep = send_w.repeat(times);  // a contiguous copy (a reshaped expand can be a stride-0 view)
+      std::vector<int64_t> in_splits(n, mine), out_splits(sizes.begin(), sizes.end());
+      c10d::AllToAllOptions o;
+      o.timeout = I.options.timeout;
+      try {
+        work = be.alltoall_base(out_w, rep, out_splits, in_splits, o);
+        caps.alltoall = 1;
+        via = Via::AllToAll;
+        send_w = rep;  // kept alive until the collective completes
+      } catch (const std::exception& e) {
+        if (!is_unsupported(e)) throw;
+        caps.alltoall = 0;
+      }
+    }
     if (!work) {
+      // Last resort: the list form of all-gather into equal, padded pieces.
+      at::Tensor padded = send_w;
+      if (!even) {
+        padded = at::zeros(rest_shape(send_w, maxs), send_w.options());
+        if (sizes[I.rank] > 0) padded.narrow(0, 0, sizes[I.rank]).copy_(send_w);
+      }
+      buf = at::empty(rest_shape(send_w, maxs * n), send_w.options());
       std::vector<std::vector<at::Tensor>> outs(1);
       for (int r = 0; r < n; ++r) outs[0].push_back(buf.narrow(0, r * maxs, maxs));
-      std::vector<at::Tensor> ins{send};
+      std::vector<at::Tensor> ins{padded};
       work = be.allgather(outs, ins);
+      send_w = padded;
     }
-    if (local.scalar_type() == at::kBFloat16 && !upcast) caps.bf16 = 1;
+    if (local.scalar_type() == at::kBFloat16 && !as_half) caps.bf16 = 1;
   } catch (const std::exception& e) {
-    if (local.scalar_type() == at::kBFloat16 && !upcast && is_unsupported(e)) {
+    if (local.scalar_type() == at::kBFloat16 && !as_half && is_unsupported(e)) {
       caps.bf16 = 0;
-      return all_gather_async(local, sizes);
+      return all_gather_async(local, sizes, out);
     }
     throw CommError(concat(I.where("all_gather", local), " failed: ", e.what()));
   }
-  return Pending([&I, work, buf, sizes, even, maxs, total, local, upcast, n]() {
+  return Pending([&I, work, send_w, buf, out_w, out, sizes, maxs, local, n, via]() {
     I.wait_work(work, "all_gather", local);
-    at::Tensor out = buf;
-    if (!even) {
-      out = at::empty(rest_shape(buf, total), buf.options());
+    if (via == Via::Padded) {
       int64_t off = 0;
       for (int r = 0; r < n; ++r) {
-        if (sizes[r] > 0) out.narrow(0, off, sizes[r]).copy_(buf.narrow(0, r * maxs, sizes[r]));
+        if (sizes[r] > 0) out_w.narrow(0, off, sizes[r]).copy_(buf.narrow(0, r * maxs, sizes[r]));
         off += sizes[r];
       }
     }
-    if (upcast) out = out.view(at::kBFloat16);
     return out;
   });
 }

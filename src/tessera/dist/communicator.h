@@ -103,7 +103,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // --- asynchronous variants (for overlap); the tensors and this Communicator must
   // stay alive until wait() ---
   Pending all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::Sum);
-  Pending all_gather_async(const at::Tensor& local, const std::vector<int64_t>& dim0_sizes);
+  // With `out` (contiguous, sum(dim0_sizes) rows, local's dtype and device) the
+  // result lands there, and the caller can lay it out as it needs.
+  Pending all_gather_async(const at::Tensor& local, const std::vector<int64_t>& dim0_sizes,
+                           at::Tensor out = at::Tensor());
   Pending reduce_scatter_async(const at::Tensor& full, const std::vector<int64_t>& dim0_sizes,
                                ReduceOp op = ReduceOp::Sum);
   Pending broadcast_async(at::Tensor tensor, int src = 0);
@@ -119,6 +122,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   struct Capabilities {
     int allgather_base = -1;      // -1 unknown, 0 emulated, 1 native
     int reduce_scatter_base = -1;
+    int alltoall = -1;
     int bf16 = -1;
   };
   Capabilities capabilities(bool cuda = false) const;

@@ -347,7 +347,20 @@ void FsdpStrategy::register_sharded_params() {
       auto it = by_path.find(path);
       TESSERA_CHECK(it != by_path.end(), "FSDP: no module at '", path, "' for parameter '", P->fqn, "'");
       const c10::Device dev = P->shard.device();
-      auto all = sharding::build_shards(sharding::ChunkSpec::over_ranks(0, S, dev), P->shape);
+      // Dim-0 pieces in rank order, sized by the unit's row-aligned cut (fsdp_runtime.cpp).
+      sharding::EnumerableSpec spec;
+      int64_t row = 0;
+      for (int r = 0; r < S; ++r) {
+        sharding::ShardMetadata m;
+        m.box.offsets.assign(P->shape.size(), 0);
+        m.box.offsets[0] = row;
+        m.box.sizes = P->shape;
+        m.box.sizes[0] = P->rank_rows[r];
+        m.placement = sharding::Placement{r, dev};
+        spec.shards.push_back(std::move(m));
+        row += P->rank_rows[r];
+      }
+      auto all = sharding::build_shards(spec, P->shape);
       std::vector<sharding::Shard> local;
       for (auto& m : all)
         if (m.placement.rank == shard_comm_->rank()) local.push_back({P->p, m});

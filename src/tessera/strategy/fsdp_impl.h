@@ -18,10 +18,12 @@ struct FsdpParam {
   std::vector<int64_t> shape;     // global shape
   int64_t rows = 0;               // dim-0 size (1 for a 0-dim parameter)
   int64_t row_numel = 0;          // elements per row
-  std::vector<int64_t> rank_rows; // rows of each shard-group rank (torch.chunk rule)
+  std::vector<int64_t> rank_rows; // rows of each shard-group rank (the unit's row-aligned cut)
   int64_t row_begin = 0;          // first row of this rank
-  at::Tensor shard;               // fp32 master shard [local rows, shape[1:]...]
-  at::Tensor full;                // gathered buffer (compute dtype); storage freed when resharded
+  int64_t flat_offset = 0;        // where the parameter starts in the unit's flat vector
+  int64_t shard_offset = 0;       // where its local rows start in this rank's stretch
+  at::Tensor shard;               // master shard [local rows, shape[1:]...] (a view of the unit's shard_flat)
+  at::Tensor full;                // gathered parameter (compute dtype): a view of the unit's full_flat
   at::Tensor stash_grad;          // shard grad held across a forward/backward
   at::Tensor unsynced;            // full-size grad accumulated under no_sync
   at::Tensor new_grad;            // reduced shard grad of this backward
@@ -39,6 +41,9 @@ struct FsdpUnitState {
   bool root = false;
   std::vector<std::unique_ptr<FsdpParam>> params;
   std::vector<int64_t> rank_numel;  // flat elements per shard-group rank
+  int64_t numel = 0;                // elements of the flat vector (all ranks)
+  at::Tensor shard_flat;  // this rank's stretch of the flat vector (undefined if dtypes differ)
+  at::Tensor full_flat;   // the whole flat vector in compute dtype; storage freed when resharded
   int grad_params = 0;              // params that require grad
   bool has_frozen = false;
   // runtime

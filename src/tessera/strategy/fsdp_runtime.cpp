@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+
 #include "tessera/core/log.h"
 #include "tessera/strategy/fsdp_impl.h"
 
@@ -94,6 +96,14 @@ std::vector<int64_t> FsdpParam::shard_shape(int64_t local) const {
   return s;
 }
 
+// The unit's parameters, flattened and laid end to end in order, form one vector of
+// T elements. Shard-group rank r owns the stretch [cut[r], cut[r+1]): the even split
+// r*T/S moved to the nearest row boundary of the parameter it falls in. So each
+// parameter's local piece is a run of whole rows (a dim-0 shard, possibly empty or the
+// whole parameter), a rank's stretch is its pieces back to back, and the gathered
+// vector -- the stretches in rank order -- is every parameter whole, one after another:
+// gathering writes the parameters in place, and reduce-scattering reads the gradients
+// from where they were copied, with no regrouping by rank on either side.
 void FsdpStrategy::Impl::shard_unit(FsdpUnitState& u) {
   auto& sc = *self->shard_comm_;
   const int S = sc.size(), s = sc.rank();
@@ -102,6 +112,8 @@ void FsdpStrategy::Impl::shard_unit(FsdpUnitState& u) {
   u.grad_params = 0;
   u.has_frozen = false;
   at::NoGradGuard ng;
+  int64_t T = 0;
+  bool one_dtype = true;
   for (auto& Pp : u.params) {
     auto& P = *Pp;
     if (o.sync_module_states && self->comm_->size() > 1) self->comm_->broadcast(P.p, 0);
@@ -109,32 +121,78 @@ void FsdpStrategy::Impl::shard_unit(FsdpUnitState& u) {
     P.rows = P.p.dim() == 0 ? 1 : P.p.size(0);
     P.row_numel = 1;
     for (size_t d = 1; d < P.shape.size(); ++d) P.row_numel *= P.shape[d];
-    P.rank_rows = sharding::chunk_sizes(P.rows, S);
-    P.row_begin = sharding::chunk_range(P.rows, S, s).begin;
-    for (int r = 0; r < S; ++r) u.rank_numel[r] += P.rank_rows[r] * P.row_numel;
+    P.flat_offset = T;
+    T += P.rows * P.row_numel;
+    one_dtype = one_dtype && P.p.scalar_type() == u.params.front()->p.scalar_type();
     if (P.p.requires_grad())
       ++u.grad_params;
     else
       u.has_frozen = true;
-    if (trivial_gather) {
-      P.shard = P.p.detach();
-      continue;
+  }
+  std::vector<int64_t> cut(S + 1, 0);
+  cut[S] = T;
+  for (int k = 1; k < S; ++k) {
+    int64_t c = T / S * k + T % S * k / S;  // floor(T*k/S) without overflow
+    for (auto& Pp : u.params) {
+      auto& P = *Pp;
+      const int64_t n = P.rows * P.row_numel;
+      if (n == 0 || c < P.flat_offset || c >= P.flat_offset + n) continue;
+      c = P.flat_offset + (c - P.flat_offset + P.row_numel / 2) / P.row_numel * P.row_numel;
+      break;
     }
-    const c10::Device shard_dev = o.cpu_offload ? c10::Device(c10::kCPU) : o.device;
-    at::Tensor local = P.p.detach()
-                           .reshape({P.rows, P.row_numel})
-                           .narrow(0, P.row_begin, P.rank_rows[s])
-                           .to(shard_dev, /*non_blocking=*/false, /*copy=*/true)
-                           .view(P.shard_shape(P.rank_rows[s]));
-    P.full = at::empty(P.shape, P.p.options().dtype(compute_dtype).device(o.device));
-    free_storage(P.full);
+    cut[k] = std::max(cut[k - 1], c);
+  }
+  for (int r = 0; r < S; ++r) u.rank_numel[r] = cut[r + 1] - cut[r];
+  u.numel = T;
+  int64_t shard_off = 0;
+  for (auto& Pp : u.params) {
+    auto& P = *Pp;
+    const int64_t n = P.rows * P.row_numel;
+    P.rank_rows.assign(S, 0);
+    if (P.row_numel == 0) {
+      P.rank_rows[0] = P.rows;  // no elements: every (empty) row on the first rank
+    } else {
+      for (int r = 0; r < S; ++r) {
+        const int64_t lo = std::clamp(cut[r], P.flat_offset, P.flat_offset + n);
+        const int64_t hi = std::clamp(cut[r + 1], P.flat_offset, P.flat_offset + n);
+        P.rank_rows[r] = (hi - lo) / P.row_numel;
+      }
+    }
+    P.row_begin = 0;
+    for (int r = 0; r < s; ++r) P.row_begin += P.rank_rows[r];
+    P.shard_offset = shard_off;
+    shard_off += P.rank_rows[s] * P.row_numel;
+  }
+  if (trivial_gather) {
+    for (auto& P : u.params) P->shard = P->p.detach();
+    u.gathered = true;
+    attach_hooks(u);
+    return;
+  }
+  const c10::Device shard_dev = o.cpu_offload ? c10::Device(c10::kCPU) : o.device;
+  // Master shards are views of one buffer when the unit has one dtype, so the
+  // gather sends that buffer as it is.
+  if (u.params.empty())
+    u.shard_flat = at::empty({0}, at::TensorOptions().dtype(compute_dtype).device(shard_dev));
+  else if (one_dtype)
+    u.shard_flat = at::empty({u.rank_numel[s]}, u.params.front()->p.options().device(shard_dev));
+  u.full_flat = at::empty({T}, at::TensorOptions().dtype(compute_dtype).device(o.device));
+  for (auto& Pp : u.params) {
+    auto& P = *Pp;
+    const int64_t local_rows = P.rank_rows[s];
+    at::Tensor src = P.p.detach().reshape({P.rows, P.row_numel}).narrow(0, P.row_begin, local_rows);
+    at::Tensor local;
+    if (u.shard_flat.defined()) {
+      local = u.shard_flat.narrow(0, P.shard_offset, local_rows * P.row_numel).view(P.shard_shape(local_rows));
+      local.view({local_rows, P.row_numel}).copy_(src);
+    } else {
+      local = src.to(shard_dev, /*non_blocking=*/false, /*copy=*/true).view(P.shard_shape(local_rows));
+    }
+    P.full = u.full_flat.narrow(0, P.flat_offset, P.rows * P.row_numel).view(P.shape);
     P.p.set_data(local);
     P.shard = local;
   }
-  if (trivial_gather) {
-    u.gathered = true;
-    attach_hooks(u);
-  }
+  free_storage(u.full_flat);
 }
 
 void FsdpStrategy::Impl::attach_hooks(FsdpUnitState& u) {
@@ -148,36 +206,25 @@ void FsdpStrategy::Impl::attach_hooks(FsdpUnitState& u) {
 void FsdpStrategy::Impl::start_gather(FsdpUnitState& u) {
   if (u.gathered || u.gather_pending || trivial_gather) return;
   at::NoGradGuard ng;
-  std::vector<at::Tensor> pieces;
-  for (auto& P : u.params) pieces.push_back(P->shard.reshape({-1}).to(self->options_.device, compute_dtype));
-  at::Tensor flat = pieces.empty() ? at::empty({0}, at::TensorOptions().dtype(compute_dtype)) : at::cat(pieces);
-  u.gather_work = self->shard_comm_->all_gather_async(flat, u.rank_numel);
+  at::Tensor local;
+  if (u.shard_flat.defined()) {
+    local = u.shard_flat.to(self->options_.device, compute_dtype);  // itself when nothing changes
+  } else {
+    std::vector<at::Tensor> pieces;
+    for (auto& P : u.params) pieces.push_back(P->shard.reshape({-1}).to(self->options_.device, compute_dtype));
+    local = at::cat(pieces);
+  }
+  alloc_storage(u.full_flat);
+  u.gather_work = self->shard_comm_->all_gather_async(local, u.rank_numel, u.full_flat);
   u.gather_pending = true;
 }
 
 void FsdpStrategy::Impl::finish_gather(FsdpUnitState& u) {
   if (!u.gather_pending) return;
-  at::NoGradGuard ng;
-  at::Tensor flat = u.gather_work.wait();
+  u.gather_work.wait();
   u.gather_pending = false;
   u.gather_work = dist::Pending();
-  const int S = static_cast<int>(u.rank_numel.size());
-  std::vector<int64_t> base(S, 0);  // start of each rank's segment
-  for (int r = 1; r < S; ++r) base[r] = base[r - 1] + u.rank_numel[r - 1];
-  std::vector<int64_t> within(S, 0);  // running offset inside each rank's segment
-  for (auto& Pp : u.params) {
-    auto& P = *Pp;
-    alloc_storage(P.full);
-    at::Tensor dst = P.full.view({-1});
-    int64_t row = 0;
-    for (int r = 0; r < S; ++r) {
-      const int64_t n = P.rank_rows[r] * P.row_numel;
-      if (n > 0) dst.narrow(0, row * P.row_numel, n).copy_(flat.narrow(0, base[r] + within[r], n));
-      within[r] += n;
-      row += P.rank_rows[r];
-    }
-    P.p.set_data(P.full);
-  }
+  for (auto& P : u.params) P->p.set_data(P->full);
   u.gathered = true;
   attach_hooks(u);
 }
@@ -192,10 +239,8 @@ void FsdpStrategy::Impl::reshard(FsdpUnitState& u) {
   if (trivial_gather) return;
   if (u.gather_pending) finish_gather(u);
   if (!u.gathered) return;
-  for (auto& P : u.params) {
-    P->p.set_data(P->shard);
-    free_storage(P->full);
-  }
+  for (auto& P : u.params) P->p.set_data(P->shard);
+  free_storage(u.full_flat);
   u.gathered = false;
 }
 
@@ -244,35 +289,30 @@ void FsdpStrategy::Impl::on_grad_ready(int ui, int pk) {
 void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
   at::NoGradGuard ng;
   const bool sync = self->sync_grads_;
-  std::vector<at::Tensor> grads;
   bool any = false;
-  for (auto& P : u.params) {
-    at::Tensor g = P->p.grad();
-    P->p.mutable_grad() = at::Tensor();
+  at::Tensor flat;  // the unit's full gradients in the flat layout, in reduce dtype
+  if (sync) flat = at::empty({u.numel}, at::TensorOptions().dtype(reduce_dtype).device(self->options_.device));
+  for (auto& Pp : u.params) {
+    auto& P = *Pp;
+    at::Tensor g = P.p.grad();
+    P.p.mutable_grad() = at::Tensor();
     if (g.defined()) any = true;
     if (!sync) {
-      if (g.defined()) P->unsynced = P->unsynced.defined() ? P->unsynced + g.to(at::kFloat) : g.to(at::kFloat);
+      if (g.defined()) P.unsynced = P.unsynced.defined() ? P.unsynced + g.to(at::kFloat) : g.to(at::kFloat);
       continue;
     }
-    if (!g.defined()) g = at::zeros(P->shape, at::TensorOptions().dtype(reduce_dtype).device(self->options_.device));
-    if (P->unsynced.defined()) {
-      g = g.to(at::kFloat) + P->unsynced;
-      P->unsynced = at::Tensor();
+    at::Tensor dst = flat.narrow(0, P.flat_offset, P.rows * P.row_numel).view(P.shape);
+    if (P.unsynced.defined()) {
+      dst.copy_(g.defined() ? g.to(at::kFloat) + P.unsynced : P.unsynced);
+      P.unsynced = at::Tensor();
+    } else if (g.defined()) {
+      dst.copy_(g);
+    } else {
+      dst.zero_();
     }
-    grads.push_back(g.to(reduce_dtype).reshape({P->rows, P->row_numel}));
   }
   if (sync && (any || u.ready_count > 0)) {
-    const int S = static_cast<int>(u.rank_numel.size());
-    std::vector<at::Tensor> pieces;
-    for (int r = 0; r < S; ++r) {
-      for (size_t k = 0; k < u.params.size(); ++k) {
-        auto& P = *u.params[k];
-        int64_t begin = 0;
-        for (int q = 0; q < r; ++q) begin += P.rank_rows[q];
-        if (P.rank_rows[r] > 0) pieces.push_back(grads[k].narrow(0, begin, P.rank_rows[r]).reshape({-1}));
-      }
-    }
-    u.rs_buffer = pieces.empty() ? at::empty({0}, at::TensorOptions().dtype(reduce_dtype)) : at::cat(pieces);
+    u.rs_buffer = flat;
     u.rs_work = self->shard_comm_->reduce_scatter_async(u.rs_buffer, u.rank_numel, dist::ReduceOp::Avg);
     u.reduced = true;
     reduce_order.push_back(u.index);
@@ -302,12 +342,11 @@ void FsdpStrategy::Impl::finalize() {
       u.rs_buffer = at::Tensor();
       if (self->replicate_comm_->size() > 1) self->replicate_comm_->all_reduce(piece, dist::ReduceOp::Avg);
       const int s = self->shard_comm_->rank();
-      int64_t off = 0;
       for (auto& P : u.params) {
         const int64_t n = P->rank_rows[s] * P->row_numel;
-        P->new_grad = piece.narrow(0, off, n).to(P->shard.device(), at::kFloat).view(P->shard_shape(P->rank_rows[s]));
+        P->new_grad =
+            piece.narrow(0, P->shard_offset, n).to(P->shard.device(), at::kFloat).view(P->shard_shape(P->rank_rows[s]));
         if (P->shard.scalar_type() != at::kFloat) P->new_grad = P->new_grad.to(P->shard.scalar_type());
-        off += n;
       }
     }
   }
