@@ -40,6 +40,15 @@ TEST(Collectives, BadArgumentsAreClearErrors) {
   }
   EXPECT_THROW(c->reduce_scatter(at::ones({3}), {2}), Error);
   EXPECT_THROW(c->all_gather(at::scalar_tensor(1.0)), Error);
+  // An output tensor of the wrong shape, dtype or layout is refused by name.
+  for (at::Tensor bad : {at::empty({5}), at::empty({4}, at::kDouble), at::empty({4, 2}).select(1, 0)}) {
+    try {
+      c->all_gather_async(at::ones({4}), {4}, bad).wait();
+      ADD_FAILURE() << "accepted " << bad.sizes() << " " << bad.scalar_type();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("output tensor"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_THROW(dist::Communicator::create(dist::World{}, dist::CommOptions{std::chrono::seconds(1), "mpi"}), Error);
 }
 

@@ -66,6 +66,15 @@ void run_collectives(dist::Communicator& c, at::ScalarType dt) {
     check_equal(got, at::cat(parts, 0), concat("all_gather even=", even, " ", tag));
     at::Tensor got2 = c.all_gather(rows(r));  // sizes discovered
     check_equal(got2, at::cat(parts, 0), concat("all_gather (discovered sizes) even=", even, " ", tag));
+    // Into a caller's tensor: a view in the middle of a larger buffer, whose
+    // surroundings must stay untouched.
+    at::Tensor host = at::full({got.size(0) + 2, 2}, -7.0, at::kDouble).to(dt);
+    at::Tensor into = host.narrow(0, 1, got.size(0));
+    at::Tensor same = c.all_gather_async(rows(r), sizes, into).wait();
+    WCHECK(same.data_ptr() == into.data_ptr(), "all_gather into a given tensor returned another ", tag);
+    check_equal(into, at::cat(parts, 0), concat("all_gather into a given tensor even=", even, " ", tag));
+    WCHECK(host[0].eq(-7).all().item<bool>() && host[-1].eq(-7).all().item<bool>(),
+           "all_gather into a given tensor wrote outside it ", tag);
   }
 
   // reduce_scatter, even and uneven: rank k contributes (k+1) * base.

@@ -14,6 +14,7 @@
 #include <numeric>
 #include <set>
 
+#include "tessera/core/buffer_cache.h"
 #include "tessera/core/compat.h"
 #include "tessera/core/env.h"
 #include "tessera/core/error.h"
@@ -52,6 +53,9 @@ struct Communicator::Impl {
   std::vector<int> members;
   std::string prefix = "tessera";
   int split_counter = 0;
+  uint32_t p2p_seq = 0;  // tags of point-to-point exchanges (same sequence on every rank)
+
+  int next_p2p_tag() { return static_cast<int>(p2p_seq++ % (1u << 30)); }
   Capabilities caps_cpu, caps_cuda;
 
   bool is_cuda(const at::Tensor& t) const { return t.is_cuda(); }
@@ -104,6 +108,15 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
     case ReduceOp::Max: return c10d::ReduceOp::MAX;
     default: return c10d::ReduceOp::SUM;  // Avg = sum, then divide locally.
   }
+}
+
+// A contiguous buffer for an emulated collective's staging: from the host buffer cache
+// on the CPU (core/buffer_cache.h), the device's own allocator elsewhere.
+at::Tensor staging(const std::vector<int64_t>& shape, const at::TensorOptions& opts) {
+  if (!opts.device().is_cpu()) return at::empty(shape, opts);
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  return core::BufferCache::instance().empty(numel, opts.dtype().toScalarType()).view(shape);
 }
 
 std::vector<int64_t> rest_shape(const at::Tensor& t, int64_t dim0) {
@@ -283,16 +296,27 @@ Pending Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
 void Communicator::all_reduce(at::Tensor& tensor, ReduceOp op) { all_reduce_async(tensor, op).wait(); }
 
 // ---------------------------------------------------------------- all_gather
+namespace {
+using WorkList = std::vector<c10::intrusive_ptr<compat::Work>>;
+
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> off(sizes.size() + 1, 0);
+  for (size_t r = 0; r < sizes.size(); ++r) off[r + 1] = off[r] + sizes[r];
+  return off;
+}
+}  // namespace
+
 Pending Communicator::all_gather_async(const at::Tensor& local, const std::vector<int64_t>& sizes, at::Tensor out) {
   Impl& I = *impl_;
-  const int n = I.size;
+  const int n = I.size, me = I.rank;
   TESSERA_CHECK(local.dim() >= 1, "all_gather needs a tensor of at least one dimension, got a scalar");
   TESSERA_CHECK(static_cast<int>(sizes.size()) == n, "all_gather: ", sizes.size(),
                 " dim-0 sizes given for a group of ", n, " ranks");
-  TESSERA_CHECK(local.size(0) == sizes[I.rank], "all_gather: rank ", I.rank, " holds ", local.size(0),
-                " rows but dim0_sizes says ", sizes[I.rank]);
+  TESSERA_CHECK(local.size(0) == sizes[me], "all_gather: rank ", me, " holds ", local.size(0),
+                " rows but dim0_sizes says ", sizes[me]);
   const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
-  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  const auto off = offsets_of(sizes);
+  const int64_t total = off[n];
   if (out.defined()) {
     TESSERA_CHECK(out.is_contiguous() && out.sizes().vec() == rest_shape(local, total) &&
                       out.scalar_type() == local.scalar_type() && out.device() == local.device(),
@@ -315,57 +339,51 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
   const bool as_half = send.scalar_type() == at::kBFloat16 && caps.bf16 == 0;
   at::Tensor send_w = as_half ? send.view(at::kHalf) : send;
   at::Tensor out_w = as_half ? out.view(at::kHalf) : out;
-  c10::intrusive_ptr<compat::Work> work;
-  enum class Via { Native, AllToAll, Padded } via = Via::Padded;
+  WorkList works;
   at::Tensor buf;  // the padded path's landing buffer
   try {
-    // NCCL: the native all-gather into one tensor, straight into `out`, when the pieces are even.
-    if (local.is_cuda() && even && caps.allgather_base != 0) {
+    if (local.is_cpu()) {
+      // Gloo: this rank's tensor goes to every peer and each peer's arrives at its exact
+      // offset in `out` (point to point: the bytes a ring all-gather moves, with no
+      // padding of uneven pieces and no staging buffer on either side).
+      const int tag = I.next_p2p_tag();
+      for (int k = 1; k < n; ++k) {
+        const int to = (me + k) % n, from = (me + n - k) % n;
+        if (sizes[me] > 0) {
+          std::vector<at::Tensor> v{send_w};
+          works.push_back(be.send(v, to, tag));
+        }
+        if (sizes[from] > 0) {
+          std::vector<at::Tensor> v{out_w.narrow(0, off[from], sizes[from])};
+          works.push_back(be.recv(v, from, tag));
+        }
+      }
+      if (sizes[me] > 0) out_w.narrow(0, off[me], sizes[me]).copy_(send_w);
+    } else if (even && caps.allgather_base != 0) {
+      // NCCL: the native all-gather into one tensor, straight into `out`.
       try {
-        work = be._allgather_base(out_w, send_w);
+        works.push_back(be._allgather_base(out_w, send_w));
         caps.allgather_base = 1;
-        via = Via::Native;
       } catch (const std::exception& e) {
         if (!is_unsupported(e)) throw;
         caps.allgather_base = 0;
       }
     }
-    // Otherwise (Gloo) one all-to-all whose every outgoing piece is this rank's tensor:
-    // the same bytes a ring all-gather moves, received straight into `out` at each
-    // rank's exact offset (no padding of uneven pieces, no copy out of a staging buffer).
-    if (!work && caps.alltoall != 0) {
-      const int64_t mine = sizes[I.rank];
-      std::vector<int64_t> times(send_w.dim(), 1);
-      times[0] = n;
-      at::Tensor rep = send_w.repeat(times);  // a contiguous copy (a reshaped expand can be a stride-0 view)
-      std::vector<int64_t> in_splits(n, mine), out_splits(sizes.begin(), sizes.end());
-      c10d::AllToAllOptions o;
-      o.timeout = I.options.timeout;
-      try {
-        work = be.alltoall_base(out_w, rep, out_splits, in_splits, o);
-        caps.alltoall = 1;
-        via = Via::AllToAll;
-        send_w = rep;  // kept alive until the collective completes
-      } catch (const std::exception& e) {
-        if (!is_unsupported(e)) throw;
-        caps.alltoall = 0;
-      }
-    }
-    if (!work) {
-      // Last resort: the list form of all-gather into equal, padded pieces.
+    if (works.empty() && !local.is_cpu()) {
+      // Uneven pieces on a device backend: the list form into equal, padded pieces.
       at::Tensor padded = send_w;
       if (!even) {
         padded = at::zeros(rest_shape(send_w, maxs), send_w.options());
-        if (sizes[I.rank] > 0) padded.narrow(0, 0, sizes[I.rank]).copy_(send_w);
+        if (sizes[me] > 0) padded.narrow(0, 0, sizes[me]).copy_(send_w);
       }
       buf = at::empty(rest_shape(send_w, maxs * n), send_w.options());
       std::vector<std::vector<at::Tensor>> outs(1);
       for (int r = 0; r < n; ++r) outs[0].push_back(buf.narrow(0, r * maxs, maxs));
       std::vector<at::Tensor> ins{padded};
-      work = be.allgather(outs, ins);
+      works.push_back(be.allgather(outs, ins));
       send_w = padded;
     }
-    if (local.scalar_type() == at::kBFloat16 && !as_half) caps.bf16 = 1;
+    if (local.scalar_type() == at::kBFloat16 && !as_half && !local.is_cpu()) caps.bf16 = 1;
   } catch (const std::exception& e) {
     if (local.scalar_type() == at::kBFloat16 && !as_half && is_unsupported(e)) {
       caps.bf16 = 0;
@@ -373,14 +391,11 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
     }
     throw CommError(concat(I.where("all_gather", local), " failed: ", e.what()));
   }
-  return Pending([&I, work, send_w, buf, out_w, out, sizes, maxs, local, n, via]() {
-    I.wait_work(work, "all_gather", local);
-    if (via == Via::Padded) {
-      int64_t off = 0;
-      for (int r = 0; r < n; ++r) {
-        if (sizes[r] > 0) out_w.narrow(0, off, sizes[r]).copy_(buf.narrow(0, r * maxs, sizes[r]));
-        off += sizes[r];
-      }
+  return Pending([&I, works, send_w, buf, out_w, out, sizes, off, maxs, local, n]() {
+    for (auto& w : works) I.wait_work(w, "all_gather", local);
+    if (buf.defined()) {
+      for (int r = 0; r < n; ++r)
+        if (sizes[r] > 0) out_w.narrow(0, off[r], sizes[r]).copy_(buf.narrow(0, r * maxs, sizes[r]));
     }
     return out;
   });
@@ -407,15 +422,16 @@ at::Tensor Communicator::all_gather(const at::Tensor& local) {
 Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::vector<int64_t>& sizes,
                                            ReduceOp op) {
   Impl& I = *impl_;
-  const int n = I.size;
+  const int n = I.size, me = I.rank;
   TESSERA_CHECK(full.dim() >= 1, "reduce_scatter needs a tensor of at least one dimension");
   TESSERA_CHECK(static_cast<int>(sizes.size()) == n, "reduce_scatter: ", sizes.size(),
                 " dim-0 sizes given for a group of ", n, " ranks");
-  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  const auto off = offsets_of(sizes);
+  const int64_t total = off[n];
   TESSERA_CHECK(full.size(0) == total, "reduce_scatter: the tensor has ", full.size(0),
                 " rows but the pieces add up to ", total);
   if (n == 1) return Pending([full] { return full; });
-  const int64_t mine = sizes[I.rank];
+  const int64_t mine = sizes[me];
   const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
   if (maxs == 0) return Pending([full] { return at::empty(rest_shape(full, 0), full.options()); });
   auto& caps = I.caps(full);
@@ -425,45 +441,58 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
   if (upcast) in = in.to(at::kFloat);
   const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; });
 
-  c10::intrusive_ptr<compat::Work> work;
+  WorkList works;
   at::Tensor out;
   bool emulated = false;
   try {
-    if (caps.reduce_scatter_base != 0) {
+    if (!full.is_cpu() && caps.reduce_scatter_base != 0) {
       at::Tensor src = in;
       if (!even) {
         src = at::zeros(rest_shape(in, maxs * n), in.options());
-        int64_t off = 0;
-        for (int r = 0; r < n; ++r) {
-          if (sizes[r] > 0) src.narrow(0, r * maxs, sizes[r]).copy_(in.narrow(0, off, sizes[r]));
-          off += sizes[r];
-        }
+        for (int r = 0; r < n; ++r)
+          if (sizes[r] > 0) src.narrow(0, r * maxs, sizes[r]).copy_(in.narrow(0, off[r], sizes[r]));
       }
       out = at::empty(rest_shape(in, maxs), in.options());
       c10d::ReduceScatterOptions o;
       o.reduceOp = to_c10d(op);
       o.timeout = I.options.timeout;
       try {
-        work = be._reduce_scatter_base(out, src, o);
+        works.push_back(be._reduce_scatter_base(out, src, o));
         caps.reduce_scatter_base = 1;
       } catch (const std::exception& e) {
         if (!is_unsupported(e)) throw;
         caps.reduce_scatter_base = 0;
       }
     }
-    if (!work) {
-      // Emulation with one all-to-all: rank r receives every rank's copy of piece r
-      // (the same bytes a ring reduce-scatter moves), then reduces them locally in
-      // rank order, so the result is deterministic.
+    if (works.empty()) {
+      // Emulation: every rank's copy of piece r goes to rank r (the bytes a ring
+      // reduce-scatter moves), which reduces them locally in rank order, so the result
+      // is deterministic. Slot k of `out` holds rank k's copy (this rank's own is read
+      // from `in`). Gloo: point to point straight from `in`; otherwise one all-to-all.
       emulated = true;
-      out = at::empty(rest_shape(in, mine * n), in.options());
-      std::vector<int64_t> out_splits(n, mine);
-      std::vector<int64_t> in_splits(sizes.begin(), sizes.end());
-      c10d::AllToAllOptions o;
-      o.timeout = I.options.timeout;
-      work = be.alltoall_base(out, in, out_splits, in_splits, o);
+      out = staging(rest_shape(in, mine * n), in.options());
+      if (full.is_cpu()) {
+        const int tag = I.next_p2p_tag();
+        for (int k = 1; k < n; ++k) {
+          const int to = (me + k) % n, from = (me + n - k) % n;
+          if (sizes[to] > 0) {
+            std::vector<at::Tensor> v{in.narrow(0, off[to], sizes[to])};
+            works.push_back(be.send(v, to, tag));
+          }
+          if (mine > 0) {
+            std::vector<at::Tensor> v{out.narrow(0, from * mine, mine)};
+            works.push_back(be.recv(v, from, tag));
+          }
+        }
+      } else {
+        std::vector<int64_t> out_splits(n, mine);
+        std::vector<int64_t> in_splits(sizes.begin(), sizes.end());
+        c10d::AllToAllOptions o;
+        o.timeout = I.options.timeout;
+        works.push_back(be.alltoall_base(out, in, out_splits, in_splits, o));
+      }
     }
-    if (full.scalar_type() == at::kBFloat16 && !upcast) caps.bf16 = 1;
+    if (full.scalar_type() == at::kBFloat16 && !upcast && !full.is_cpu()) caps.bf16 = 1;
   } catch (const std::exception& e) {
     if (full.scalar_type() == at::kBFloat16 && !upcast && is_unsupported(e)) {
       caps.bf16 = 0;
@@ -471,20 +500,20 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
     }
     throw CommError(concat(I.where("reduce_scatter", full), " failed: ", e.what()));
   }
-  return Pending([&I, work, out, emulated, mine, n, op, full, upcast]() {
-    I.wait_work(work, "reduce_scatter", full);
+  return Pending([&I, works, in, out, off, emulated, mine, me, n, op, full, upcast]() {
+    for (auto& w : works) I.wait_work(w, "reduce_scatter", full);
     at::Tensor r;
     if (emulated) {
-      std::vector<int64_t> shape = out.sizes().vec();
-      shape[0] = mine;
-      shape.insert(shape.begin(), n);
-      at::Tensor stacked = out.view(shape);
-      switch (op) {
-        case ReduceOp::Min: r = std::get<0>(stacked.min(0)); break;
-        case ReduceOp::Max: r = std::get<0>(stacked.max(0)); break;
-        default: {
-          r = stacked[0].clone();
-          for (int k = 1; k < n; ++k) r.add_(stacked[k]);
+      auto part = [&](int k) {
+        return full.is_cpu() && k == me ? in.narrow(0, off[me], mine) : out.narrow(0, k * mine, mine);
+      };
+      r = staging(rest_shape(in, mine), in.options());
+      r.copy_(part(0));
+      for (int k = 1; k < n; ++k) {
+        switch (op) {
+          case ReduceOp::Min: at::minimum_out(r, r, part(k)); break;
+          case ReduceOp::Max: at::maximum_out(r, r, part(k)); break;
+          default: r.add_(part(k));
         }
       }
     } else {

@@ -122,7 +122,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   struct Capabilities {
     int allgather_base = -1;      // -1 unknown, 0 emulated, 1 native
     int reduce_scatter_base = -1;
-    int alltoall = -1;
     int bf16 = -1;
   };
   Capabilities capabilities(bool cuda = false) const;

@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 
+#include "tessera/core/buffer_cache.h"
 #include "tessera/core/log.h"
 #include "tessera/state/module_state.h"
 #include "tessera/strategy/fsdp_impl.h"
@@ -239,6 +240,19 @@ torch::nn::AnyModule FsdpStrategy::setup(torch::nn::AnyModule module, std::vecto
   }
   register_unit(I, *root, true);
   register_sharded_params();
+  if (options_.cache_buffers) {
+    // What one step makes and drops: every unit's flat gradients and its reduce-scatter
+    // staging (alive until the end of backward), and gathered units with their send
+    // buffers (a few at a time).
+    const size_t compute_size = c10::elementSize(I.compute_dtype), reduce_size = c10::elementSize(I.reduce_dtype);
+    int64_t all = 0, largest = 0;
+    for (auto& u : I.units) {
+      all += u->numel;
+      largest = std::max(largest, u->numel);
+    }
+    core::BufferCache::instance().raise_limit(2 * static_cast<size_t>(all) * reduce_size +
+                                              4 * static_cast<size_t>(largest) * compute_size);
+  }
   return result;
 }
 

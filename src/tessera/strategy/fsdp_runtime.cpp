@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "tessera/core/buffer_cache.h"
 #include "tessera/core/log.h"
 #include "tessera/strategy/fsdp_impl.h"
 
@@ -32,7 +33,7 @@ void alloc_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t nb = static_cast<size_t>(t.numel()) * t.element_size();
   if (s->nbytes() == nb) return;
-  s->set_data_ptr_noswap(s->allocator()->allocate(nb));
+  s->set_data_ptr_noswap(t.is_cpu() ? core::BufferCache::instance().allocate(nb) : s->allocator()->allocate(nb));
   s->set_nbytes(nb);
 }
 
@@ -291,7 +292,11 @@ void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
   const bool sync = self->sync_grads_;
   bool any = false;
   at::Tensor flat;  // the unit's full gradients in the flat layout, in reduce dtype
-  if (sync) flat = at::empty({u.numel}, at::TensorOptions().dtype(reduce_dtype).device(self->options_.device));
+  if (sync) {
+    flat = self->options_.device.is_cpu()
+               ? core::BufferCache::instance().empty(u.numel, reduce_dtype)
+               : at::empty({u.numel}, at::TensorOptions().dtype(reduce_dtype).device(self->options_.device));
+  }
   for (auto& Pp : u.params) {
     auto& P = *Pp;
     at::Tensor g = P.p.grad();
