@@ -439,6 +439,20 @@ SCENARIO("strategy_explicit_units") {
            want.evals[s]);
   }
   WCHECK(!strat.any_gathered(), "parameters still gathered after a no-grad forward");
+  // One more step, counting all-gathers: the root and both blocks before their
+  // forward, then the first block again for its backward. The root is kept through
+  // backward, and so is the second block (backward starts with it).
+  const int64_t g0 = strat.gathers();
+  {
+    auto [gx, gy] = global_batch(steps);
+    at::Tensor loss = at::mse_loss(m.forward(rows_of(gx, c->rank(), c->size())), rows_of(gy, c->rank(), c->size()));
+    WCHECK(strat.any_gathered() == (c->size() > 1), "gathered between forward and backward: ", strat.any_gathered());
+    strat.backward(loss);
+    opt.zero_grad();
+  }
+  const int64_t per_step = strat.gathers() - g0;
+  WCHECK(per_step == (c->size() > 1 ? 4 : 0), per_step, " all-gathers in one step at world size ", c->size());
+  WCHECK(!strat.any_gathered(), "parameters still gathered after backward");
   auto sd = strat.state_dict(StateDictType::Full, false);
   for (auto& [k, v] : want.params) WCHECK(rel(sd.tensor(k), v) <= 1e-5, k);
   std::printf("explicit units ok rank %d\n", c->rank());

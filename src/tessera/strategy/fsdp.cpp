@@ -333,6 +333,7 @@ bool FsdpStrategy::any_gathered() const {
 }
 
 int64_t FsdpStrategy::prefetches() const { return impl_->prefetch_count; }
+int64_t FsdpStrategy::gathers() const { return impl_->gather_count; }
 
 // --- state dicts ------------------------------------------------------------------
 

@@ -128,6 +128,8 @@ class FsdpStrategy : public Strategy {
   bool any_gathered() const;
   // Collectives issued from prefetch (forward + backward) since setup.
   int64_t prefetches() const;
+  // Unit all-gathers issued since construction (none while parameters stay whole).
+  int64_t gathers() const;
 
   // Called by FsdpUnitImpl::forward.
   at::Tensor unit_forward(FsdpUnitImpl& unit, const at::Tensor& x);

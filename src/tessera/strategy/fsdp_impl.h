@@ -70,6 +70,7 @@ struct FsdpStrategy::Impl {
   at::ScalarType compute_dtype = at::kFloat;
   at::ScalarType reduce_dtype = at::kFloat;
   int64_t prefetch_count = 0;
+  int64_t gather_count = 0;
   // ShardedTensors registered on modules (unregistered when the strategy goes).
   std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::string>> registered;
 

@@ -216,6 +216,7 @@ void FsdpStrategy::Impl::start_gather(FsdpUnitState& u) {
     local = at::cat(pieces);
   }
   alloc_storage(u.full_flat);
+  ++gather_count;
   u.gather_work = self->shard_comm_->all_gather_async(local, u.rank_numel, u.full_flat);
   u.gather_pending = true;
 }
@@ -361,6 +362,8 @@ void FsdpStrategy::Impl::finalize() {
     for (auto& P : u.params) {
       if (grad_path) {
         at::Tensor g = P->stash_grad;
+        // A copy, not the view of the unit's reduced piece: optimizers' zero_grad
+        // detaches gradients in place, which views do not allow.
         if (P->new_grad.defined()) g = g.defined() ? g + P->new_grad : P->new_grad.clone();
         if (g.defined()) P->p.mutable_grad() = g;
       }
@@ -399,10 +402,15 @@ at::Tensor FsdpStrategy::unit_forward(FsdpUnitImpl& m, const at::Tensor& x_in) {
   } else {
     y = m.run_wrapped(x);
   }
+  const bool will_backward = grad && y.requires_grad();
+  // FULL_SHARD frees a unit after its forward, except the last unit of the recorded
+  // forward order when a backward follows: backward starts with it, so freeing it
+  // would only gather it again at once.
   const bool free_after = options_.sharding == ShardingStrategy::FullShard ||
                           options_.sharding == ShardingStrategy::HybridShard;
-  if (!u.root && free_after) I.reshard(u);
-  const bool will_backward = grad && y.requires_grad();
+  const bool backward_starts_here = will_backward && I.order_recorded && !I.forward_order.empty() &&
+                                    I.forward_order.back() == u.index;
+  if (!u.root && free_after && !backward_starts_here) I.reshard(u);
   if (will_backward && I.grad_path) {
     if (!I.trivial_gather) y = PreBackwardFn::apply(ip, static_cast<int64_t>(u.index), y);
     u.forwarded = true;
