@@ -78,12 +78,11 @@ int main(int argc, char** argv) {
     }
   }
   if (r == 0) {
-    auto caps = comm->capabilities();
     nlohmann::json doc{{"benchmark", "collectives"},
                        {"world_size", n},
                        {"backend", "gloo"},
-                       {"native_allgather_base", caps.allgather_base},
-                       {"native_reduce_scatter_base", caps.reduce_scatter_base},
+                       {"all_gather_path", "point to point (gloo send/recv into the output)"},
+                       {"reduce_scatter_path", "point to point + local rank-ordered reduction"},
                        {"intra_op_threads", static_cast<int>(at::get_num_threads())},
                        {"rows", rows}};
     std::ofstream f(out);

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Strategy step time and memory (issue 5's benchmark), one run, ratios against peers
-# measured in the same run:
+# Strategy step time and memory (issue 5's benchmark), ratios against peers measured in
+# the same run:
 #  - FSDP at world size 1 vs a plain libtorch loop of the same model (framework overhead);
 #  - DDP and FSDP at world size 2 vs PyTorch's own Python DDP (/usr/bin/python3, gloo);
 #  - per-rank peak RSS of FSDP vs DDP at N = 1, 2, 4 (the 25M model).
 # For a GPT-style block stack of ~3M (dim 256, 4 blocks) and ~25M (dim 512, 8 blocks)
 # parameters, batch 8x64 per rank, Adam, one intra-op thread per rank.
+# Step times are measured in STRATEGY_BENCH_ROUNDS rounds (default 3); each round runs
+# every peer once, in an order that rotates from round to round, and the ratios are
+# taken inside each round (the machine's speed drifts by more than the differences).
 # Writes bench/results/strategy.json.   bench/strategy/run.sh BUILD_DIR
 set -euo pipefail
 BUILD=${1:-build}
+ROUNDS=${STRATEGY_BENCH_ROUNDS:-3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT="$HERE/../results/strategy.json"
 TESSERA="$BUILD/bin/tessera"
@@ -26,12 +30,15 @@ run() {
     "$TESSERA" run -n "$n" -- "$BENCH" "$mode" "$@" | grep '^\[rank 0\] {' | sed 's/^\[rank 0\] //'
   fi
 }
+specs=("1 plain" "1 fsdp" "2 py_ddp" "2 ddp" "2 fsdp")
 for size in "256 4 20" "512 8 6"; do
   set -- $size
-  echo "-- model dim $1, $2 blocks" >&2
-  # Step-time runs interleave the peers so that machine noise hits both sides.
-  for spec in "1 plain" "1 fsdp" "2 py_ddp" "2 ddp" "2 fsdp"; do
-    rows+=("time $(run $spec "$@")")
+  for round in $(seq "$ROUNDS"); do
+    echo "-- model dim $1, $2 blocks, round $round of $ROUNDS" >&2
+    for k in $(seq 0 $((${#specs[@]} - 1))); do
+      spec=${specs[$(((k + round - 1) % ${#specs[@]}))]}
+      rows+=("time-$round $(run $spec "$@")")
+    done
   done
 done
 # Memory: FSDP vs DDP at 1, 2, 4 ranks on the 25M model (2 steps are enough for the peak).

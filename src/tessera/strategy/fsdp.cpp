@@ -241,17 +241,13 @@ torch::nn::AnyModule FsdpStrategy::setup(torch::nn::AnyModule module, std::vecto
   register_unit(I, *root, true);
   register_sharded_params();
   if (options_.cache_buffers) {
-    // What one step makes and drops: every unit's flat gradients and its reduce-scatter
-    // staging (alive until the end of backward), and gathered units with their send
-    // buffers (a few at a time).
+    // What a step makes and drops, a few units at a time: gathered units (the current
+    // one and the prefetched one), and for the two units whose gradients may be in
+    // flight their flat gradients and reduce-scatter staging.
     const size_t compute_size = c10::elementSize(I.compute_dtype), reduce_size = c10::elementSize(I.reduce_dtype);
-    int64_t all = 0, largest = 0;
-    for (auto& u : I.units) {
-      all += u->numel;
-      largest = std::max(largest, u->numel);
-    }
-    core::BufferCache::instance().raise_limit(2 * static_cast<size_t>(all) * reduce_size +
-                                              4 * static_cast<size_t>(largest) * compute_size);
+    int64_t largest = 0;
+    for (auto& u : I.units) largest = std::max(largest, u->numel);
+    core::BufferCache::instance().raise_limit(static_cast<size_t>(largest) * (2 * compute_size + 4 * reduce_size));
   }
   return result;
 }

@@ -54,7 +54,8 @@ struct FsdpUnitState {
   bool reduced = false;
   bool forwarded = false;
   dist::Pending rs_work;
-  at::Tensor rs_buffer;
+  at::Tensor rs_buffer;  // the flat gradients being reduce-scattered
+  at::Tensor rs_piece;   // this rank's reduced stretch, once rs_work is done
 };
 
 struct FsdpStrategy::Impl {
@@ -84,6 +85,7 @@ struct FsdpStrategy::Impl {
   void attach_hooks(FsdpUnitState& u);
   void on_grad_ready(int unit, int param);
   void post_backward(FsdpUnitState& u);
+  void finish_reduce(FsdpUnitState& u);
   void pre_backward(FsdpUnitState& u);
   void finalize();
   void prefetch_after(int unit, bool forward);

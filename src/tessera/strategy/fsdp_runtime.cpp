@@ -318,12 +318,23 @@ void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
     }
   }
   if (sync && (any || u.ready_count > 0)) {
+    // The reduce-scatters issued before this one had at least one unit's backward to
+    // complete: finishing them here frees their flat gradients, so no more than two
+    // units' full gradients exist at a time (not the whole model's until the end).
+    for (int ui : reduce_order) finish_reduce(*units[ui]);
     u.rs_buffer = flat;
     u.rs_work = self->shard_comm_->reduce_scatter_async(u.rs_buffer, u.rank_numel, dist::ReduceOp::Avg);
     u.reduced = true;
     reduce_order.push_back(u.index);
   }
   if (!u.root && !u.has_frozen) reshard(u);
+}
+
+void FsdpStrategy::Impl::finish_reduce(FsdpUnitState& u) {
+  if (!u.rs_work.valid()) return;
+  u.rs_piece = u.rs_work.wait();
+  u.rs_work = dist::Pending();
+  u.rs_buffer = at::Tensor();
 }
 
 void FsdpStrategy::Impl::finalize() {
@@ -343,9 +354,9 @@ void FsdpStrategy::Impl::finalize() {
     at::NoGradGuard ng;
     for (int ui : reduce_order) {
       auto& u = *units[ui];
-      at::Tensor piece = u.rs_work.wait();
-      u.rs_work = dist::Pending();
-      u.rs_buffer = at::Tensor();
+      finish_reduce(u);
+      at::Tensor piece = std::move(u.rs_piece);
+      u.rs_piece = at::Tensor();
       if (self->replicate_comm_->size() > 1) self->replicate_comm_->all_reduce(piece, dist::ReduceOp::Avg);
       const int s = self->shard_comm_->rank();
       for (auto& P : u.params) {
