@@ -70,6 +70,9 @@ TEST_P(StrategyRanks, MemoryAccountingIsOneOverN) { expect_ok_lines(GetParam(), 
 // bf16 compute parameters, fp32 master shards: tracks fp32 within 1% per step (measured ~0.1%).
 TEST_P(StrategyRanks, MixedPrecisionTracksFp32) { expect_ok_lines(GetParam(), {"strategy_bf16"}, "bf16 ok"); }
 
+// A float64 model is gathered, computed and reduced in float64 (1e-12 of one process).
+TEST_P(StrategyRanks, Float64ModelsStayFloat64) { expect_ok_lines(GetParam(), {"strategy_fp64"}, "fp64 ok"); }
+
 // Units marked explicitly and built through init_module (sharded unit by unit).
 TEST_P(StrategyRanks, ExplicitUnitsAndDeferredInit) {
   expect_ok_lines(GetParam(), {"strategy_explicit_units"}, "explicit units ok");

@@ -141,7 +141,6 @@ FsdpStrategy::FsdpStrategy(std::shared_ptr<dist::Communicator> comm, FsdpOptions
   auto& I = *impl_;
   const auto& mp = options_.mixed_precision;
   I.compute_dtype = mp.param_dtype.value_or(at::kFloat);
-  I.reduce_dtype = mp.reduce_dtype.value_or(at::kFloat);
   I.trivial_gather = shard_comm_->size() == 1 && !mp.param_dtype && !options_.cpu_offload;
   I.grad_path = !(I.trivial_gather && replicate_comm_->size() == 1 && !mp.reduce_dtype);
 }
@@ -244,10 +243,11 @@ torch::nn::AnyModule FsdpStrategy::setup(torch::nn::AnyModule module, std::vecto
     // What a step makes and drops, a few units at a time: gathered units (the current
     // one and the prefetched one), and for the two units whose gradients may be in
     // flight their flat gradients and reduce-scatter staging.
-    const size_t compute_size = c10::elementSize(I.compute_dtype), reduce_size = c10::elementSize(I.reduce_dtype);
-    int64_t largest = 0;
-    for (auto& u : I.units) largest = std::max(largest, u->numel);
-    core::BufferCache::instance().raise_limit(static_cast<size_t>(largest) * (2 * compute_size + 4 * reduce_size));
+    size_t largest = 0;
+    for (auto& u : I.units)
+      largest = std::max(largest, static_cast<size_t>(u->numel) * (2 * c10::elementSize(u->compute_dtype) +
+                                                                  4 * c10::elementSize(u->reduce_dtype)));
+    core::BufferCache::instance().raise_limit(largest);
   }
   return result;
 }

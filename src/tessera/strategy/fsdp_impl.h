@@ -42,6 +42,10 @@ struct FsdpUnitState {
   std::vector<std::unique_ptr<FsdpParam>> params;
   std::vector<int64_t> rank_numel;  // flat elements per shard-group rank
   int64_t numel = 0;                // elements of the flat vector (all ranks)
+  // Gathered and reduced in: mixed precision's dtypes if set, else the unit's own
+  // (float64 units stay float64; units mixing dtypes use float32).
+  at::ScalarType compute_dtype = at::kFloat;
+  at::ScalarType reduce_dtype = at::kFloat;
   at::Tensor shard_flat;  // this rank's stretch of the flat vector (undefined if dtypes differ)
   at::Tensor full_flat;   // the whole flat vector in compute dtype; storage freed when resharded
   int grad_params = 0;              // params that require grad
@@ -68,8 +72,7 @@ struct FsdpStrategy::Impl {
   bool needs_finalize = false;
   bool trivial_gather = false;  // shard group of 1 and no mixed precision: params stay full
   bool grad_path = false;       // gradients go through hooks (anything but 1 rank in fp32)
-  at::ScalarType compute_dtype = at::kFloat;
-  at::ScalarType reduce_dtype = at::kFloat;
+  at::ScalarType compute_dtype = at::kFloat;  // mixed precision's param_dtype (or float32)
   int64_t prefetch_count = 0;
   int64_t gather_count = 0;
   // ShardedTensors registered on modules (unregistered when the strategy goes).

@@ -145,6 +145,12 @@ void FsdpStrategy::Impl::shard_unit(FsdpUnitState& u) {
   }
   for (int r = 0; r < S; ++r) u.rank_numel[r] = cut[r + 1] - cut[r];
   u.numel = T;
+  const auto& mp = o.mixed_precision;
+  const at::ScalarType own = one_dtype && !u.params.empty() && at::isFloatingType(u.params.front()->p.scalar_type())
+                                 ? u.params.front()->p.scalar_type()
+                                 : at::kFloat;
+  u.compute_dtype = mp.param_dtype.value_or(own);
+  u.reduce_dtype = mp.reduce_dtype.value_or(mp.param_dtype ? at::kFloat : own);
   int64_t shard_off = 0;
   for (auto& Pp : u.params) {
     auto& P = *Pp;
@@ -174,10 +180,10 @@ void FsdpStrategy::Impl::shard_unit(FsdpUnitState& u) {
   // Master shards are views of one buffer when the unit has one dtype, so the
   // gather sends that buffer as it is.
   if (u.params.empty())
-    u.shard_flat = at::empty({0}, at::TensorOptions().dtype(compute_dtype).device(shard_dev));
+    u.shard_flat = at::empty({0}, at::TensorOptions().dtype(u.compute_dtype).device(shard_dev));
   else if (one_dtype)
     u.shard_flat = at::empty({u.rank_numel[s]}, u.params.front()->p.options().device(shard_dev));
-  u.full_flat = at::empty({T}, at::TensorOptions().dtype(compute_dtype).device(o.device));
+  u.full_flat = at::empty({T}, at::TensorOptions().dtype(u.compute_dtype).device(o.device));
   for (auto& Pp : u.params) {
     auto& P = *Pp;
     const int64_t local_rows = P.rank_rows[s];
@@ -209,10 +215,10 @@ void FsdpStrategy::Impl::start_gather(FsdpUnitState& u) {
   at::NoGradGuard ng;
   at::Tensor local;
   if (u.shard_flat.defined()) {
-    local = u.shard_flat.to(self->options_.device, compute_dtype);  // itself when nothing changes
+    local = u.shard_flat.to(self->options_.device, u.compute_dtype);  // itself when nothing changes
   } else {
     std::vector<at::Tensor> pieces;
-    for (auto& P : u.params) pieces.push_back(P->shard.reshape({-1}).to(self->options_.device, compute_dtype));
+    for (auto& P : u.params) pieces.push_back(P->shard.reshape({-1}).to(self->options_.device, u.compute_dtype));
     local = at::cat(pieces);
   }
   alloc_storage(u.full_flat);
@@ -295,8 +301,8 @@ void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
   at::Tensor flat;  // the unit's full gradients in the flat layout, in reduce dtype
   if (sync) {
     flat = self->options_.device.is_cpu()
-               ? core::BufferCache::instance().empty(u.numel, reduce_dtype)
-               : at::empty({u.numel}, at::TensorOptions().dtype(reduce_dtype).device(self->options_.device));
+               ? core::BufferCache::instance().empty(u.numel, u.reduce_dtype)
+               : at::empty({u.numel}, at::TensorOptions().dtype(u.reduce_dtype).device(self->options_.device));
   }
   for (auto& Pp : u.params) {
     auto& P = *Pp;
@@ -304,12 +310,16 @@ void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
     P.p.mutable_grad() = at::Tensor();
     if (g.defined()) any = true;
     if (!sync) {
-      if (g.defined()) P.unsynced = P.unsynced.defined() ? P.unsynced + g.to(at::kFloat) : g.to(at::kFloat);
+      // Accumulated in at least float32 (bf16/fp16 compute gradients would lose bits).
+      if (g.defined()) {
+        at::Tensor acc = g.to(at::promote_types(g.scalar_type(), at::kFloat));
+        P.unsynced = P.unsynced.defined() ? P.unsynced + acc : acc;
+      }
       continue;
     }
     at::Tensor dst = flat.narrow(0, P.flat_offset, P.rows * P.row_numel).view(P.shape);
     if (P.unsynced.defined()) {
-      dst.copy_(g.defined() ? g.to(at::kFloat) + P.unsynced : P.unsynced);
+      dst.copy_(g.defined() ? P.unsynced + g : P.unsynced);
       P.unsynced = at::Tensor();
     } else if (g.defined()) {
       dst.copy_(g);
@@ -362,8 +372,7 @@ void FsdpStrategy::Impl::finalize() {
       for (auto& P : u.params) {
         const int64_t n = P->rank_rows[s] * P->row_numel;
         P->new_grad =
-            piece.narrow(0, P->shard_offset, n).to(P->shard.device(), at::kFloat).view(P->shard_shape(P->rank_rows[s]));
-        if (P->shard.scalar_type() != at::kFloat) P->new_grad = P->new_grad.to(P->shard.scalar_type());
+            piece.narrow(0, P->shard_offset, n).to(P->shard.device(), P->shard.scalar_type()).view(P->shard_shape(P->rank_rows[s]));
       }
     }
   }
