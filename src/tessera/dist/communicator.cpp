@@ -508,12 +508,12 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
         return full.is_cpu() && k == me ? in.narrow(0, off[me], mine) : out.narrow(0, k * mine, mine);
       };
       r = staging(rest_shape(in, mine), in.options());
-      r.copy_(part(0));
       for (int k = 1; k < n; ++k) {
+        const at::Tensor acc = k == 1 ? part(0) : r;  // the first step also fills r
         switch (op) {
-          case ReduceOp::Min: at::minimum_out(r, r, part(k)); break;
-          case ReduceOp::Max: at::maximum_out(r, r, part(k)); break;
-          default: r.add_(part(k));
+          case ReduceOp::Min: at::minimum_out(r, acc, part(k)); break;
+          case ReduceOp::Max: at::maximum_out(r, acc, part(k)); break;
+          default: at::add_out(r, acc, part(k));
         }
       }
     } else {
