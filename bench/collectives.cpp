@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
     // its staging from the host buffer cache (core/buffer_cache.h), so the figures are
     // the collectives' and not the first touch of freshly mapped pages.
     at::Tensor gathered = at::empty({piece * n});
-    core::BufferCache::instance().raise_limit(static_cast<size_t>(2 * bytes));
+    auto keep = core::BufferCache::instance().reserve(static_cast<size_t>(2 * bytes));
     double t_ag = best_seconds(*comm, iters, [&] { comm->all_gather_async(local, sizes, gathered).wait(); });
     at::Tensor full = at::ones({piece * n});
     double t_rs = best_seconds(*comm, iters, [&] { comm->reduce_scatter(full, sizes); });

@@ -1,5 +1,6 @@
-// core::BufferCache: released blocks are kept for reuse only under the limit, reused
-// at their exact size, and may come back from another thread.
+// core::BufferCache: released blocks are kept for reuse only under the largest live
+// reservation, reused at their exact size, freed when the last reservation goes, and
+// may come back from another thread.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -10,15 +11,16 @@
 using tessera::core::BufferCache;
 
 namespace {
-struct CacheReset {
-  CacheReset() { BufferCache::instance().reset(); }
-  ~CacheReset() { BufferCache::instance().reset(); }
+struct IdleFreed {
+  IdleFreed() { BufferCache::instance().release_idle(); }
+  ~IdleFreed() { BufferCache::instance().release_idle(); }
 };
 }  // namespace
 
-TEST(BufferCache, WithoutALimitNothingIsKept) {
-  CacheReset guard;
+TEST(BufferCache, WithoutAReservationNothingIsKept) {
+  IdleFreed guard;
   auto& c = BufferCache::instance();
+  ASSERT_EQ(c.limit(), 0u);
   const int64_t before = c.reuses();
   { at::Tensor t = c.empty(1 << 16, at::kFloat); }
   EXPECT_EQ(c.idle_bytes(), 0u);
@@ -26,11 +28,11 @@ TEST(BufferCache, WithoutALimitNothingIsKept) {
   EXPECT_EQ(c.reuses(), before);
 }
 
-TEST(BufferCache, ReusesExactSizesUnderTheLimit) {
-  CacheReset guard;
+TEST(BufferCache, ReusesExactSizesUnderTheLargestReservation) {
+  IdleFreed guard;
   auto& c = BufferCache::instance();
-  c.raise_limit(3 << 20);
-  c.raise_limit(1 << 20);  // lowering is not a thing: the limit stays 3 MiB
+  auto big = c.reserve(3 << 20);
+  auto small = c.reserve(1 << 20);
   EXPECT_EQ(c.limit(), size_t{3} << 20);
   void* first = nullptr;
   {
@@ -59,15 +61,20 @@ TEST(BufferCache, ReusesExactSizesUnderTheLimit) {
                d = c.empty(1 << 18, at::kFloat);
   }
   EXPECT_LE(c.idle_bytes(), size_t{3} << 20);
-  c.reset();
-  EXPECT_EQ(c.idle_bytes(), 0u);
+  EXPECT_GE(c.idle_bytes(), size_t{2} << 20);
+  // The larger reservation goes: the limit falls to 1 MiB and the idle blocks with it.
+  big.reset();
+  EXPECT_EQ(c.limit(), size_t{1} << 20);
+  EXPECT_LE(c.idle_bytes(), size_t{1} << 20);
+  small.reset();
   EXPECT_EQ(c.limit(), 0u);
+  EXPECT_EQ(c.idle_bytes(), 0u);
 }
 
 TEST(BufferCache, BlocksComeBackFromOtherThreadsAndViewsKeepThemAlive) {
-  CacheReset guard;
+  IdleFreed guard;
   auto& c = BufferCache::instance();
-  c.raise_limit(1 << 20);
+  auto keep = c.reserve(1 << 20);
   at::Tensor t = c.empty(1024, at::kDouble).view({32, 32});
   at::Tensor row = t[3];
   t = at::Tensor();

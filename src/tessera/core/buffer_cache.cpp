@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <set>
+#include <vector>
 #include <new>
 
 namespace tessera::core {
@@ -17,8 +19,22 @@ struct State {
   std::mutex mu;
   std::multimap<size_t, void*> idle;  // exact size -> memory
   size_t idle_bytes = 0;
-  size_t limit = 0;
+  std::multiset<size_t> reservations;
+  size_t limit = 0;  // the largest reservation
   int64_t reuses = 0;
+
+  // With the lock held: takes idle blocks off until they fit under the limit; the
+  // caller frees what is returned (outside the lock).
+  std::vector<void*> trim() {
+    std::vector<void*> out;
+    while (idle_bytes > limit && !idle.empty()) {
+      auto it = std::prev(idle.end());  // largest first
+      idle_bytes -= it->first;
+      out.push_back(it->second);
+      idle.erase(it);
+    }
+    return out;
+  }
 };
 
 State& state() {
@@ -86,20 +102,33 @@ at::Tensor BufferCache::empty(int64_t numel, at::ScalarType dtype) {
   return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
 }
 
-void BufferCache::raise_limit(size_t bytes) {
+BufferCache::Reservation BufferCache::reserve(size_t bytes) {
   auto& s = state();
-  std::lock_guard<std::mutex> lk(s.mu);
-  if (bytes > s.limit) s.limit = bytes;
+  {
+    std::lock_guard<std::mutex> lk(s.mu);
+    s.reservations.insert(bytes);
+    s.limit = *s.reservations.rbegin();
+  }
+  return Reservation(static_cast<void*>(nullptr), [bytes](void*) {
+    auto& st = state();
+    std::vector<void*> drop;
+    {
+      std::lock_guard<std::mutex> lk(st.mu);
+      st.reservations.erase(st.reservations.find(bytes));
+      st.limit = st.reservations.empty() ? 0 : *st.reservations.rbegin();
+      drop = st.trim();
+    }
+    for (void* m : drop) std::free(m);
+  });
 }
 
-void BufferCache::reset() {
+void BufferCache::release_idle() {
   auto& s = state();
   std::multimap<size_t, void*> idle;
   {
     std::lock_guard<std::mutex> lk(s.mu);
     idle.swap(s.idle);
     s.idle_bytes = 0;
-    s.limit = 0;
   }
   for (auto& kv : idle) std::free(kv.second);
 }

@@ -5,14 +5,17 @@
 // same pages again (measured: 10-18 ms of a 180 ms FSDP step on 2 cores).
 //
 // A released block is kept for reuse while the idle blocks stay under the limit, and
-// freed otherwise; the limit starts at 0 (nothing kept) and is raised by whoever knows
-// the working set (FSDP, from its units' sizes). Only CPU memory is cached: CUDA has
-// its own caching allocator. Thread-safe (blocks come back from collective threads).
+// freed otherwise. The limit is the largest live reservation: whoever knows the working
+// set (FSDP, from its units' sizes) reserves it for as long as it trains, and when the
+// last reservation goes the limit is 0 again and the idle blocks are freed. Only CPU
+// memory is cached: CUDA has its own caching allocator. Thread-safe (blocks come back
+// from collective threads).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
 
 #include <cstddef>
+#include <memory>
 
 namespace tessera::core {
 
@@ -24,10 +27,12 @@ class BufferCache {
   at::DataPtr allocate(size_t nbytes);
   // An uninitialized contiguous 1-D CPU tensor backed by allocate().
   at::Tensor empty(int64_t numel, at::ScalarType dtype);
-  // Idle blocks may take up to `bytes` from now on, if that is more than before.
-  void raise_limit(size_t bytes);
-  // Drops every idle block and sets the limit back to 0.
-  void reset();
+  // Idle blocks may take up to `bytes` (if no other reservation allows more) while the
+  // returned handle lives.
+  using Reservation = std::shared_ptr<void>;
+  Reservation reserve(size_t bytes);
+  // Frees every idle block (reservations stay).
+  void release_idle();
 
   size_t limit() const;
   size_t idle_bytes() const;

@@ -247,7 +247,7 @@ torch::nn::AnyModule FsdpStrategy::setup(torch::nn::AnyModule module, std::vecto
     for (auto& u : I.units)
       largest = std::max(largest, static_cast<size_t>(u->numel) * (2 * c10::elementSize(u->compute_dtype) +
                                                                   4 * c10::elementSize(u->reduce_dtype)));
-    core::BufferCache::instance().raise_limit(largest);
+    I.cache_reservation = core::BufferCache::instance().reserve(largest);
   }
   return result;
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/core/buffer_cache.h"
 #include "tessera/strategy/fsdp.h"
 #include "tessera/strategy/grad_hooks.h"
 
@@ -75,6 +76,7 @@ struct FsdpStrategy::Impl {
   at::ScalarType compute_dtype = at::kFloat;  // mixed precision's param_dtype (or float32)
   int64_t prefetch_count = 0;
   int64_t gather_count = 0;
+  core::BufferCache::Reservation cache_reservation;  // FsdpOptions::cache_buffers
   // ShardedTensors registered on modules (unregistered when the strategy goes).
   std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::string>> registered;
 
