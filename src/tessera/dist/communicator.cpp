@@ -304,6 +304,21 @@ std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
   for (size_t r = 0; r < sizes.size(); ++r) off[r + 1] = off[r] + sizes[r];
   return off;
 }
+
+// Gloo point to point under one tag: send_to(peer) goes to every other rank and
+// recv_from(peer) is filled from it. Empty tensors are skipped on both sides (the
+// ranks agree on every piece's size).
+WorkList exchange(compat::BackendBase& be, int me, int n, int tag,
+                  const std::function<at::Tensor(int)>& send_to, const std::function<at::Tensor(int)>& recv_from) {
+  WorkList works;
+  for (int k = 1; k < n; ++k) {
+    const int to = (me + k) % n, from = (me + n - k) % n;
+    std::vector<at::Tensor> s{send_to(to)}, r{recv_from(from)};
+    if (s[0].numel() > 0) works.push_back(be.send(s, to, tag));
+    if (r[0].numel() > 0) works.push_back(be.recv(r, from, tag));
+  }
+  return works;
+}
 }  // namespace
 
 Pending Communicator::all_gather_async(const at::Tensor& local, const std::vector<int64_t>& sizes, at::Tensor out) {
@@ -346,18 +361,9 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
       // Gloo: this rank's tensor goes to every peer and each peer's arrives at its exact
       // offset in `out` (point to point: the bytes a ring all-gather moves, with no
       // padding of uneven pieces and no staging buffer on either side).
-      const int tag = I.next_p2p_tag();
-      for (int k = 1; k < n; ++k) {
-        const int to = (me + k) % n, from = (me + n - k) % n;
-        if (sizes[me] > 0) {
-          std::vector<at::Tensor> v{send_w};
-          works.push_back(be.send(v, to, tag));
-        }
-        if (sizes[from] > 0) {
-          std::vector<at::Tensor> v{out_w.narrow(0, off[from], sizes[from])};
-          works.push_back(be.recv(v, from, tag));
-        }
-      }
+      works = exchange(
+          be, me, n, I.next_p2p_tag(), [&](int) { return send_w; },
+          [&](int from) { return out_w.narrow(0, off[from], sizes[from]); });
       if (sizes[me] > 0) out_w.narrow(0, off[me], sizes[me]).copy_(send_w);
     } else if (even && caps.allgather_base != 0) {
       // NCCL: the native all-gather into one tensor, straight into `out`.
@@ -472,18 +478,9 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
       emulated = true;
       out = staging(rest_shape(in, mine * n), in.options());
       if (full.is_cpu()) {
-        const int tag = I.next_p2p_tag();
-        for (int k = 1; k < n; ++k) {
-          const int to = (me + k) % n, from = (me + n - k) % n;
-          if (sizes[to] > 0) {
-            std::vector<at::Tensor> v{in.narrow(0, off[to], sizes[to])};
-            works.push_back(be.send(v, to, tag));
-          }
-          if (mine > 0) {
-            std::vector<at::Tensor> v{out.narrow(0, from * mine, mine)};
-            works.push_back(be.recv(v, from, tag));
-          }
-        }
+        works = exchange(
+            be, me, n, I.next_p2p_tag(), [&](int to) { return in.narrow(0, off[to], sizes[to]); },
+            [&](int from) { return out.narrow(0, from * mine, mine); });
       } else {
         std::vector<int64_t> out_splits(n, mine);
         std::vector<int64_t> in_splits(sizes.begin(), sizes.end());
