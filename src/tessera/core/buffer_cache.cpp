@@ -95,11 +95,12 @@ at::DataPtr BufferCache::allocate(size_t nbytes) {
   return at::DataPtr(mem, new Block{mem, nbytes}, &release, c10::Device(c10::kCPU));
 }
 
-at::Tensor BufferCache::empty(int64_t numel, at::ScalarType dtype) {
-  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+at::Tensor BufferCache::empty(int64_t numel, const at::TensorOptions& options) {
+  if (!options.device().is_cpu()) return at::empty({numel}, options);
+  const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, allocate(nbytes), /*allocator=*/nullptr,
                        /*resizable=*/false);
-  return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
+  return at::empty({0}, options).set_(storage, 0, {numel}, {1});
 }
 
 BufferCache::Reservation BufferCache::reserve(size_t bytes) {

@@ -25,8 +25,9 @@ class BufferCache {
 
   // A CPU block of exactly `nbytes` (an idle block of that size when there is one).
   at::DataPtr allocate(size_t nbytes);
-  // An uninitialized contiguous 1-D CPU tensor backed by allocate().
-  at::Tensor empty(int64_t numel, at::ScalarType dtype);
+  // An uninitialized contiguous 1-D tensor: backed by allocate() on the CPU, by the
+  // device's own (caching) allocator elsewhere.
+  at::Tensor empty(int64_t numel, const at::TensorOptions& options);
   // Idle blocks may take up to `bytes` (if no other reservation allows more) while the
   // returned handle lives.
   using Reservation = std::shared_ptr<void>;

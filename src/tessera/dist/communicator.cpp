@@ -110,13 +110,11 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   }
 }
 
-// A contiguous buffer for an emulated collective's staging: from the host buffer cache
-// on the CPU (core/buffer_cache.h), the device's own allocator elsewhere.
+// A contiguous buffer for an emulated collective's staging (the host buffer cache on the CPU).
 at::Tensor staging(const std::vector<int64_t>& shape, const at::TensorOptions& opts) {
-  if (!opts.device().is_cpu()) return at::empty(shape, opts);
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
-  return core::BufferCache::instance().empty(numel, opts.dtype().toScalarType()).view(shape);
+  return core::BufferCache::instance().empty(numel, opts).view(shape);
 }
 
 std::vector<int64_t> rest_shape(const at::Tensor& t, int64_t dim0) {

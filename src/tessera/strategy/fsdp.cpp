@@ -140,7 +140,6 @@ FsdpStrategy::FsdpStrategy(std::shared_ptr<dist::Communicator> comm, FsdpOptions
   }
   auto& I = *impl_;
   const auto& mp = options_.mixed_precision;
-  I.compute_dtype = mp.param_dtype.value_or(at::kFloat);
   I.trivial_gather = shard_comm_->size() == 1 && !mp.param_dtype && !options_.cpu_offload;
   I.grad_path = !(I.trivial_gather && replicate_comm_->size() == 1 && !mp.reduce_dtype);
 }

@@ -73,7 +73,6 @@ struct FsdpStrategy::Impl {
   bool needs_finalize = false;
   bool trivial_gather = false;  // shard group of 1 and no mixed precision: params stay full
   bool grad_path = false;       // gradients go through hooks (anything but 1 rank in fp32)
-  at::ScalarType compute_dtype = at::kFloat;  // mixed precision's param_dtype (or float32)
   int64_t prefetch_count = 0;
   int64_t gather_count = 0;
   core::BufferCache::Reservation cache_reservation;  // FsdpOptions::cache_buffers

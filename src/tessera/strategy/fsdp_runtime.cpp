@@ -304,11 +304,9 @@ void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
   const bool sync = self->sync_grads_;
   bool any = false;
   at::Tensor flat;  // the unit's full gradients in the flat layout, in reduce dtype
-  if (sync) {
-    flat = self->options_.device.is_cpu()
-               ? core::BufferCache::instance().empty(u.numel, u.reduce_dtype)
-               : at::empty({u.numel}, at::TensorOptions().dtype(u.reduce_dtype).device(self->options_.device));
-  }
+  if (sync)
+    flat = core::BufferCache::instance().empty(
+        u.numel, at::TensorOptions().dtype(u.reduce_dtype).device(self->options_.device));
   for (auto& Pp : u.params) {
     auto& P = *Pp;
     at::Tensor g = P.p.grad();
@@ -370,8 +368,7 @@ void FsdpStrategy::Impl::finalize() {
     for (int ui : reduce_order) {
       auto& u = *units[ui];
       finish_reduce(u);
-      at::Tensor piece = std::move(u.rs_piece);
-      u.rs_piece = at::Tensor();
+      at::Tensor piece = std::move(u.rs_piece);  // leaves rs_piece undefined
       if (self->replicate_comm_->size() > 1) self->replicate_comm_->all_reduce(piece, dist::ReduceOp::Avg);
       const int s = self->shard_comm_->rank();
       for (auto& P : u.params) {
@@ -417,7 +414,7 @@ at::Tensor FsdpStrategy::unit_forward(FsdpUnitImpl& m, const at::Tensor& x_in) {
     I.forward_order.push_back(u.index);
   I.prefetch_after(u.index, /*forward=*/true);
   at::Tensor x = x_in;
-  if (options_.mixed_precision.param_dtype && x.is_floating_point()) x = x.to(I.compute_dtype);
+  if (options_.mixed_precision.param_dtype && x.is_floating_point()) x = x.to(*options_.mixed_precision.param_dtype);
   at::Tensor y;
   const int64_t ip = reinterpret_cast<int64_t>(&I);
   if (grad && options_.activation_checkpointing && !u.root) {
