@@ -1,7 +1,7 @@
 // Collective bandwidth over the Communicator: all-reduce, all-gather, reduce-scatter
-// from 1 MiB to 256 MiB, reported as GB/s and as a ratio to a memcpy of the same
-// bytes measured in the same run on the same machine (the limit for ranks that
-// share one host's memory). Start with: tessera run -n 2 -- bench_collectives OUT.json
+// from 1 MiB to 256 MiB over the shared-memory channel and over Gloo, reported as GB/s
+// and as a ratio to a memcpy of the same bytes measured in the same run on the same
+// machine (the limit for ranks that share one host's memory). Start with: tessera run -n 2 -- bench_collectives OUT.json
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -40,8 +40,19 @@ double best_seconds(dist::Communicator& c, int iters, F&& f) {
 
 int main(int argc, char** argv) {
   std::string out = argc > 1 ? argv[1] : "bench/results/collectives.json";
-  auto comm = dist::Communicator::create(dist::World::from_env(), dist::CommOptions{std::chrono::seconds(300)});
+  dist::CommOptions opts{std::chrono::seconds(300)};
+  auto comm = dist::Communicator::create(dist::World::from_env(), opts);
   const int n = comm->size(), r = comm->rank();
+  // The same collectives over both CPU transports, in one run: the shared-memory channel
+  // (ranks on one host, the default) and Gloo over TCP loopback (the path between hosts).
+  std::vector<int> all(static_cast<size_t>(n));
+  for (int k = 0; k < n; ++k) all[static_cast<size_t>(k)] = k;
+  dist::CommOptions gloo_opts = opts;
+  gloo_opts.shared_memory = false;
+  auto gloo = comm->split({all}, gloo_opts);
+  std::vector<std::pair<std::string, dist::Communicator*>> transports;
+  if (comm->uses_shared_memory()) transports.emplace_back("shm", comm.get());
+  transports.emplace_back("gloo", gloo.get());
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t mib : {1, 4, 16, 64, 256}) {
     const int64_t bytes = mib << 20;
@@ -51,44 +62,45 @@ int main(int argc, char** argv) {
     at::Tensor dst = at::empty({elems});
     // memcpy limit: one copy of the same bytes on this rank.
     double t_copy = best_seconds(*comm, iters, [&] { dst.copy_(buf); });
-    double t_ar = best_seconds(*comm, iters, [&] { comm->all_reduce(buf); });
-    const int64_t piece = elems / n;
-    at::Tensor local = at::ones({piece});
-    std::vector<int64_t> sizes(n, piece);
-    // As FSDP calls them: all-gather into a standing output buffer, reduce-scatter with
-    // its staging from the host buffer cache (core/buffer_cache.h), so the figures are
-    // the collectives' and not the first touch of freshly mapped pages.
-    at::Tensor gathered = at::empty({piece * n});
-    auto keep = core::BufferCache::instance().reserve(static_cast<size_t>(2 * bytes));
-    double t_ag = best_seconds(*comm, iters, [&] { comm->all_gather_async(local, sizes, gathered).wait(); });
-    at::Tensor full = at::ones({piece * n});
-    double t_rs = best_seconds(*comm, iters, [&] { comm->reduce_scatter(full, sizes); });
-    // Bus bandwidth (bytes each rank must move, as nccl-tests defines it):
-    // all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S.
     const double s = static_cast<double>(bytes);
     auto gbs = [](double b, double t) { return b / t / 1e9; };
     const double copy_gbs = gbs(s, t_copy);
-    auto row = [&](const char* op, double t, double factor) {
-      double bus = gbs(s * factor, t);
-      return nlohmann::json{{"op", op},        {"mib", mib},           {"seconds", t},
-                            {"algbw_gbs", gbs(s, t)}, {"busbw_gbs", bus}, {"memcpy_gbs", copy_gbs},
-                            {"ratio_to_memcpy", bus / copy_gbs}};
-    };
-    rows.push_back(row("all_reduce", t_ar, 2.0 * (n - 1) / n));
-    rows.push_back(row("all_gather", t_ag, 1.0 * (n - 1) / n));
-    rows.push_back(row("reduce_scatter", t_rs, 1.0 * (n - 1) / n));
-    if (r == 0) {
-      std::cout << mib << " MiB: memcpy " << copy_gbs << " GB/s; all_reduce bus " << rows[rows.size() - 3]["busbw_gbs"]
-                << ", all_gather bus " << rows[rows.size() - 2]["busbw_gbs"] << ", reduce_scatter bus "
-                << rows.back()["busbw_gbs"] << " GB/s" << std::endl;
+    for (auto& [name, c] : transports) {
+      double t_ar = best_seconds(*c, iters, [&] { c->all_reduce(buf); });
+      const int64_t piece = elems / n;
+      at::Tensor local = at::ones({piece});
+      std::vector<int64_t> sizes(n, piece);
+      // As FSDP calls them: all-gather into a standing output buffer, reduce-scatter with
+      // its staging from the host buffer cache (core/buffer_cache.h), so the figures are
+      // the collectives' and not the first touch of freshly mapped pages.
+      at::Tensor gathered = at::empty({piece * n});
+      auto keep = core::BufferCache::instance().reserve(static_cast<size_t>(2 * bytes));
+      double t_ag = best_seconds(*c, iters, [&] { c->all_gather_async(local, sizes, gathered).wait(); });
+      at::Tensor full = at::ones({piece * n});
+      double t_rs = best_seconds(*c, iters, [&] { c->reduce_scatter(full, sizes); });
+      // Bus bandwidth (bytes each rank must move, as nccl-tests defines it):
+      // all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S.
+      auto row = [&](const char* op, double t, double factor) {
+        double bus = gbs(s * factor, t);
+        return nlohmann::json{{"op", op},          {"transport", name},   {"mib", mib},
+                              {"seconds", t},      {"algbw_gbs", gbs(s, t)}, {"busbw_gbs", bus},
+                              {"memcpy_gbs", copy_gbs}, {"ratio_to_memcpy", bus / copy_gbs}};
+      };
+      rows.push_back(row("all_reduce", t_ar, 2.0 * (n - 1) / n));
+      rows.push_back(row("all_gather", t_ag, 1.0 * (n - 1) / n));
+      rows.push_back(row("reduce_scatter", t_rs, 1.0 * (n - 1) / n));
+      if (r == 0) {
+        std::cout << mib << " MiB " << name << ": memcpy " << copy_gbs << " GB/s; all_reduce bus "
+                  << rows[rows.size() - 3]["busbw_gbs"] << ", all_gather bus " << rows[rows.size() - 2]["busbw_gbs"]
+                  << ", reduce_scatter bus " << rows.back()["busbw_gbs"] << " GB/s" << std::endl;
+      }
     }
   }
   if (r == 0) {
     nlohmann::json doc{{"benchmark", "collectives"},
                        {"world_size", n},
-                       {"backend", "gloo"},
-                       {"all_gather_path", "point to point (gloo send/recv into the output)"},
-                       {"reduce_scatter_path", "point to point + local rank-ordered reduction"},
+                       {"transports", {{"shm", "shared-memory channel (dist/shm_channel.h)"},
+                                       {"gloo", "Gloo over TCP loopback: all-gather and reduce-scatter point to point"}}},
                        {"intra_op_threads", static_cast<int>(at::get_num_threads())},
                        {"rows", rows}};
     std::ofstream f(out);

@@ -6,7 +6,7 @@ BUILD=${1:-build}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 mkdir -p bench/results
-echo "== collectives (2 ranks, gloo) =="
+echo "== collectives (2 ranks, shared memory and gloo) =="
 "$BUILD/bin/tessera" run -n 2 -- "$BUILD/bin/bench_collectives" bench/results/collectives.json
 echo "== checkpoints: save/load ~1 GiB vs dd and torch.save/torch.load =="
 bash bench/checkpoint/run_checkpoint_bench.sh "$BUILD" "${CKPT_BENCH_MIB:-1024}"

@@ -1,6 +1,9 @@
 // Collectives, subgroups and failure detection with real rank processes.
 #include <ATen/ATen.h>
 
+#include <filesystem>
+#include <map>
+
 #include "harness.h"
 #include "tessera/dist/communicator.h"
 
@@ -9,15 +12,57 @@ using tessera::testing::run_ranks;
 
 class Collectives : public ::testing::TestWithParam<int> {};
 
-TEST_P(Collectives, EveryOpEveryDtypeUnevenAndEmptyPieces) {
-  auto res = run_ranks(GetParam(), {"collectives"});
+namespace {
+// Runs the collectives scenario on `n` ranks and checks which transport carried it.
+void expect_collectives(int n, const std::string& transport, std::map<std::string, std::string> env = {}) {
+  auto res = run_ranks(n, {"collectives"}, 120, std::move(env));
   EXPECT_RANKS_OK(res);
-  for (int r = 0; r < GetParam(); ++r) {
-    ASSERT_FALSE(res.out[r].empty()) << res.all_output();
-    EXPECT_EQ(res.out[r].back(), "collectives ok rank " + std::to_string(r) + " of " + std::to_string(GetParam()));
+  for (int r = 0; r < n; ++r) {
+    ASSERT_GE(res.out[r].size(), 2u) << res.all_output();
+    EXPECT_EQ(res.out[r].back(), "collectives ok rank " + std::to_string(r) + " of " + std::to_string(n));
+    EXPECT_EQ(res.out[r][res.out[r].size() - 2], "transport " + transport) << res.all_output();
   }
 }
+}  // namespace
+
+// Ranks on one host: the shared-memory channel (default 1 MiB chunks).
+TEST_P(Collectives, EveryOpEveryDtypeUnevenAndEmptyPieces) {
+  expect_collectives(GetParam(), GetParam() == 1 ? "gloo" : "shm");
+}
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4));
+
+// 4 KiB chunks: every large collective takes many rounds, so slot reuse and the
+// per-rank regions of reduce-scatter are exercised.
+class CollectivesSmallChunks : public ::testing::TestWithParam<int> {};
+TEST_P(CollectivesSmallChunks, ManyRoundsPerCollective) {
+  expect_collectives(GetParam(), "shm", {{"TESSERA_TEST_SHM_CHUNK", "4096"}});
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesSmallChunks, ::testing::Values(2, 3, 4));
+
+// TESSERA_SHM=0: the same semantics over Gloo (point to point for all-gather and
+// reduce-scatter), as between hosts.
+class CollectivesOverGloo : public ::testing::TestWithParam<int> {};
+TEST_P(CollectivesOverGloo, EveryOpEveryDtypeUnevenAndEmptyPieces) {
+  expect_collectives(GetParam(), "gloo", {{"TESSERA_SHM", "0"}});
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesOverGloo, ::testing::Values(2, 3));
+
+// Ranks that enter different collectives get an error naming both (Gloo would hang or
+// deliver garbage), and the channel refuses further use. The segment's name is gone
+// from /dev/shm once the ranks have mapped it.
+TEST(SharedMemory, MismatchedCollectivesAreAnErrorNamingBoth) {
+  auto res = run_ranks(3, {"collective_mismatch"});
+  EXPECT_RANKS_OK(res);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_FALSE(res.out[r].empty()) << res.all_output();
+    EXPECT_EQ(res.out[r].back(), "mismatch detected rank " + std::to_string(r)) << res.all_output();
+  }
+  ASSERT_FALSE(res.launch.ranks.empty());
+  const std::string prefix = "tessera-" + std::to_string(res.launch.ranks[0].pid) + "-";
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    EXPECT_NE(e.path().filename().string().rfind(prefix, 0), 0u) << "left behind: " << e.path();
+  }
+}
 
 TEST(Collectives, SingleProcessNeedsNoRendezvous) {
   auto c = dist::Communicator::create(dist::World{});

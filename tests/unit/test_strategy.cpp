@@ -13,8 +13,8 @@ using tessera::testing::run_ranks;
 namespace {
 
 void expect_parity(int n, const std::string& kinds, const std::string& steps, const std::string& clip = "0",
-                   const std::string& micro = "1") {
-  auto res = run_ranks(n, {"strategy_parity", kinds, steps, clip, micro}, 240);
+                   const std::string& micro = "1", std::map<std::string, std::string> env = {}) {
+  auto res = run_ranks(n, {"strategy_parity", kinds, steps, clip, micro}, 240, std::move(env));
   EXPECT_RANKS_OK(res);
   for (int r = 0; r < n; ++r) {
     ASSERT_FALSE(res.out[r].empty()) << res.all_output();
@@ -49,6 +49,12 @@ TEST_P(StrategyParity, CheckpointingPrefetchOffloadVariants) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, StrategyParity, ::testing::Values(1, 2, 3, 4));
+
+// The same parity with collectives over Gloo instead of the shared-memory channel (the
+// path between hosts): DDP's all-reduce, FSDP's all-gather / reduce-scatter.
+TEST(StrategyParityOverGloo, DdpAndFsdpMatchSingleProcess) {
+  for (int n : {2, 3}) expect_parity(n, "ddp,full,grad_op,hybrid", "20", "0.35", "1", {{"TESSERA_SHM", "0"}});
+}
 
 namespace {
 void expect_ok_lines(int n, const std::vector<std::string>& args, const std::string& last_prefix) {

@@ -115,6 +115,38 @@ void run_collectives(dist::Communicator& c, at::ScalarType dt) {
   p1.wait();
   WCHECK(at::equal(x, at::full({1000}, n * (n + 1) / 2, opt)), "async all_reduce ", tag);
   WCHECK(g.size(0) == 2 * n && g[2 * (n - 1)].item<double>() == n - 1, "async all_gather ", tag);
+
+  // Tensors of thousands of rows: many rounds of a shared-memory channel with small
+  // chunks, uneven and empty pieces. Values stay small integers (exact in bf16).
+  {
+    at::Tensor t = at::arange(5003, at::kDouble).remainder(13) + r;
+    at::Tensor sum = t.to(dt), mx = t.to(dt);
+    c.all_reduce(sum, ReduceOp::Sum);
+    c.all_reduce(mx, ReduceOp::Max);
+    at::Tensor base = at::arange(5003, at::kDouble).remainder(13);
+    check_equal(sum, (base * n + n * (n - 1) / 2).to(dt), "large all_reduce sum " + tag);
+    check_equal(mx, (base + n - 1).to(dt), "large all_reduce max " + tag);
+
+    std::vector<int64_t> sizes(n);
+    for (int k = 0; k < n; ++k) sizes[k] = 1000 * (k % 3) + 7 * k;  // rank 0 empty
+    std::vector<int64_t> off(n + 1, 0);
+    for (int k = 0; k < n; ++k) off[k + 1] = off[k] + sizes[k];
+    auto rows = [&](int owner) {
+      return (at::arange(sizes[owner] * 3, at::kDouble).reshape({sizes[owner], 3}).remainder(17) + owner).to(dt);
+    };
+    std::vector<at::Tensor> parts;
+    for (int k = 0; k < n; ++k) parts.push_back(rows(k));
+    check_equal(c.all_gather(rows(r), sizes), at::cat(parts, 0), "large uneven all_gather " + tag);
+
+    at::Tensor full = at::arange(off[n] * 3, at::kDouble).reshape({off[n], 3}).remainder(11);
+    at::Tensor got = c.reduce_scatter((full * (r + 1)).to(dt), sizes, ReduceOp::Sum);
+    check_equal(got, (full.narrow(0, off[r], sizes[r]) * (n * (n + 1) / 2)).to(dt),
+                "large uneven reduce_scatter " + tag);
+
+    at::Tensor b2 = r == n - 1 ? (at::arange(4099, at::kDouble).remainder(9)).to(dt) : at::zeros({4099}, opt);
+    c.broadcast(b2, n - 1);
+    check_equal(b2, at::arange(4099, at::kDouble).remainder(9).to(dt), "large broadcast " + tag);
+  }
 }
 
 }  // namespace
@@ -134,7 +166,40 @@ SCENARIO("collectives") {
   WCHECK(c->all_reduce_int(r + 1, ReduceOp::Max) == n, "all_reduce_int");
   WCHECK(c->all_reduce_double(0.5, ReduceOp::Sum) == 0.5 * n, "all_reduce_double");
   c->barrier();
+  std::cout << "transport " << (c->uses_shared_memory() ? "shm" : "gloo") << "\n";
   std::cout << "collectives ok rank " << r << " of " << n << "\n";
+  return 0;
+}
+
+// Rank 0 enters an all_reduce while the others enter an all_gather. Over shared memory
+// every rank raises an error naming both collectives, and the channel then refuses use.
+SCENARIO("collective_mismatch") {
+  auto c = comm();
+  const int n = c->size(), r = c->rank();
+  WCHECK(c->uses_shared_memory(), "the shared-memory channel is off");
+  try {
+    if (r == 0) {
+      at::Tensor t = at::ones({1024});
+      c->all_reduce(t);
+    } else {
+      c->all_gather(at::ones({2}), std::vector<int64_t>(n, 2));
+    }
+    std::cout << "no error on rank " << r << "\n";
+    return 1;
+  } catch (const CommError& e) {
+    const std::string m = e.what();
+    WCHECK(m.find("collective mismatch") != std::string::npos && m.find("all_reduce (Float, 1024 elements)") != std::string::npos &&
+               m.find("all_gather (Float, " + std::to_string(2 * n) + " elements)") != std::string::npos,
+           "unexpected error: ", m);
+  }
+  try {
+    c->barrier();
+    std::cout << "barrier after a failure passed on rank " << r << "\n";
+    return 1;
+  } catch (const CommError& e) {
+    WCHECK(std::string(e.what()).find("unusable after an earlier failure") != std::string::npos, "unexpected: ", e.what());
+  }
+  std::cout << "mismatch detected rank " << r << "\n";
   return 0;
 }
 

@@ -19,6 +19,7 @@
 #include "tessera/core/env.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
+#include "tessera/dist/shm_channel.h"
 
 namespace tessera::dist {
 
@@ -48,6 +49,7 @@ struct Communicator::Impl {
   c10::intrusive_ptr<c10d::Store> store;  // null for a single process
   compat::BackendPtr gloo;                // null when size == 1
   compat::BackendPtr nccl;                // null unless built with NCCL and CUDA is present
+  std::unique_ptr<ShmChannel> shm;        // CPU collectives of a one-host group
   int rank = 0;
   int size = 1;
   std::vector<int> members;
@@ -72,6 +74,7 @@ struct Communicator::Impl {
     return *gloo;
   }
   Capabilities& caps(const at::Tensor& t) { return t.is_cuda() ? caps_cuda : caps_cpu; }
+  ShmChannel* shm_for(const at::Tensor& t) const { return t.is_cpu() ? shm.get() : nullptr; }
 
   std::string where(const char* what, const at::Tensor& t) const {
     return concat(what, " (", t.scalar_type(), " ", t.sizes(), ") on rank ", world.rank,
@@ -243,8 +246,55 @@ std::shared_ptr<Communicator> Communicator::create(const World& world, const Com
     impl->store = base;
     probe_capabilities(*impl);
   }
-  return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
+  std::shared_ptr<Communicator> comm(new Communicator(std::move(impl)));
+  comm->attach_shared_memory();
+  return comm;
 }
+
+void Communicator::attach_shared_memory() {
+  Impl& I = *impl_;
+  if (I.size == 1 || !I.gloo) return;
+  const bool want = env::get_bool("TESSERA_SHM").value_or(I.options.shared_memory);
+  // Every rank decides from the same gathered keys, so all take the same path.
+  const auto keys = all_gather_bytes(want ? shm_host_key() : std::string());
+  const bool one_host = std::all_of(keys.begin(), keys.end(), [&](const std::string& k) {
+    return !k.empty() && k == keys[0];
+  });
+  if (!one_host) {
+    log::debug("shared-memory collectives off: ", want ? "the ranks are not all on one host" : "disabled");
+    return;
+  }
+  const size_t cap = (size_t{64} << 20) / (2 * static_cast<size_t>(I.size));
+  const size_t chunk = std::max<size_t>(4096, std::min(I.options.shm_chunk_bytes, cap) / 64 * 64);
+  std::unique_ptr<ShmChannel> ch;
+  std::string error;
+  try {
+    if (I.rank == 0) ch = ShmChannel::create(I.size, chunk);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::string name = broadcast_bytes(ch ? ch->name() : std::string());
+  if (name.empty()) {
+    if (I.rank == 0) log::warn("shared-memory collectives off, using Gloo: ", error);
+    return;
+  }
+  try {
+    if (I.rank != 0) ch = ShmChannel::open(name, I.rank, I.size, chunk);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const bool everyone = all_reduce_int(ch ? 1 : 0, ReduceOp::Min) == 1;
+  if (ch) ch->unlink();  // every rank has tried to open it by now
+  if (!everyone) {
+    if (!error.empty()) log::warn("shared-memory collectives off, using Gloo: ", error);
+    return;
+  }
+  ch->set_timeout(I.options.timeout);
+  log::debug("shared-memory collectives on: ", I.size, " ranks, ", chunk, "-byte chunks");
+  I.shm = std::move(ch);
+}
+
+bool Communicator::uses_shared_memory() const { return impl_->shm != nullptr; }
 
 int Communicator::rank() const { return impl_->rank; }
 int Communicator::size() const { return impl_->size; }
@@ -262,6 +312,13 @@ Pending Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   const int n = I.size;
   if (n == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
   at::Tensor work_t = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  if (ShmChannel* shm = I.shm_for(tensor)) {
+    // Done when this returns: the data is in shared memory, not in flight.
+    I.guarded("all_reduce", tensor, [&] { shm->all_reduce(work_t, op); return 0; });
+    finish_avg(work_t, op, n);
+    if (!work_t.is_same(tensor)) tensor.copy_(work_t);
+    return Pending([tensor] { return tensor; });
+  }
   bool upcast = false;
   auto& caps = I.caps(tensor);
   if (tensor.scalar_type() == at::kBFloat16 && caps.bf16 == 0) {
@@ -346,6 +403,13 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
   if (maxs == 0) return Pending([out] { return out; });
   const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; });
   at::Tensor send = local.contiguous();
+  if (ShmChannel* shm = I.shm_for(local)) {
+    const int64_t row = total > 0 ? out.numel() / total : 0;
+    std::vector<int64_t> counts(sizes.size());
+    for (size_t r = 0; r < sizes.size(); ++r) counts[r] = sizes[r] * row;
+    I.guarded("all_gather", local, [&] { shm->all_gather(send, counts, out); return 0; });
+    return Pending([out] { return out; });
+  }
   auto& caps = I.caps(local);
   auto& be = I.backend(local);
   // All-gather moves bits: a backend without bf16 kernels carries them as 16-bit halves.
@@ -438,6 +502,16 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
   const int64_t mine = sizes[me];
   const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
   if (maxs == 0) return Pending([full] { return at::empty(rest_shape(full, 0), full.options()); });
+  if (ShmChannel* shm = I.shm_for(full)) {
+    const at::Tensor in = full.contiguous();
+    const int64_t row = total > 0 ? in.numel() / total : 0;
+    std::vector<int64_t> counts(sizes.size());
+    for (size_t r = 0; r < sizes.size(); ++r) counts[r] = sizes[r] * row;
+    at::Tensor r = staging(rest_shape(in, mine), in.options());
+    I.guarded("reduce_scatter", full, [&] { shm->reduce_scatter(in, counts, op, r); return 0; });
+    finish_avg(r, op, n);
+    return Pending([r] { return r; });
+  }
   auto& caps = I.caps(full);
   auto& be = I.backend(full);
   at::Tensor in = full.contiguous();
@@ -540,6 +614,11 @@ Pending Communicator::broadcast_async(at::Tensor tensor, int src) {
                 I.size);
   if (I.size == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
   at::Tensor work_t = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  if (ShmChannel* shm = I.shm_for(tensor)) {
+    I.guarded("broadcast", tensor, [&] { shm->broadcast(work_t, src); return 0; });
+    if (!work_t.is_same(tensor)) tensor.copy_(work_t);
+    return Pending([tensor] { return tensor; });
+  }
   at::Tensor wire = work_t;
   // Broadcast moves bits: a backend without bf16 kernels carries them as 16-bit halves (copied, never computed on).
   if (tensor.scalar_type() == at::kBFloat16 && I.caps(tensor).bf16 == 0) wire = work_t.view(at::kHalf);
@@ -635,7 +714,8 @@ double Communicator::all_reduce_double(double value, ReduceOp op) {
 }
 
 // ---------------------------------------------------------------- subgroups
-std::shared_ptr<Communicator> Communicator::split(const std::vector<std::vector<int>>& groups) {
+std::shared_ptr<Communicator> Communicator::split(const std::vector<std::vector<int>>& groups,
+                                                 const std::optional<CommOptions>& options) {
   Impl& I = *impl_;
   const int id = I.split_counter++;
   std::set<int> seen;
@@ -653,7 +733,7 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<std::vector<
   const auto& grp = groups[mine];
   auto impl = std::make_unique<Impl>();
   impl->world = I.world;
-  impl->options = I.options;
+  impl->options = options.value_or(I.options);
   impl->size = static_cast<int>(grp.size());
   impl->rank = static_cast<int>(std::find(grp.begin(), grp.end(), I.rank) - grp.begin());
   for (int r : grp) impl->members.push_back(I.members[r]);
@@ -665,18 +745,20 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<std::vector<
     try {
       if (I.gloo) {
         impl->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", impl->store), impl->rank,
-                               impl->size, I.world, I.options);
+                               impl->size, I.world, impl->options);
       }
       if (I.nccl) {
         impl->nccl = make_nccl(c10::make_intrusive<c10d::PrefixStore>("nccl", impl->store), impl->rank,
-                               impl->size, I.options);
+                               impl->size, impl->options);
       }
     } catch (const std::exception& e) {
       throw CommError(concat("creating subgroup ", mine, " (split ", id, ") on rank ", I.world.rank,
                           " failed: ", e.what()));
     }
   }
-  return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
+  std::shared_ptr<Communicator> sub(new Communicator(std::move(impl)));
+  sub->attach_shared_memory();
+  return sub;
 }
 
 int find_free_port() {

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,14 @@ struct CommOptions {
   std::string backend = "auto";
   // Gloo worker threads per process group.
   int gloo_threads = 2;
+  // When every rank of a group is on one host, CPU all-reduce, all-gather, reduce-scatter,
+  // broadcast and barrier go through a shared-memory segment instead of Gloo's TCP
+  // loopback (see shm_channel.h); Gloo still carries the rest. TESSERA_SHM=0 or 1
+  // overrides this. Falls back to Gloo, with a warning, when the segment cannot be made.
+  bool shared_memory = true;
+  // Bytes each rank moves per round of a shared-memory collective; the segment holds
+  // two such slots per rank (capped so that it stays under 64 MiB).
+  size_t shm_chunk_bytes = size_t{1} << 20;
 };
 
 // An asynchronous collective. wait() blocks, raises CommError on failure, and runs
@@ -114,8 +123,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // --- subgroups ---
   // Collective over this communicator: every member calls it with the same partition
   // of group ranks (each inner list a group, in group-rank order). Returns the
-  // communicator of the group that holds this rank (nullptr if none does).
-  std::shared_ptr<Communicator> split(const std::vector<std::vector<int>>& groups);
+  // communicator of the group that holds this rank (nullptr if none does). The new group
+  // has this communicator's options unless `options` is given (every member must pass
+  // the same; the backends stay this communicator's), e.g. a Gloo-only group beside a
+  // shared-memory one.
+  std::shared_ptr<Communicator> split(const std::vector<std::vector<int>>& groups,
+                                      const std::optional<CommOptions>& options = std::nullopt);
 
   // Whether the backend for `device` runs the op natively (false: emulated). For
   // diagnostics and benchmarks; valid after the op has run once.
@@ -125,11 +138,16 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     int bf16 = -1;
   };
   Capabilities capabilities(bool cuda = false) const;
+  // Whether CPU collectives of this group use the shared-memory channel.
+  bool uses_shared_memory() const;
 
   struct Impl;
 
  private:
   explicit Communicator(std::unique_ptr<Impl> impl);
+  // Collective: sets up the shared-memory channel when the options allow it and every
+  // member is on this host (with Gloo, before any shared-memory collective runs).
+  void attach_shared_memory();
   std::unique_ptr<Impl> impl_;
 };
 
