@@ -54,6 +54,6 @@ for m in memory.values():
         if d and f:
             m[f"fsdp/ddp x{n}"] = f / d
 res = {"benchmark": "strategy", "rows": rows, "ratios": ratios, "peak_rss_mib (largest rank)": memory,
-       "setup": "batch 8x64 per rank, Adam, 1 intra-op thread per rank, gloo, all ranks on one 2-core machine"}
+       "setup": "batch 8x64 per rank, Adam, 1 intra-op thread per rank, all ranks on one 2-core machine; Tessera: CPU collectives over its shared-memory channel; Python DDP: gloo"}
 json.dump(res, open(out, "w"), indent=2)
 print(json.dumps({"ratios": ratios, "peak_rss_mib": memory}, indent=2))
