@@ -200,6 +200,7 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
   }
   Trace t;
   g_block_forwards = 0;
+  std::vector<const void*> grad_ptrs;  // DDP: where each .grad lives after the first step
   for (int s = 0; s < steps; ++s) {
     auto [gx, gy] = global_batch(s);
     at::Tensor x = rows_of(gx, c->rank(), c->size()), y = rows_of(gy, c->rank(), c->size());
@@ -221,6 +222,24 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
     if (ddp && kind == "ddp_small_buckets" && n > 1 && micro == 1)
       WCHECK(ddp->launched_during_backward() >= 1, kind, ": no bucket all-reduce started during backward (of ",
              ddp->buckets().size(), " buckets)");
+    if (ddp) {
+      // Gradients stay in their bucket's buffer from the first step on: no allocation and
+      // no copy back per step (and zero_grad can still detach them).
+      std::vector<const void*> ptrs;
+      for (auto& p : strat->module()->parameters()) ptrs.push_back(p.grad().defined() ? p.grad().data_ptr() : nullptr);
+      if (s == 0) grad_ptrs = ptrs;
+      WCHECK(ptrs == grad_ptrs, kind, ": a gradient moved at step ", s);
+      // ... and a bucket's gradients are consecutive stretches of one buffer.
+      auto named = strat->module()->named_parameters();
+      for (auto& bucket : ddp->buckets()) {
+        for (size_t k = 1; k < bucket.size(); ++k) {
+          const at::Tensor& a = named[bucket[k - 1]].grad();
+          const at::Tensor& b = named[bucket[k]].grad();
+          WCHECK(static_cast<const char*>(a.data_ptr()) + a.nbytes() == b.data_ptr(), kind, ": gradients of ",
+                 bucket[k - 1], " and ", bucket[k], " are not adjacent in their bucket");
+        }
+      }
+    }
     strat->optimizer_step(*opt);
     opt->zero_grad();
     t.evals.push_back(eval_loss([&](const at::Tensor& x) { return m.forward(x); }));

@@ -39,21 +39,33 @@ struct DdpStrategy::Impl {
       b.pending_count = static_cast<int>(b.params.size());
       b.launched = false;
       b.work = dist::Pending();
-      b.buffer = at::Tensor();
     }
     next_bucket = 0;
   }
 
+  // The bucket's buffer lives as long as the strategy (as in PyTorch's reducer): no
+  // allocation and no page faults per step. After a step each parameter's .grad is a
+  // view of it, so gradients that stay (zero_grad without set_to_none, no_sync
+  // accumulation) are accumulated by autograd in place and need no copy here.
+  // Whether `g` is exactly the bucket slice `slot` (same memory, same length, dense);
+  // after a step each .grad is such a slice (an alias, not an autograd view).
+  static bool is_view_of(const at::Tensor& g, const at::Tensor& slot) {
+    return g.defined() && g.data_ptr() == slot.data_ptr() && g.numel() == slot.numel() && g.is_contiguous();
+  }
+
   void launch(Bucket& b) {
-    b.buffer = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype).device(params[b.params[0]]->p.device()));
+    if (!b.buffer.defined()) {
+      b.buffer = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype).device(params[b.params[0]]->p.device()));
+    }
     for (int i : b.params) {
       auto& P = *params[i];
       at::Tensor dst = b.buffer.narrow(0, P.offset, P.p.numel());
       const at::Tensor& g = P.p.grad();
-      if (g.defined())
-        dst.copy_(g.reshape({-1}));
-      else
+      if (!g.defined()) {
         dst.zero_();
+      } else if (!is_view_of(g, dst)) {
+        dst.copy_(g.reshape({-1}));
+      }
     }
     b.work = self->comm_->all_reduce_async(b.buffer, dist::ReduceOp::Avg);
     b.launched = true;
@@ -162,12 +174,8 @@ void DdpStrategy::backward(const at::Tensor& loss) {
       auto& P = *I.params[i];
       if (used.defined() && used[i].item<int>() == 0) continue;  // no rank used it: keep no gradient
       at::Tensor avg = b.buffer.narrow(0, P.offset, P.p.numel()).view(P.p.sizes());
-      if (P.p.grad().defined())
-        P.p.mutable_grad().copy_(avg);
-      else
-        P.p.mutable_grad() = avg.clone();
+      if (!Impl::is_view_of(P.p.grad(), avg)) P.p.mutable_grad() = detail::alias_of(avg);
     }
-    b.buffer = at::Tensor();
   }
 }
 

@@ -5,7 +5,8 @@
 // gradient-accumulator hook as soon as all its gradients are ready (and every
 // earlier bucket has started, so all ranks issue collectives in the same order),
 // overlapping communication with the rest of backward. backward() waits for all of
-// them and writes the averages back into .grad.
+// them; afterwards each .grad is a view of its bucket's buffer, which holds the average
+// (the buffers live as long as the strategy, like PyTorch's gradient_as_bucket_view).
 #pragma once
 #include "tessera/strategy/strategy.h"
 

@@ -37,11 +37,6 @@ void alloc_storage(const at::Tensor& t) {
   s->set_nbytes(nb);
 }
 
-// A tensor over t's memory that autograd does not treat as a view of it.
-at::Tensor alias_of(const at::Tensor& t) {
-  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
-}
-
 FsdpStrategy::Impl* impl_of(AutogradContext* ctx) {
   return reinterpret_cast<FsdpStrategy::Impl*>(ctx->saved_data["impl"].toInt());
 }
@@ -387,7 +382,7 @@ void FsdpStrategy::Impl::finalize() {
         // new_grad is a view of the unit's reduced piece. The gradient shares its memory
         // (the parameters' pieces are disjoint) but is not a view to autograd:
         // optimizers' zero_grad detaches gradients in place, which views do not allow.
-        if (P->new_grad.defined()) g = g.defined() ? g + P->new_grad : alias_of(P->new_grad);
+        if (P->new_grad.defined()) g = g.defined() ? g + P->new_grad : detail::alias_of(P->new_grad);
         if (g.defined()) P->p.mutable_grad() = g;
       }
       P->stash_grad = at::Tensor();

@@ -2,6 +2,7 @@
 // the gradient has been accumulated into .grad (what DDP and FSDP need; a tensor
 // hook runs before accumulation). Internal to the strategy layer.
 #pragma once
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -12,6 +13,13 @@
 #include <vector>
 
 namespace tessera::strategy::detail {
+
+// A tensor over t's memory that autograd does not treat as a view of it. Gradients that
+// live in a strategy's flat buffer must be such aliases: libtorch's Optimizer::zero_grad
+// calls detach_() on every .grad, which refuses views.
+inline at::Tensor alias_of(const at::Tensor& t) {
+  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+}
 
 class GradReadyHook : public torch::autograd::FunctionPostHook {
  public:
