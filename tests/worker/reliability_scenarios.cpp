@@ -107,11 +107,15 @@ SCENARIO("rel_train") {
     }
     at::Tensor big = at::ones({1 << 21});
     f.all_reduce(big, dist::ReduceOp::Sum);
+    // The delayed kill may find the operation already done (over shared memory an 8 MiB
+    // all-reduce takes ~2 ms, the save a few): then the victim dies right after it.
+    if (me && step == 4 && phase == "collective") die("collective");
     if (step == 2 || step == 4) {
       if (me && step == 4 && phase == "save") die_soon("save", seed, 20000);
       fabric::FabricState st;
       st.set("model", model).set("optimizer", opt).set("step", int64_t(step));
       f.save(ckpt, st);
+      if (me && step == 4 && phase == "save") die("save");
       if (f.is_global_zero()) std::printf("saved step %lld\n", static_cast<long long>(step));
       std::fflush(stdout);
     }
