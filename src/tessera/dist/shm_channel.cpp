@@ -267,9 +267,12 @@ void ShmChannel::wait_until(std::atomic<uint32_t>& word, uint32_t target, int pe
     if (reached(word.load(std::memory_order_acquire), target)) return;
     const auto now = std::chrono::steady_clock::now();
     if (now >= next_check) {
-      if (!process_alive(c.pid)) {
-        throw Error(concat("rank ", peer, " (pid ", c.pid, ") exited while this rank waited for it ", what(),
-                           " in the shared-memory channel"));
+      // Every peer, not only the awaited one: it may be waiting in turn for a dead rank.
+      for (int p = 0; p < size_; ++p) {
+        const int pid = control(base_, p).pid;
+        if (p == rank_ || process_alive(pid)) continue;
+        throw Error(concat("rank ", p, " (pid ", pid, ") exited while this rank waited for ",
+                           p == peer ? "it" : concat("rank ", peer), " ", what(), " in the shared-memory channel"));
       }
       next_check = now + std::chrono::milliseconds(50);
     }

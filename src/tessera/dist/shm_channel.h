@@ -11,7 +11,7 @@
 // consumed the round before, so a rank may run one round ahead of the others.
 //
 // Waiting spins briefly, then sleeps on a futex. While it waits it checks the
-// collective's deadline and whether the peer process still lives, so a dead or silent
+// collective's deadline and whether every peer process still lives, so a dead or silent
 // peer is an error, not a hang. Each round carries a descriptor (operation, dtype,
 // element count); ranks that disagree fail with an error naming both sides.
 //
@@ -54,7 +54,6 @@ class ShmChannel {
   // mapped, and nothing is left in /dev/shm when the processes end, however they end.
   void unlink();
   size_t chunk_bytes() const { return chunk_; }
-  size_t segment_bytes() const { return bytes_; }
   // Deadline of each collective.
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
@@ -92,7 +91,6 @@ class ShmChannel {
   uint64_t rounds_ = 0;   // rounds completed (the slot-reuse wait starts at the third)
   std::chrono::milliseconds timeout_{60000};
   std::chrono::steady_clock::time_point op_start_;
-  std::vector<int> pids_;
   std::string broken_;
   std::mutex mu_;
 };
