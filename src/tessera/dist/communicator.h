@@ -1,6 +1,8 @@
 // Collectives over c10d process groups: Gloo for CPU tensors, NCCL for CUDA
-// tensors where this libtorch has it. Everything above `dist` talks to peers
-// through a Communicator.
+// tensors where this libtorch has it; between the ranks of one host, CPU all-reduce,
+// all-gather, reduce-scatter, broadcast and barrier go through a shared-memory channel
+// instead (shm_channel.h; such collectives are complete when the *_async call returns).
+// Everything above `dist` talks to peers through a Communicator.
 //
 // Semantics every backend provides (emulated where a backend lacks the native op,
 // chosen by trying the native op once and remembering the answer):
