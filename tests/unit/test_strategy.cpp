@@ -31,7 +31,7 @@ class StrategyParity : public ::testing::TestWithParam<int> {};
 
 // 50 steps of Adam, fp32, every strategy, loss and final parameters within 1e-5.
 TEST_P(StrategyParity, EveryStrategyMatchesSingleProcess) {
-  expect_parity(GetParam(), "ddp,ddp_small_buckets,full,grad_op,no_shard,hybrid", "50");
+  expect_parity(GetParam(), "ddp,ddp_small_buckets,ddp_grad_copy,full,grad_op,no_shard,hybrid", "50");
 }
 
 // Gradient clipping by the global norm: the norm each strategy reports equals the

@@ -142,6 +142,11 @@ Trace reference(int steps, double clip, double lr, int micro = 1) {
 
 std::unique_ptr<Strategy> make_strategy(const std::string& kind, std::shared_ptr<dist::Communicator> c) {
   if (kind == "ddp") return std::make_unique<DdpStrategy>(c);
+  if (kind == "ddp_grad_copy") {
+    DdpOptions o;
+    o.gradient_as_bucket_view = false;
+    return std::make_unique<DdpStrategy>(c, o);
+  }
   if (kind == "ddp_small_buckets") {
     DdpOptions o;
     o.bucket_cap_bytes = 600;  // several buckets
@@ -223,20 +228,24 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
       WCHECK(ddp->launched_during_backward() >= 1, kind, ": no bucket all-reduce started during backward (of ",
              ddp->buckets().size(), " buckets)");
     if (ddp) {
-      // Gradients stay in their bucket's buffer from the first step on: no allocation and
-      // no copy back per step (and zero_grad can still detach them).
+      // Gradients stay in place from the first step on; by default in their bucket's
+      // buffer: no allocation and no copy back per step (and zero_grad can still detach
+      // them).
       std::vector<const void*> ptrs;
       for (auto& p : strat->module()->parameters()) ptrs.push_back(p.grad().defined() ? p.grad().data_ptr() : nullptr);
       if (s == 0) grad_ptrs = ptrs;
       WCHECK(ptrs == grad_ptrs, kind, ": a gradient moved at step ", s);
-      // ... and a bucket's gradients are consecutive stretches of one buffer.
+      // ... and a bucket's gradients are consecutive stretches of one buffer (or, with
+      // gradient_as_bucket_view off, not: each .grad keeps its own tensor).
       auto named = strat->module()->named_parameters();
+      const bool as_view = ddp->options().gradient_as_bucket_view;
       for (auto& bucket : ddp->buckets()) {
         for (size_t k = 1; k < bucket.size(); ++k) {
           const at::Tensor& a = named[bucket[k - 1]].grad();
           const at::Tensor& b = named[bucket[k]].grad();
-          WCHECK(static_cast<const char*>(a.data_ptr()) + a.nbytes() == b.data_ptr(), kind, ": gradients of ",
-                 bucket[k - 1], " and ", bucket[k], " are not adjacent in their bucket");
+          const bool adjacent = static_cast<const char*>(a.data_ptr()) + a.nbytes() == b.data_ptr();
+          WCHECK(adjacent == as_view, kind, ": gradients of ", bucket[k - 1], " and ", bucket[k],
+                 as_view ? " are not adjacent in their bucket" : " alias the bucket although the option is off");
         }
       }
     }

@@ -354,6 +354,13 @@ void Communicator::all_reduce(at::Tensor& tensor, ReduceOp op) { all_reduce_asyn
 namespace {
 using WorkList = std::vector<c10::intrusive_ptr<compat::Work>>;
 
+// Per-rank element counts of dim-0 pieces whose rows hold `row` elements each.
+std::vector<int64_t> element_counts(const std::vector<int64_t>& sizes, int64_t row) {
+  std::vector<int64_t> counts(sizes.size());
+  for (size_t r = 0; r < sizes.size(); ++r) counts[r] = sizes[r] * row;
+  return counts;
+}
+
 std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> off(sizes.size() + 1, 0);
   for (size_t r = 0; r < sizes.size(); ++r) off[r + 1] = off[r] + sizes[r];
@@ -404,9 +411,7 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
   const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; });
   at::Tensor send = local.contiguous();
   if (ShmChannel* shm = I.shm_for(local)) {
-    const int64_t row = total > 0 ? out.numel() / total : 0;
-    std::vector<int64_t> counts(sizes.size());
-    for (size_t r = 0; r < sizes.size(); ++r) counts[r] = sizes[r] * row;
+    const auto counts = element_counts(sizes, total > 0 ? out.numel() / total : 0);
     I.guarded("all_gather", local, [&] { shm->all_gather(send, counts, out); return 0; });
     return Pending([out] { return out; });
   }
@@ -504,9 +509,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
   if (maxs == 0) return Pending([full] { return at::empty(rest_shape(full, 0), full.options()); });
   if (ShmChannel* shm = I.shm_for(full)) {
     const at::Tensor in = full.contiguous();
-    const int64_t row = total > 0 ? in.numel() / total : 0;
-    std::vector<int64_t> counts(sizes.size());
-    for (size_t r = 0; r < sizes.size(); ++r) counts[r] = sizes[r] * row;
+    const auto counts = element_counts(sizes, total > 0 ? in.numel() / total : 0);
     at::Tensor r = staging(rest_shape(in, mine), in.options());
     I.guarded("reduce_scatter", full, [&] { shm->reduce_scatter(in, counts, op, r); return 0; });
     finish_avg(r, op, n);

@@ -1,5 +1,6 @@
 #include "tessera/dist/shm_channel.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -14,6 +15,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -29,8 +31,9 @@ struct ShmChannel::Desc {
   int32_t dtype = 0;  // at::ScalarType
   int64_t numel = 0;  // elements of the whole collective
   int64_t extra = 0;  // reduce op, or the broadcast source
+  uint64_t layout = 0;  // hash of the per-rank counts (all-gather, reduce-scatter)
   bool operator==(const Desc& o) const {
-    return op == o.op && dtype == o.dtype && numel == o.numel && extra == o.extra;
+    return op == o.op && dtype == o.dtype && numel == o.numel && extra == o.extra && layout == o.layout;
   }
 };
 
@@ -142,6 +145,38 @@ int64_t clamp_len(int64_t count, int64_t from, int64_t chunk) {
   return std::max<int64_t>(0, std::min(chunk, count - from));
 }
 
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> off(counts.size() + 1, 0);
+  for (size_t r = 0; r < counts.size(); ++r) off[r + 1] = off[r] + counts[r];
+  return off;
+}
+
+// FNV-1a over the per-rank counts: ranks that split a collective differently disagree.
+uint64_t layout_hash(const std::vector<int64_t>& counts) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t c : counts) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= static_cast<uint64_t>(c >> (8 * b)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+// Removes names left in /dev/shm by creators that died between create and unlink (a
+// window of a few collectives during set-up). Names carry the creator's pid.
+void remove_stale_segments() {
+  DIR* d = ::opendir("/dev/shm");
+  if (!d) return;
+  while (dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n.rfind("tessera-", 0) != 0) continue;
+    const int pid = std::atoi(n.c_str() + 8);
+    if (pid > 0 && !process_alive(pid)) ::shm_unlink(("/" + n).c_str());
+  }
+  ::closedir(d);
+}
+
 }  // namespace
 
 std::string shm_host_key() {
@@ -163,6 +198,7 @@ Control& control(char* base, int r) {
 std::unique_ptr<ShmChannel> ShmChannel::create(int size, size_t chunk) {
   TESSERA_CHECK(size >= 2 && chunk >= 4096 && chunk % 64 == 0, "shared-memory channel: bad size ", size,
                 " or chunk ", chunk);
+  remove_stale_segments();
   std::random_device rd;
   char tag[32];
   std::snprintf(tag, sizeof(tag), "%08x%08x", rd(), rd());
@@ -193,8 +229,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(int size, size_t chunk) {
   h->size = static_cast<uint32_t>(size);
   h->chunk = chunk;
   control(ch->base_, 0).pid = ::getpid();
-  std::atomic_thread_fence(std::memory_order_release);
-  h->magic = kMagic;
+  __atomic_store_n(&h->magic, kMagic, __ATOMIC_RELEASE);  // the header is complete
   return ch;
 }
 
@@ -219,8 +254,7 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name, int rank, 
   ch->bytes_ = bytes;
   ch->base_ = static_cast<char*>(p);
   const auto* h = reinterpret_cast<const Header*>(ch->base_);
-  std::atomic_thread_fence(std::memory_order_acquire);
-  TESSERA_CHECK(h->magic == kMagic && h->size == static_cast<uint32_t>(size) && h->chunk == chunk,
+  TESSERA_CHECK(__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == kMagic && h->size == static_cast<uint32_t>(size) && h->chunk == chunk,
                 "shared-memory segment ", name, " was made for another group (", h->size, " ranks, chunk ",
                 h->chunk, ")");
   control(ch->base_, rank).pid = ::getpid();
@@ -352,9 +386,8 @@ void ShmChannel::all_gather(const at::Tensor& local, const std::vector<int64_t>&
   run_op([&] {
     const at::ScalarType dt = local.scalar_type();
     const int64_t isz = local.element_size(), e = static_cast<int64_t>(chunk_) / isz;
-    std::vector<int64_t> off(counts.size() + 1, 0);
-    for (size_t r = 0; r < counts.size(); ++r) off[r + 1] = off[r] + counts[r];
-    const Desc d{kAllGather, static_cast<int32_t>(dt), off.back(), 0};
+    const std::vector<int64_t> off = offsets_of(counts);
+    const Desc d{kAllGather, static_cast<int32_t>(dt), off.back(), 0, layout_hash(counts)};
     const char* src = static_cast<const char*>(local.data_ptr());
     char* dst = static_cast<char*>(out.data_ptr());
     const int64_t mine = counts[static_cast<size_t>(rank_)];
@@ -384,11 +417,14 @@ void ShmChannel::reduce_scatter(const at::Tensor& in, const std::vector<int64_t>
   run_op([&] {
     const at::ScalarType dt = in.scalar_type();
     const int64_t isz = in.element_size();
-    // Each slot is cut into one region per destination rank (cache-line multiples).
-    const int64_t region = std::max<int64_t>(1, static_cast<int64_t>(chunk_) / isz / size_ / 16 * 16);
-    std::vector<int64_t> off(counts.size() + 1, 0);
-    for (size_t r = 0; r < counts.size(); ++r) off[r + 1] = off[r] + counts[r];
-    const Desc d{kReduceScatter, static_cast<int32_t>(dt), off.back(), static_cast<int64_t>(op)};
+    // Each slot is cut into one region per destination rank (multiples of 16 elements
+    // where the slot allows).
+    const int64_t per = static_cast<int64_t>(chunk_) / isz / size_;
+    TESSERA_CHECK(per >= 1, "shared-memory channel: a ", chunk_, "-byte slot cannot hold one ", dt,
+                  " element for each of ", size_, " ranks");
+    const int64_t region = per >= 16 ? per / 16 * 16 : per;
+    const std::vector<int64_t> off = offsets_of(counts);
+    const Desc d{kReduceScatter, static_cast<int32_t>(dt), off.back(), static_cast<int64_t>(op), layout_hash(counts)};
     char* src = static_cast<char*>(in.data_ptr());
     char* dst = static_cast<char*>(out.data_ptr());
     const int64_t mine = counts[static_cast<size_t>(rank_)];

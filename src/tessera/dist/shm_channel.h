@@ -4,7 +4,7 @@
 // slot of the segment and its peers read it from there.
 //
 // Layout: a header, one control block per rank (posted / consumed round counters and
-// the descriptor of the collective in flight) and two data slots of `chunk_bytes` per
+// the descriptor of the collective in flight: operation, dtype, size, per-rank split) and two data slots of `chunk_bytes` per
 // rank. A collective runs as rounds of at most one chunk per rank: write into slot
 // (round % 2), post the round, wait until every peer has posted it, read the peers'
 // slots, mark the round consumed. A slot is written again only after every peer has
@@ -40,7 +40,8 @@ std::string shm_host_key();
 
 class ShmChannel {
  public:
-  // Creates a segment under a fresh name (group rank 0); throws tessera::Error when the
+  // Creates a segment under a fresh name (group rank 0), first removing names that
+  // creators which died before unlinking left behind; throws tessera::Error when the
   // system refuses (no /dev/shm, too little space).
   static std::unique_ptr<ShmChannel> create(int size, size_t chunk_bytes);
   // Maps the segment `name` made by create() as group rank `rank`.
@@ -62,7 +63,8 @@ class ShmChannel {
   void all_reduce(const at::Tensor& t, ReduceOp op);
   // `out` holds every rank's `local` in rank order (out may not overlap local).
   void all_gather(const at::Tensor& local, const std::vector<int64_t>& counts, const at::Tensor& out);
-  // `out` (counts[rank] elements) receives this rank's range of `in` reduced over ranks.
+  // `out` (counts[rank] elements, not overlapping `in`) receives this rank's range of `in`
+  // reduced over ranks.
   void reduce_scatter(const at::Tensor& in, const std::vector<int64_t>& counts, ReduceOp op,
                       const at::Tensor& out);
   void broadcast(const at::Tensor& t, int src);

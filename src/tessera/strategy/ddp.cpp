@@ -54,8 +54,9 @@ struct DdpStrategy::Impl {
   }
 
   void launch(Bucket& b) {
-    if (!b.buffer.defined()) {
-      b.buffer = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype).device(params[b.params[0]]->p.device()));
+    const c10::Device device = params[b.params[0]]->p.device();
+    if (!b.buffer.defined() || b.buffer.device() != device) {  // first step, or the module moved
+      b.buffer = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype).device(device));
     }
     for (int i : b.params) {
       auto& P = *params[i];
@@ -83,7 +84,14 @@ struct DdpStrategy::Impl {
   void on_grad_ready(int i) {
     if (!self->sync_grads_ || !in_backward) return;
     auto& P = *params[i];
-    if (P.ready) return;  // a second accumulation in the same backward (reentrant)
+    if (P.ready) {
+      // A second accumulation in the same backward (a reentrant backward, e.g. activation
+      // checkpointing): harmless until the bucket starts, lost or inconsistent after.
+      TESSERA_CHECK(!buckets[P.bucket].launched, "DDP: parameter '", P.fqn,
+                    "' received a second gradient in one backward after its bucket's all-reduce had started "
+                    "(reentrant backward, e.g. activation checkpointing, is not supported with DDP)");
+      return;
+    }
     P.ready = true;
     if (--buckets[P.bucket].pending_count == 0 && !self->options_.find_unused_parameters) launch_ready();
   }
@@ -174,7 +182,12 @@ void DdpStrategy::backward(const at::Tensor& loss) {
       auto& P = *I.params[i];
       if (used.defined() && used[i].item<int>() == 0) continue;  // no rank used it: keep no gradient
       at::Tensor avg = b.buffer.narrow(0, P.offset, P.p.numel()).view(P.p.sizes());
-      if (!Impl::is_view_of(P.p.grad(), avg)) P.p.mutable_grad() = detail::alias_of(avg);
+      if (Impl::is_view_of(P.p.grad(), avg)) continue;
+      if (!options_.gradient_as_bucket_view && P.p.grad().defined()) {
+        P.p.mutable_grad().copy_(avg);
+      } else {
+        P.p.mutable_grad() = options_.gradient_as_bucket_view ? detail::alias_of(avg) : avg.clone();
+      }
     }
   }
 }

@@ -5,8 +5,9 @@
 // gradient-accumulator hook as soon as all its gradients are ready (and every
 // earlier bucket has started, so all ranks issue collectives in the same order),
 // overlapping communication with the rest of backward. backward() waits for all of
-// them; afterwards each .grad is a view of its bucket's buffer, which holds the average
-// (the buffers live as long as the strategy, like PyTorch's gradient_as_bucket_view).
+// them; afterwards each .grad holds the average, by default as an alias of its slice of
+// the bucket buffer (the buffers live as long as the strategy; see
+// DdpOptions::gradient_as_bucket_view).
 #pragma once
 #include "tessera/strategy/strategy.h"
 
@@ -23,6 +24,12 @@ struct DdpOptions {
   // Broadcast buffers from rank 0 before every forward is not done; buffers are
   // broadcast at setup only.
   bool broadcast_buffers_at_setup = true;
+  // After each synced backward, every .grad is an alias of its slice of the bucket
+  // buffer (allocated once), so gradients are copied into the buckets at most once and
+  // never back out (PyTorch's gradient_as_bucket_view). A .grad tensor set by the user is
+  // replaced by that alias. false: .grad tensors keep their identity and receive a copy
+  // of the average.
+  bool gradient_as_bucket_view = true;
 };
 
 class DdpStrategy : public Strategy {
@@ -34,6 +41,7 @@ class DdpStrategy : public Strategy {
   torch::nn::AnyModule setup(torch::nn::AnyModule module, std::vector<OptimizerPtr> optimizers = {}) override;
   void backward(const at::Tensor& loss) override;
 
+  const DdpOptions& options() const { return options_; }
   // Number of buckets and the FQNs in each (diagnostics, tests).
   std::vector<std::vector<std::string>> buckets() const;
   // Collectives launched from hooks during the last backward (before backward's end).
