@@ -195,6 +195,18 @@ Control& control(char* base, int r) {
 }
 }  // namespace
 
+std::unique_ptr<ShmChannel> ShmChannel::adopt(const std::string& name, int rank, int size, size_t chunk,
+                                               void* mapping) {
+  std::unique_ptr<ShmChannel> ch(new ShmChannel());
+  ch->name_ = name;
+  ch->rank_ = rank;
+  ch->size_ = size;
+  ch->chunk_ = chunk;
+  ch->bytes_ = segment_size(size, chunk);
+  ch->base_ = static_cast<char*>(mapping);
+  return ch;
+}
+
 std::unique_ptr<ShmChannel> ShmChannel::create(int size, size_t chunk) {
   TESSERA_CHECK(size >= 2 && chunk >= 4096 && chunk % 64 == 0, "shared-memory channel: bad size ", size,
                 " or chunk ", chunk);
@@ -217,14 +229,8 @@ std::unique_ptr<ShmChannel> ShmChannel::create(int size, size_t chunk) {
     throw Error(concat("cannot reserve ", bytes, " bytes of shared memory for ", size, " ranks (", name, "): ",
                        std::strerror(rc != 0 ? rc : map_errno), rc == ENOSPC ? " (is /dev/shm too small?)" : ""));
   }
-  std::unique_ptr<ShmChannel> ch(new ShmChannel());
-  ch->name_ = name;
+  auto ch = adopt(name, 0, size, chunk, p);
   ch->owner_ = true;
-  ch->rank_ = 0;
-  ch->size_ = size;
-  ch->chunk_ = chunk;
-  ch->bytes_ = bytes;
-  ch->base_ = static_cast<char*>(p);
   auto* h = reinterpret_cast<Header*>(ch->base_);
   h->size = static_cast<uint32_t>(size);
   h->chunk = chunk;
@@ -246,13 +252,7 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name, int rank, 
   const int map_errno = errno;
   ::close(fd);
   TESSERA_CHECK(p != MAP_FAILED, "mmap of ", name, " failed: ", std::strerror(map_errno));
-  std::unique_ptr<ShmChannel> ch(new ShmChannel());
-  ch->name_ = name;
-  ch->rank_ = rank;
-  ch->size_ = size;
-  ch->chunk_ = chunk;
-  ch->bytes_ = bytes;
-  ch->base_ = static_cast<char*>(p);
+  auto ch = adopt(name, rank, size, chunk, p);
   const auto* h = reinterpret_cast<const Header*>(ch->base_);
   TESSERA_CHECK(__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == kMagic && h->size == static_cast<uint32_t>(size) && h->chunk == chunk,
                 "shared-memory segment ", name, " was made for another group (", h->size, " ranks, chunk ",

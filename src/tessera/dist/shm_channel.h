@@ -73,6 +73,9 @@ class ShmChannel {
 
  private:
   ShmChannel() = default;
+  // The channel over a mapping of segment_size(size, chunk) bytes (unmapped by ~ShmChannel).
+  static std::unique_ptr<ShmChannel> adopt(const std::string& name, int rank, int size, size_t chunk,
+                                           void* mapping);
   template <typename Write, typename Read>
   void round(const Desc& d, Write&& write, Read&& read);
   // Waits until `word` (of `peer`'s control block) reaches `target`; `joining` names the

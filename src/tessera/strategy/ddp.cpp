@@ -43,16 +43,17 @@ struct DdpStrategy::Impl {
     next_bucket = 0;
   }
 
-  // The bucket's buffer lives as long as the strategy (as in PyTorch's reducer): no
-  // allocation and no page faults per step. After a step each parameter's .grad is a
-  // view of it, so gradients that stay (zero_grad without set_to_none, no_sync
-  // accumulation) are accumulated by autograd in place and need no copy here.
   // Whether `g` is exactly the bucket slice `slot` (same memory, same length, dense);
   // after a step each .grad is such a slice (an alias, not an autograd view).
   static bool is_view_of(const at::Tensor& g, const at::Tensor& slot) {
     return g.defined() && g.data_ptr() == slot.data_ptr() && g.numel() == slot.numel() && g.is_contiguous();
   }
 
+  // The bucket's buffer lives as long as the strategy (as in PyTorch's reducer): no
+  // allocation and no page faults per step. After a step each parameter's .grad is (by
+  // default, gradient_as_bucket_view) an alias of its slice, so gradients that stay
+  // (zero_grad without set_to_none, no_sync accumulation) are accumulated by autograd in
+  // place and need no copy here.
   void launch(Bucket& b) {
     const c10::Device device = params[b.params[0]]->p.device();
     if (!b.buffer.defined() || b.buffer.device() != device) {  // first step, or the module moved
