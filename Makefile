@@ -3,12 +3,20 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all setup configure build test demo bench fuzz test-asan soak test-tsan clean
+.PHONY: all setup configure build test demo bench fuzz test-asan soak test-tsan clean \
+        python-base python-torch2 build-torch2 test-torch2
 
 all: build
 
 setup:
 	@bash scripts/setup.sh
+
+# The Python readers and peers the tests use (scripts/setup-python.sh): .venv over Debian's
+# python3 for the default build, .venv-torch2 with torch 2.x from PyPI for build-torch2.
+python-base:
+	@bash scripts/setup-python.sh base >/dev/null
+python-torch2:
+	@bash scripts/setup-python.sh torch2 >/dev/null
 
 $(BUILD)/build.ninja:
 	@bash scripts/setup.sh
@@ -19,10 +27,32 @@ configure: $(BUILD)/build.ninja
 build: setup configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: build
+test: build python-base
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
-demo: build
+# ---- the same project against the libtorch inside PyPI's torch 2.x wheel (a CUDA build):
+# CUDA and NCCL code compiled; the suite runs on the CPU, GPU-only tests skip.
+TORCH2_BUILD ?= build-torch2
+TORCH2_PY = $(CURDIR)/.venv-torch2/bin/python
+CUDA_HOME ?= /usr/local/cuda
+
+$(TORCH2_BUILD)/build.ninja:
+	@bash scripts/setup.sh
+	@bash scripts/setup-python.sh torch2 >/dev/null
+	cmake -S . -B $(TORCH2_BUILD) -G Ninja -DTESSERA_PYTHON=$(TORCH2_PY) \
+	  -DCMAKE_PREFIX_PATH="$$($(TORCH2_PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
+	  -DCUDAToolkit_ROOT=$(CUDA_HOME) -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc $(CMAKE_ARGS)
+
+build-torch2: setup python-torch2 $(TORCH2_BUILD)/build.ninja
+	cmake --build $(TORCH2_BUILD) -j $(JOBS)
+
+test-torch2: build-torch2
+	cd $(TORCH2_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
+
+# The demo needs only the library, the CLI and the GPT example (a first run on a fresh
+# machine skips compiling the test suite and benchmarks; `make test` builds the rest).
+demo: setup configure
+	cmake --build $(BUILD) -j $(JOBS) --target tessera_cli gpt
 	bash scripts/demo.sh $(BUILD)
 
 bench: build

@@ -8,7 +8,7 @@ include(CMakePushCheckState)
 cmake_push_check_state(RESET)
 set(CMAKE_REQUIRED_INCLUDES ${TORCH_INCLUDE_DIRS})
 set(CMAKE_REQUIRED_DEFINITIONS -DUSE_C10D_GLOO)
-set(CMAKE_REQUIRED_FLAGS "-std=c++17")
+# (the language level is CMAKE_CXX_STANDARD, which try_compile honours)
 set(CMAKE_REQUIRED_QUIET ON)
 # Probes only need to compile: linking libtorch into each would be slow.
 set(CMAKE_TRY_COMPILE_TARGET_TYPE STATIC_LIBRARY)

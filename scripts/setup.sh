@@ -7,7 +7,7 @@ PKGS=(
   cmake ninja-build g++ make pkg-config ccache
   libtorch-dev libgloo-dev libopenblas0-openmp
   nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
-  python3-torch python3-numpy bc time
+  python3-torch python3-numpy python3-venv bc time
   iproute2
 )
 # Fuzzing and sanitizers (make fuzz / make test-asan) want clang's runtime.

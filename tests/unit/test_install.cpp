@@ -26,8 +26,8 @@ TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
   EXPECT_TRUE(fs::exists(tmp / "prefix/include/tessera/config.h"));
   EXPECT_FALSE(fs::exists(tmp / "prefix/include/tessera/core/pch.h"));
   const std::string build = (tmp / "consumer-build").string();
-  std::tie(rc, out) = run_command("cmake -S " TESSERA_SOURCE_DIR "/tests/consumer -B " + build + " -G Ninja -DCMAKE_PREFIX_PATH=" +
-                         prefix);
+  std::tie(rc, out) = run_command("cmake -S " TESSERA_SOURCE_DIR "/tests/consumer -B " + build + " -G Ninja '-DCMAKE_PREFIX_PATH=" +
+                         prefix + ";" TESSERA_TORCH_ROOT "' " TESSERA_CONSUMER_CMAKE_ARGS);
   ASSERT_EQ(rc, 0) << out;
   std::tie(rc, out) = run_command("cmake --build " + build);
   ASSERT_EQ(rc, 0) << out;

@@ -206,6 +206,7 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
   Trace t;
   g_block_forwards = 0;
   std::vector<const void*> grad_ptrs;  // DDP: where each .grad lives after the first step
+  bool grads_survive_zero_grad = true;  // Optimizer::zero_grad zeroes in place (1.13) or drops (2.x)
   for (int s = 0; s < steps; ++s) {
     auto [gx, gy] = global_batch(s);
     at::Tensor x = rows_of(gx, c->rank(), c->size()), y = rows_of(gy, c->rank(), c->size());
@@ -234,7 +235,11 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
       std::vector<const void*> ptrs;
       for (auto& p : strat->module()->parameters()) ptrs.push_back(p.grad().defined() ? p.grad().data_ptr() : nullptr);
       if (s == 0) grad_ptrs = ptrs;
-      WCHECK(ptrs == grad_ptrs, kind, ": a gradient moved at step ", s);
+      // With gradient_as_bucket_view the gradients come back into their bucket even after
+      // a zero_grad that drops them (libtorch 2.x: set_to_none by default); a gradient of
+      // its own stays in place only where zero_grad keeps it (1.13: zeroed in place).
+      if (ddp->options().gradient_as_bucket_view || grads_survive_zero_grad)
+        WCHECK(ptrs == grad_ptrs, kind, ": a gradient moved at step ", s);
       // ... and a bucket's gradients are consecutive stretches of one buffer (or, with
       // gradient_as_bucket_view off, not: each .grad keeps its own tensor).
       auto named = strat->module()->named_parameters();
@@ -251,6 +256,8 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
     }
     strat->optimizer_step(*opt);
     opt->zero_grad();
+    if (s == 0)
+      for (auto& p : strat->module()->parameters()) grads_survive_zero_grad = grads_survive_zero_grad && p.grad().defined();
     t.evals.push_back(eval_loss([&](const at::Tensor& x) { return m.forward(x); }));
     if (fsdp) WCHECK(!fsdp->any_gathered(), kind, ": parameters still gathered after a no-grad forward");
   }

@@ -12,6 +12,8 @@
 #include <memory>
 #include <vector>
 
+#include "tessera/core/compat.h"
+
 namespace tessera::strategy::detail {
 
 // A tensor over t's memory that autograd does not treat as a view of it. Gradients that
@@ -49,7 +51,7 @@ class AccumulatorHook {
   void attach(const at::Tensor& param, const std::function<void()>& fn) {
     if (!param.requires_grad()) return;
     if (node_ && dtype_ == param.scalar_type() && device_ == param.device()) {
-      torch::autograd::impl::set_grad_accumulator(param, node_);
+      compat::set_grad_accumulator(param, node_);
       return;
     }
     remove();
@@ -64,7 +66,7 @@ class AccumulatorHook {
   }
 
  private:
-  std::shared_ptr<torch::autograd::Node> node_;
+  compat::NodePtr node_;
   uintptr_t key_ = 0;
   at::ScalarType dtype_ = at::kFloat;
   c10::Device device_ = c10::kCPU;
