@@ -27,7 +27,7 @@ class Block(nn.Module):
         hd = self.d // self.heads
         q, k, v = self.qkv(x).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
         att = q @ k.transpose(-2, -1) / math.sqrt(hd)
-        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(future, self.mask_value).softmax(-1)
         return self.proj((att @ v).transpose(1, 2).reshape(B, T, self.d))
 

@@ -33,7 +33,7 @@ class Gpt(nn.Module):
 
     def forward(self, tokens):
         T = tokens.shape[1]
-        x = self.tok(tokens) + self.pos(torch.arange(T))
+        x = self.tok(tokens) + self.pos(torch.arange(T, device=tokens.device))
         return self.head(self.ln_f(self.blocks(x)))
 
 

@@ -30,6 +30,7 @@
 #include "data.h"
 #include "model.h"
 #include "tessera/checkpoint/checkpoint.h"
+#include "tessera/core/device.h"
 #include "tessera/state/module_state.h"
 #include "tessera/trainer/csv_logger.h"
 #include "tessera/trainer/trainer.h"
@@ -42,6 +43,8 @@ namespace {
 struct TrainArgs {
   int devices = 0;  // 0: the launcher's LOCAL_WORLD_SIZE, else 1
   std::string strategy = "fsdp", sharding = "full", precision = "32", state_dict, resume;
+  std::string accelerator = "auto";
+  double peak_tflops = 0;  // 0: the GPU's bf16 dense peak when known (core::peak_tflops)
   int64_t max_steps = 300, batch_size = 16, seq_len = 64, n_layer = 4, n_head = 4, d_model = 128;
   int64_t warmup_steps = -1, decay_steps = 0, ckpt_every = 0, val_every = 50, log_every = 10;
   double lr = 2e-3, min_lr_ratio = 0.1, weight_decay = 0.01, grad_clip = 1.0, val_fraction = 0.1;
@@ -163,7 +166,7 @@ int run_train(TrainArgs a) {
   if (a.sharding != "full") check(a.strategy == "fsdp", "--sharding " + a.sharding + " needs --strategy fsdp");
 
   trainer::TrainerOptions o;
-  o.fabric.accelerator = "cpu";
+  o.fabric.accelerator = a.accelerator;
   o.fabric.strategy = a.strategy;
   o.fabric.devices = local;
   o.fabric.num_nodes = std::max(1, world / std::max(1, local));
@@ -228,6 +231,19 @@ int run_train(TrainArgs a) {
     << " val_loss=" << val_loss << " tokens_per_s=" << std::setprecision(4) << tok_s << " seconds=" << secs
     << " params=" << gpt::count_parameters(cfg);
   f.print(s.str());
+  // On a GPU: the caching allocator's peak on this rank, and model FLOPs utilisation
+  // (6 N per token for the weights, 12 L d T for attention, forward and backward) against
+  // the GPU's bf16 dense peak (--peak-tflops, or the known figure for its model).
+  if (f.device().is_cuda()) {
+    std::ostringstream g;
+    const double flops_per_token = 6.0 * static_cast<double>(gpt::count_parameters(cfg)) +
+                                   12.0 * static_cast<double>(a.n_layer * a.d_model * a.seq_len);
+    const double peak = a.peak_tflops > 0 ? a.peak_tflops : core::peak_tflops(f.device()).value_or(0);
+    g << std::setprecision(4) << "gpt: gpu " << f.device() << " peak_mem_mib="
+      << static_cast<double>(core::peak_allocated_bytes(f.device()).value_or(0)) / (1 << 20);
+    if (peak > 0) g << " mfu=" << tok_s / world * flops_per_token / (peak * 1e12) << " peak_tflops=" << peak;
+    std::cout << g.str() << std::endl;  // every rank: peaks differ per rank
+  }
   f.print("gpt: metrics ", metrics_path, "; checkpoint ", t.last_checkpoint_path());
   return 0;
 }
@@ -315,6 +331,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train->add_option("--sharding", ta.sharding, "FSDP sharding: full|grad-op|none|hybrid")
       ->check(CLI::IsMember({"full", "grad-op", "none", "hybrid"}))->capture_default_str();
+  train->add_option("--accelerator", ta.accelerator, "cpu|cuda|auto (auto: cuda:LOCAL_RANK when GPUs are visible)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+      ->capture_default_str();
+  train->add_option("--peak-tflops", ta.peak_tflops, "GPU bf16 dense peak for the MFU figure (default: known GPUs)")
+      ->check(CLI::PositiveNumber);
   train->add_option("--precision", ta.precision, "32|bf16-mixed")->check(CLI::IsMember({"32", "bf16-mixed"}))
       ->capture_default_str();
   train->add_option("--max-steps", ta.max_steps, "optimizer steps to train to (counted from step 0)")

@@ -3,18 +3,17 @@
 usage: checkpoint_write_torch.py OUT_DIR
   model.pt           torch.save(nn.Sequential(Linear(4, 3), BatchNorm1d(3)).state_dict())
   nested.pt          {"model": <that state_dict>, "extra": {...}, "step": 5, "lr": 0.5, "name": "x"}
-  model.safetensors  the same state_dict in a hand-written safetensors file
+  model.safetensors  the same state_dict written by safetensors.torch.save_file
   evil.pt            a pickle whose loading would run os.system (must be refused)
 Values: Linear weight = arange(12).reshape(3, 4) / 2, bias = [1, 2, 3],
 BatchNorm weight = [0.5, 1.5, 2.5], bias = -weight, running_mean = [0.25, 0.5, 0.75],
 running_var = [2, 3, 4], num_batches_tracked = 9.
 """
-import json
 import os
-import struct
 import sys
 
 import torch
+from safetensors.torch import save_file
 
 out = sys.argv[1]
 m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
@@ -40,17 +39,9 @@ torch.save(
     os.path.join(out, "nested.pt"),
 )
 
-names = {torch.float32: "F32", torch.int64: "I64"}
-header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
-for k, v in sd.items():
-    b = v.contiguous().numpy().tobytes()
-    header[k] = {"dtype": names[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + len(b)]}
-    blobs.append(b)
-    off += len(b)
-h = json.dumps(header).encode()
-h += b" " * (-len(h) % 8)
-with open(os.path.join(out, "model.safetensors"), "wb") as f:
-    f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+# Written by the real safetensors library, as Hugging Face tooling writes it.
+save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out, "model.safetensors"),
+          metadata={"format": "pt"})
 
 
 class Evil:

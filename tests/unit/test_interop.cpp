@@ -114,7 +114,7 @@ TEST(CkptTool, VerifyNamesTheBadFileAndKey) {
 }
 
 TEST(Interop, ExportsReadByPythonTorch) {
-  if (!python_has_torch()) GTEST_SKIP() << TESSERA_PYTHON << " has no torch module";
+  ASSERT_TRUE(python_has_torch()) << TESSERA_PYTHON << " has no torch module (make test installs the project environment)";
   const std::string dir = temp_dir();
   const std::string ckpt = saved_checkpoint(dir);
   Cmd e1 = cli("ckpt export " + ckpt + " --format torch -o " + dir + "/out.pt");
@@ -133,7 +133,7 @@ TEST(Interop, ExportsReadByPythonTorch) {
 }
 
 TEST(Interop, ImportsWhatPythonWrote) {
-  if (!python_has_torch()) GTEST_SKIP() << TESSERA_PYTHON << " has no torch module";
+  ASSERT_TRUE(python_has_torch()) << TESSERA_PYTHON << " has no torch module (make test installs the project environment)";
   const std::string dir = temp_dir();
   Cmd py = sh(std::string(TESSERA_PYTHON) + " " + script("checkpoint_write_torch.py") + " " + dir);
   ASSERT_EQ(py.code, 0) << py.out;

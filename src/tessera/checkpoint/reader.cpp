@@ -189,7 +189,10 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   at::Tensor view = sharding::narrow_to(dst, dst_box, *ov);
   const bool whole_rows = c.box.dim() == 0 || std::equal(ov->sizes.begin() + 1, ov->sizes.end(), c.box.sizes.begin() + 1);
   const bool direct = whole_rows && rg.exact && view.device().is_cpu() && view.is_contiguous();
-  at::Tensor buf = direct ? view : at::empty({static_cast<int64_t>((b1 - b0) / is)}, at::TensorOptions().dtype(e.dtype));
+  // A device destination is filled from a pinned host buffer (a DMA copy per chunk piece).
+  at::Tensor buf = direct ? view
+                          : at::empty({static_cast<int64_t>((b1 - b0) / is)},
+                                      at::TensorOptions().dtype(e.dtype).pinned_memory(!view.device().is_cpu()));
   auto* p = static_cast<char*>(buf.data_ptr());
   r.file().pread_exact(c.begin + b0, p, b1 - b0);
   if (!c.crcs.empty()) {

@@ -12,6 +12,7 @@
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/checkpoint/writer.h"
+#include "tessera/core/device.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
 
@@ -264,21 +265,28 @@ std::shared_ptr<dist::Communicator> background_comm(const std::shared_ptr<dist::
   return bg;
 }
 
-at::Tensor host_copy(const at::Tensor& t) {
-  return t.device().is_cpu() ? t.detach().clone(at::MemoryFormat::Contiguous) : t.detach().to(at::kCPU).contiguous();
+// Device tensors are staged into pinned host buffers with asynchronous copies; the
+// devices they came from are recorded so that the snapshot synchronizes each once.
+at::Tensor host_copy(const at::Tensor& t, std::vector<c10::Device>& staged) {
+  if (t.device().is_cpu()) return t.detach().clone(at::MemoryFormat::Contiguous);
+  at::Tensor h = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
+  h.copy_(t.detach(), /*non_blocking=*/true);
+  if (std::find(staged.begin(), staged.end(), t.device()) == staged.end()) staged.push_back(t.device());
+  return h;
 }
 
 void wait_previous();
-std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<dist::Communicator>& bg) {
+std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, const std::shared_ptr<dist::Communicator>& bg,
+                                                std::vector<c10::Device>& staged) {
   auto out = std::make_shared<state::StateDict>();
   for (const auto& k : sd.keys()) {
     const Value& v = sd.at(k);
     if (auto t = std::get_if<at::Tensor>(&v)) {
-      out->set(k, host_copy(*t));
+      out->set(k, host_copy(*t, staged));
     } else if (auto s = std::get_if<sharding::ShardedTensor>(&v)) {
       std::vector<sharding::Shard> local;
       for (const auto& sh : s->local_shards()) {
-        sharding::Shard c{host_copy(sh.tensor), sh.meta};
+        sharding::Shard c{host_copy(sh.tensor, staged), sh.meta};
         c.meta.placement.device = c10::kCPU;
         local.push_back(std::move(c));
       }
@@ -286,11 +294,18 @@ std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std
       for (auto& m : all) m.placement.device = c10::kCPU;
       out->set(k, sharding::ShardedTensor::from_parts(std::move(local), all, s->shape(), s->dtype(), bg));
     } else if (auto d = std::get_if<std::shared_ptr<state::StateDict>>(&v); d && *d) {
-      out->set(k, snapshot(**d, bg));
+      out->set(k, snapshot_into(**d, bg, staged));
     } else {
       out->set(k, v);
     }
   }
+  return out;
+}
+
+std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<dist::Communicator>& bg) {
+  std::vector<c10::Device> staged;
+  auto out = snapshot_into(sd, bg, staged);
+  for (const auto& d : staged) core::synchronize(d);  // the pinned copies are complete
   return out;
 }
 

@@ -97,9 +97,19 @@ struct Communicator::Impl {
     }
   }
 
-  // Waits on a c10d work item inside the guard.
+  // Waits on a c10d work item inside the guard. For CUDA tensors this is a stream wait:
+  // the caller's current stream waits for NCCL's stream, the host goes on (so a
+  // prefetched all-gather overlaps the compute queued after it). Passing a timeout to
+  // NCCL's wait() would instead block the host until the collective finished; NCCL's
+  // watchdog enforces the process group's timeout (set at creation) either way.
   void wait_work(const c10::intrusive_ptr<compat::Work>& work, const char* what, const at::Tensor& t) {
-    guarded(what, t, [&] { work->wait(options.timeout); return 0; });
+    guarded(what, t, [&] {
+      if (t.is_cuda())
+        work->wait();
+      else
+        work->wait(options.timeout);
+      return 0;
+    });
   }
 };
 

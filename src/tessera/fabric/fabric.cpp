@@ -1,7 +1,6 @@
 #include "tessera/fabric/fabric.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <unistd.h>
 
@@ -11,45 +10,15 @@
 #include <fstream>
 #include <iterator>
 
+#include "tessera/core/compat.h"
+#include "tessera/core/device.h"
 #include "tessera/core/env.h"
 #include "tessera/core/log.h"
 #include "tessera/dist/launcher.h"
 #include "tessera/strategy/ddp.h"
 #include "tessera/strategy/fsdp.h"
 
-// Declared, never defined: they only make the names below resolvable when one of the
-// two autocast APIs is absent. At global scope so that, through the using-directives,
-// they are found together with at::autocast's (a using-directive makes names visible
-// in the nearest namespace enclosing both).
-namespace tessera_autocast_missing {
-struct Missing {};
-void set_autocast_dtype(Missing, Missing);
-void set_autocast_cpu_dtype(Missing);
-void set_autocast_gpu_dtype(Missing);
-}  // namespace tessera_autocast_missing
-
 namespace tessera::fabric {
-
-// --- autocast, across libtorch versions -------------------------------------------
-// Enabling is the same everywhere (the Autocast dispatch key excluded or not in
-// thread-local state). The dtype setter is set_autocast_dtype(device, dtype) on newer
-// libtorch and set_autocast_{cpu,gpu}_dtype(dtype) on 1.13; whichever exists is picked
-// by overload resolution on dependent calls (the declarations taking `Missing` only
-// make the names resolvable when one API is absent).
-namespace autocast_compat {
-using namespace at::autocast;
-using namespace ::tessera_autocast_missing;
-
-template <typename D, typename T>
-auto set_dtype(D device, T dtype, int) -> decltype(set_autocast_dtype(device, dtype), void()) {
-  set_autocast_dtype(device, dtype);
-}
-template <typename D, typename T>
-auto set_dtype(D device, T dtype, long) -> decltype(set_autocast_cpu_dtype(dtype), set_autocast_gpu_dtype(dtype), void()) {
-  if (device == c10::DeviceType::CUDA) set_autocast_gpu_dtype(dtype);
-  else set_autocast_cpu_dtype(dtype);
-}
-}  // namespace autocast_compat
 
 namespace {
 c10::DispatchKey autocast_key(bool cuda) { return cuda ? c10::DispatchKey::AutocastCUDA : c10::DispatchKey::AutocastCPU; }
@@ -58,7 +27,7 @@ c10::DispatchKey autocast_key(bool cuda) { return cuda ? c10::DispatchKey::Autoc
 AutocastGuard::AutocastGuard(bool cuda, at::ScalarType dtype) : active_(true), cuda_(cuda) {
   const auto key = autocast_key(cuda);
   prev_enabled_ = !c10::impl::tls_is_dispatch_key_excluded(key);
-  autocast_compat::set_dtype(cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, dtype, 0);
+  compat::set_autocast_dtype(cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, dtype);
   c10::impl::tls_set_dispatch_key_excluded(key, false);
   at::autocast::increment_nesting();
 }
@@ -134,8 +103,10 @@ void Fabric::launch() {
                 world_.world_size, " (", world_.describe(), "); make them agree");
   if (world_.is_distributed()) log::set_rank(world_.rank);
 
-  comm_ = dist::Communicator::create(world_, opts_.options.comm);
+  // The rank's GPU becomes current before any CUDA work, NCCL's communicators included.
   const c10::Device dev = device();
+  core::select_device(dev);
+  comm_ = dist::Communicator::create(world_, opts_.options.comm);
   if (opts_.strategy == "single") {
     strategy_ = std::make_unique<strategy::SingleDeviceStrategy>(dev);
   } else if (opts_.strategy == "ddp") {
@@ -162,10 +133,7 @@ const std::shared_ptr<dist::Communicator>& Fabric::comm() {
   return comm_;
 }
 
-c10::Device Fabric::device() const {
-  if (opts_.accelerator == "cuda") return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(world_.local_rank));
-  return c10::Device(c10::kCPU);
-}
+c10::Device Fabric::device() const { return core::rank_device(opts_.accelerator, world_.local_rank); }
 
 int Fabric::global_rank() const { return world_.rank; }
 int Fabric::local_rank() const { return world_.local_rank; }

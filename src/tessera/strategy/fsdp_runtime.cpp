@@ -22,6 +22,9 @@ namespace {
 // Frees a tensor's storage but keeps the StorageImpl (and so every view and saved
 // tensor that shares it); alloc_storage gives it memory again. This is how a
 // gathered parameter is "freed" while autograd still holds views of it.
+// CPU offload of units that compute on an accelerator.
+bool offload_to_host(const FsdpOptions& o) { return o.cpu_offload && !o.device.is_cpu(); }
+
 void free_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   if (s->nbytes() == 0) return;
@@ -182,7 +185,10 @@ void FsdpStrategy::Impl::shard_unit(FsdpUnitState& u) {
   if (u.params.empty())
     u.shard_flat = at::empty({0}, at::TensorOptions().dtype(u.compute_dtype).device(shard_dev));
   else if (one_dtype)
-    u.shard_flat = at::empty({u.rank_numel[s]}, u.params.front()->p.options().device(shard_dev));
+    // Offloaded shards of a GPU unit live in pinned host memory, so that the gather's
+    // host-to-device copy is asynchronous (start_gather).
+    u.shard_flat = at::empty({u.rank_numel[s]},
+                             u.params.front()->p.options().device(shard_dev).pinned_memory(offload_to_host(o)));
   u.full_flat = at::empty({T}, at::TensorOptions().dtype(u.compute_dtype).device(o.device));
   for (auto& Pp : u.params) {
     auto& P = *Pp;
@@ -215,7 +221,11 @@ void FsdpStrategy::Impl::start_gather(FsdpUnitState& u) {
   at::NoGradGuard ng;
   at::Tensor local;
   if (u.shard_flat.defined()) {
-    local = u.shard_flat.to(self->options_.device, u.compute_dtype);  // itself when nothing changes
+    // Itself when nothing changes. From pinned host memory (CPU offload of a GPU unit) the
+    // copy is queued on the current stream and the host goes on; the shard is written
+    // next by the optimizer step, after finalize's blocking device-to-host gradient
+    // copies have drained that stream.
+    local = u.shard_flat.to(self->options_.device, u.compute_dtype, /*non_blocking=*/offload_to_host(self->options_));
   } else {
     std::vector<at::Tensor> pieces;
     for (auto& P : u.params) pieces.push_back(P->shard.reshape({-1}).to(self->options_.device, u.compute_dtype));
