@@ -28,7 +28,8 @@ namespace {
 struct Seen {
   std::vector<int64_t> shape;
   c10::Device device = c10::kCPU;
-  at::Tensor data;  // a second handle on the data the weight held during the forward
+  const void* ptr = nullptr;  // where its data was then
+  at::Tensor data;            // a second handle on that data (its storage may be freed later)
 } g_seen;
 
 struct MlpImpl : torch::nn::Module {
@@ -38,7 +39,8 @@ struct MlpImpl : torch::nn::Module {
     b = register_module("b", torch::nn::Linear(8, 8));
   }
   at::Tensor forward(const at::Tensor& x) {
-    if (!g_seen.data.defined()) g_seen = {a->weight.sizes().vec(), a->weight.device(), a->weight.detach()};
+    if (!g_seen.data.defined())
+      g_seen = {a->weight.sizes().vec(), a->weight.device(), a->weight.data_ptr(), a->weight.detach()};
     return x + b(at::tanh(a(x)));
   }
 };
@@ -199,7 +201,7 @@ SCENARIO("strategy_offload_placement") {
       WCHECK(g_seen.device == fsdp.options().device, where, "computed on ", g_seen.device);
       WCHECK((g > 0) == gathers && (fsdp.gathers() > 0) == gathers, where, g, " all-gathers");
       // The compute copy was not the master, and its memory is released after the step.
-      WCHECK((g_seen.data.data_ptr() != masters["1.a.weight"]) == gathers, where,
+      WCHECK((g_seen.ptr != masters["1.a.weight"]) == gathers, where,
              "the unit computed on the master shard's memory: ", gathers ? "not gathered" : "gathered");
       if (gathers)
         WCHECK(g_seen.data.storage().nbytes() == 0, where, "the gathered weight still holds ",
