@@ -84,22 +84,46 @@ TEST(CheckpointDist, PlainSaveLoadsSharded) {
   EXPECT_EQ(l.launch.exit_code, 0) << l.all_output();
 }
 
+// save_async returns before the write begins (the worker holds each rank's background
+// write at a test gate and checks that the save is not done and nothing is on disk), the
+// snapshot ignores later changes, the caller's collectives run on, and a second save
+// waits for the first.
 TEST(CheckpointDist, AsyncSavesOverlapCollectivesAndSecondWaitsForFirst) {
   const std::string dir = temp_dir() + "/async";
   auto r = run_ranks(2, {"ckpt_async", dir}, 120);
   EXPECT_EQ(r.launch.exit_code, 0) << r.all_output();
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_FALSE(r.out[rank].empty()) << r.all_output();
+    EXPECT_EQ(r.out[rank].back(), "async ok rank " + std::to_string(rank)) << r.all_output();
+  }
   EXPECT_TRUE(ck::verify(dir).ok);
   EXPECT_TRUE(ck::verify(dir + ".2").ok);
 }
 
+// A byte of rank 1's data file is flipped (size unchanged): only rank 1 reads that file
+// at the same world size, so only rank 1 meets the checksum error; rank 0 must fail too,
+// naming rank 1 and its error. Each rank's own output is checked.
 TEST(CheckpointDist, LoadErrorOnOneRankIsRaisedOnAll) {
   const std::string dir = temp_dir() + "/c";
   ASSERT_EQ(run_ranks(2, {"ckpt_save", dir, "sharded", "sharded"}, 120).launch.exit_code, 0);
-  ::unlink((dir + "/data-rank00001.safetensors").c_str());
-  auto l = run_ranks(2, {"ckpt_load", dir, "sharded"}, 120);
-  EXPECT_NE(l.launch.exit_code, 0);
-  const std::string out = l.all_output();
-  EXPECT_NE(out.find("data file 'data-rank00001.safetensors' is missing"), std::string::npos) << out;
+  const std::string file = dir + "/data-rank00001.safetensors";
+  std::string bytes = tessera::testing::read_bytes(file);
+  ASSERT_GT(bytes.size(), 8u);
+  bytes.back() = static_cast<char>(bytes.back() ^ 0x5a);  // the last byte is tensor data
+  tessera::testing::write_bytes(file, bytes);
+  auto l = run_ranks(2, {"ckpt_load_error", dir}, 120);
+  ASSERT_EQ(l.launch.exit_code, 0) << l.all_output();
+  const std::string bad = "data-rank00001.safetensors' key '";
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(l.out[rank].size(), 1u) << "rank " << rank << "\n" << l.all_output();
+    const std::string& line = l.out[rank][0];
+    EXPECT_EQ(line.rfind("load error rank " + std::to_string(rank) + ": ", 0), 0u) << line;
+    EXPECT_NE(line.find(bad), std::string::npos) << line;
+    EXPECT_NE(line.find("checksum mismatch"), std::string::npos) << line;
+  }
+  // Rank 0 read nothing bad itself: its error is rank 1's, passed on.
+  EXPECT_NE(l.out[0][0].find("failed on rank 1: "), std::string::npos) << l.out[0][0];
+  EXPECT_EQ(l.out[1][0].find("failed on rank"), std::string::npos) << l.out[1][0];
 }
 
 // kill -9 at random points of a save loop: the checkpoint at the path always loads and

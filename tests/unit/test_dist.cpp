@@ -73,6 +73,17 @@ TEST(Collectives, SingleProcessNeedsNoRendezvous) {
   EXPECT_TRUE(at::equal(c->reduce_scatter(at::arange(4), {4}), at::arange(4)));
   EXPECT_EQ(c->all_gather_bytes("abc"), std::vector<std::string>{"abc"});
   c->barrier();
+  // counts(): one per call and kind, also in a group of one (where barrier() is a no-op).
+  const auto k = c->counts();
+  EXPECT_EQ(k.all_reduce, 1);
+  EXPECT_EQ(k.all_gather, 1);
+  EXPECT_EQ(k.reduce_scatter, 1);
+  EXPECT_EQ(k.broadcast, 0);
+  at::Tensor b = at::ones({2});
+  c->broadcast(b);
+  c->all_to_all(at::ones({2}), {2}, {2});
+  EXPECT_EQ(c->counts().broadcast, 1);
+  EXPECT_EQ(c->counts().all_to_all, 1);
 }
 
 TEST(Collectives, BadArgumentsAreClearErrors) {

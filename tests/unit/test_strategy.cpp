@@ -101,3 +101,23 @@ TEST(StrategyResume, ShardedCheckpointLoadsAtOtherWorldSizesAndStrategies) {
   expect_ok_lines(4, {"strategy_resume", "load", "grad_op", dir, "3", "3"}, "resumed ok");
   std::filesystem::remove_all(tmpl);
 }
+
+// Collectives counted per kind on the strategies' communicators: none for gradients
+// under no_sync (FSDP, NO_SHARD, DDP), one reduction per unit or bucket when synced, and
+// fewer all-gathers for SHARD_GRAD_OP (3 per step) than FULL_SHARD (4).
+TEST(StrategyCollectives, NoSyncAndShardGradOpIssueTheCollectivesTheyPromise) {
+  for (int n : {2, 3}) expect_ok_lines(n, {"strategy_collective_counts"}, "collective counts ok");
+}
+
+// CPU offload: master shards, gradients and Adam state on the CPU between steps, the
+// compute copy gathered per step and freed (also on one rank, unlike without offload).
+TEST(StrategyCollectives, CpuOffloadKeepsShardsAndFreesTheComputeCopy) {
+  for (int n : {1, 2}) expect_ok_lines(n, {"strategy_offload_placement"}, "offload placement ok");
+}
+
+// find_unused_parameters on 2 ranks using different heads (swapped every step): each
+// rank's gradients equal the average with zeros where unused; a parameter no rank used
+// has none.
+TEST(StrategyCollectives, DdpFindUnusedParametersAcrossRanks) {
+  expect_ok_lines(2, {"ddp_unused_parameters"}, "ddp unused ok");
+}

@@ -2,9 +2,12 @@
 // at another and compare bit for bit; a save loop for the kill -9 test; async saves.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <thread>
 
@@ -145,6 +148,24 @@ SCENARIO("ckpt_load") {
   return 0;
 }
 
+// ckpt_load_error DIR: a load that must fail; each rank prints the error it got as one
+// line ("load error rank R: ..."), and all wait for each other before exiting, so no rank
+// is stopped by the launcher before it has printed (a rank that loads prints "no error").
+SCENARIO("ckpt_load_error") {
+  auto c = comm();
+  auto sd = make_state(c, true, true, 0);
+  std::string line = "no error";
+  try {
+    ck::load(sd, args.arg(0), *c, {true});
+  } catch (const std::exception& e) {
+    line = e.what();
+    std::replace(line.begin(), line.end(), '\n', ' ');
+  }
+  std::cout << "load error rank " << c->rank() << ": " << line << std::endl;
+  c->barrier();
+  return 0;
+}
+
 // ckpt_save_loop DIR MODE: saves iterations 1, 2, ... until killed (bounded: 60 s).
 SCENARIO("ckpt_save_loop") {
   auto c = comm();
@@ -170,32 +191,60 @@ SCENARIO("ckpt_verify_iter") {
 }
 
 // ckpt_async DIR: two async saves overlapping the caller's collectives, then a load.
+// DIR must not exist and be the only entry of its parent.
 SCENARIO("ckpt_async") {
+  namespace fs = std::filesystem;
   auto c = comm();
+  const std::string dir = args.arg(0);
+  const fs::path parent = fs::path(dir).parent_path();
+  WCHECK(!fs::exists(dir) && fs::is_empty(parent), dir, " exists or its parent is not empty");
   auto sd = make_state(c, true, false, 1);
-  ck::AsyncSave h = ck::save_async(sd, args.arg(0), c, {ck::SaveMode::Sharded});
-  // Mutating the live state after save_async returns must not change what is saved.
+  // The first save's background thread waits at a gate that this thread opens only after
+  // the checks below: save_async must return while the write has not begun. (A save_async
+  // that wrote in the calling thread would have committed DIR already, or would run the
+  // hook on this thread: that is refused rather than left to deadlock.)
+  const auto caller = std::this_thread::get_id();
+  std::promise<void> reached, open;
+  std::future<void> reached_f = reached.get_future();
+  std::shared_future<void> opened = open.get_future().share();
+  ck::set_async_save_hook_for_tests([&reached, opened, caller] {
+    if (std::this_thread::get_id() == caller) throw Error("save_async ran its write on the calling thread");
+    reached.set_value();
+    opened.wait();
+  });
+  ck::AsyncSave h = ck::save_async(sd, dir, c, {ck::SaveMode::Sharded});
+  ck::set_async_save_hook_for_tests(nullptr);
+  WCHECK(!h.done(), "save_async returned a finished save (it wrote synchronously)");
+  WCHECK(!fs::exists(dir), "save_async returned after committing ", dir);
+  WCHECK(reached_f.wait_for(std::chrono::seconds(60)) == std::future_status::ready,
+         "the background save did not start within 60 s");
+  WCHECK(!h.done() && !fs::exists(dir) && fs::is_empty(parent), "the save went on past the gate");
+  // Mutating the live state after save_async returns must not change what is saved
+  // (the background write has not started: it can only see the snapshot).
   for (const auto& k : sd.dict("model").keys()) {
     auto& v = sd.dict("model").at(k);
     if (auto t = std::get_if<at::Tensor>(&v)) t->fill_(0);
     if (auto s = std::get_if<sharding::ShardedTensor>(&v))
       for (auto& sh : s->local_shards()) sh.tensor.fill_(0);
   }
+  c->barrier();  // every rank has checked the directory before any gate opens
+  open.set_value();
   for (int i = 0; i < 20; ++i) {  // collectives of the caller keep running meanwhile
     at::Tensor t = at::ones({1000});
     c->all_reduce(t);
     WCHECK(t[0].item<float>() == c->size(), "all_reduce during async save");
   }
   auto sd2 = make_state(c, true, false, 2);
-  ck::AsyncSave h2 = ck::save_async(sd2, args.arg(0) + ".2", c, {ck::SaveMode::Full});  // waits for the first
+  ck::AsyncSave h2 = ck::save_async(sd2, dir + ".2", c, {ck::SaveMode::Full});  // waits for the first
   WCHECK(h.done(), "second save_async waited for the first");
   h.wait();
   h2.wait();
+  WCHECK(fs::exists(dir) && h2.done(), "a save was not committed after wait()");
   auto t1 = make_state(c, true, true, 0);
-  ck::load(t1, args.arg(0), *c);
+  ck::load(t1, dir, *c);
   check_state(t1, 1, "async sharded");
   auto t2 = make_state(c, true, true, 0);
-  ck::load(t2, args.arg(0) + ".2", *c);
+  ck::load(t2, dir + ".2", *c);
   check_state(t2, 2, "async full");
   std::cout << "async ok rank " << c->rank() << std::endl;
   return 0;

@@ -110,6 +110,11 @@ void run_collectives(dist::Communicator& c, at::ScalarType dt) {
   // async all_reduce and all_gather overlap: start both, then wait.
   at::Tensor x = at::full({1000}, r + 1, opt);
   auto p1 = c.all_reduce_async(x, ReduceOp::Sum);
+  // Over the shared-memory channel the call does the whole collective (docs/architecture.md,
+  // "What overlaps, per transport"): the sum is in place before wait().
+  if (c.uses_shared_memory() && x.is_cpu())
+    WCHECK(at::equal(x, at::full({1000}, n * (n + 1) / 2, opt)), "shared memory: all_reduce_async returned early ",
+           tag);
   auto p2 = c.all_gather_async(at::full({2}, r, opt), std::vector<int64_t>(n, 2));
   at::Tensor g = p2.wait();
   p1.wait();

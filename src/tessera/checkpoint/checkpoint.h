@@ -13,6 +13,7 @@
 // the same order); an error on any rank is raised on every rank.
 #pragma once
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,5 +78,10 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
                      const SaveOptions& options = {});
 // Waits for the async save in flight, if any (rethrows its error).
 void wait_for_pending_save();
+
+// Tests only: each later save_async's background thread calls `hook` before it writes
+// anything (an exception from it fails that save); tests block in it to see that
+// save_async returned while the write had not begun. Empty: no hook (the default).
+void set_async_save_hook_for_tests(std::function<void()> hook);
 
 }  // namespace tessera::checkpoint

@@ -242,6 +242,7 @@ namespace {
 std::mutex g_pending_mu;
 thread_local bool tl_background = false;
 std::shared_ptr<AsyncSave::State> g_pending;
+std::function<void()> g_test_hook;  // set_async_save_hook_for_tests; guarded by g_pending_mu
 
 struct SplitCache {
   std::mutex mu;
@@ -351,9 +352,15 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
   auto bg = background_comm(comm);
   auto snap = snapshot(sd, bg);
   auto st = std::make_shared<AsyncSave::State>();
-  st->thread = std::thread([snap, path, bg, options, raw = st.get()] {
+  std::function<void()> hook;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    hook = g_test_hook;
+  }
+  st->thread = std::thread([snap, path, bg, options, hook, raw = st.get()] {
     tl_background = true;
     try {
+      if (hook) hook();
       save(*snap, path, *bg, options);
     } catch (...) {
       raw->error = std::current_exception();
@@ -366,6 +373,11 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
     g_pending = st;
   }
   return AsyncSave(st);
+}
+
+void set_async_save_hook_for_tests(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  g_test_hook = std::move(hook);
 }
 
 void save(const state::StateDict& sd, const std::string& path, dist::Communicator& comm, const SaveOptions& options) {

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <set>
@@ -59,6 +60,8 @@ struct Communicator::Impl {
 
   int next_p2p_tag() { return static_cast<int>(p2p_seq++ % (1u << 30)); }
   Capabilities caps_cpu, caps_cuda;
+  // Communicator::counts(); atomic because an async save's thread may read them.
+  std::atomic<int64_t> n_all_reduce{0}, n_all_gather{0}, n_reduce_scatter{0}, n_broadcast{0}, n_all_to_all{0};
 
   bool is_cuda(const at::Tensor& t) const { return t.is_cuda(); }
 
@@ -315,10 +318,16 @@ const CommOptions& Communicator::options() const { return impl_->options; }
 Communicator::Capabilities Communicator::capabilities(bool cuda) const {
   return cuda ? impl_->caps_cuda : impl_->caps_cpu;
 }
+Communicator::Counts Communicator::counts() const {
+  const Impl& I = *impl_;
+  return {I.n_all_reduce.load(), I.n_all_gather.load(), I.n_reduce_scatter.load(), I.n_broadcast.load(),
+          I.n_all_to_all.load()};
+}
 
 // ---------------------------------------------------------------- all_reduce
 Pending Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   Impl& I = *impl_;
+  ++I.n_all_reduce;
   const int n = I.size;
   if (n == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
   at::Tensor work_t = tensor.is_contiguous() ? tensor : tensor.contiguous();
@@ -346,6 +355,7 @@ Pending Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   } catch (const std::exception& e) {
     if (tensor.scalar_type() == at::kBFloat16 && !upcast && is_unsupported(e)) {
       caps.bf16 = 0;
+      --I.n_all_reduce;  // the retry counts it
       return all_reduce_async(tensor, op);
     }
     throw CommError(concat(I.where("all_reduce", tensor), " failed: ", e.what()));
@@ -395,6 +405,7 @@ WorkList exchange(compat::BackendBase& be, int me, int n, int tag,
 
 Pending Communicator::all_gather_async(const at::Tensor& local, const std::vector<int64_t>& sizes, at::Tensor out) {
   Impl& I = *impl_;
+  ++I.n_all_gather;
   const int n = I.size, me = I.rank;
   TESSERA_CHECK(local.dim() >= 1, "all_gather needs a tensor of at least one dimension, got a scalar");
   TESSERA_CHECK(static_cast<int>(sizes.size()) == n, "all_gather: ", sizes.size(),
@@ -470,6 +481,7 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
   } catch (const std::exception& e) {
     if (local.scalar_type() == at::kBFloat16 && !as_half && is_unsupported(e)) {
       caps.bf16 = 0;
+      --I.n_all_gather;  // the retry counts it
       return all_gather_async(local, sizes, out);
     }
     throw CommError(concat(I.where("all_gather", local), " failed: ", e.what()));
@@ -505,6 +517,7 @@ at::Tensor Communicator::all_gather(const at::Tensor& local) {
 Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::vector<int64_t>& sizes,
                                            ReduceOp op) {
   Impl& I = *impl_;
+  ++I.n_reduce_scatter;
   const int n = I.size, me = I.rank;
   TESSERA_CHECK(full.dim() >= 1, "reduce_scatter needs a tensor of at least one dimension");
   TESSERA_CHECK(static_cast<int>(sizes.size()) == n, "reduce_scatter: ", sizes.size(),
@@ -578,6 +591,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
   } catch (const std::exception& e) {
     if (full.scalar_type() == at::kBFloat16 && !upcast && is_unsupported(e)) {
       caps.bf16 = 0;
+      --I.n_reduce_scatter;  // the retry counts it
       return reduce_scatter_async(full, sizes, op);
     }
     throw CommError(concat(I.where("reduce_scatter", full), " failed: ", e.what()));
@@ -623,6 +637,7 @@ at::Tensor Communicator::reduce_scatter(const at::Tensor& full, ReduceOp op) {
 // ---------------------------------------------------------------- broadcast
 Pending Communicator::broadcast_async(at::Tensor tensor, int src) {
   Impl& I = *impl_;
+  ++I.n_broadcast;
   TESSERA_CHECK(src >= 0 && src < I.size, "broadcast source rank ", src, " is outside the group of ",
                 I.size);
   if (I.size == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
@@ -652,6 +667,7 @@ void Communicator::broadcast(at::Tensor& tensor, int src) { broadcast_async(tens
 at::Tensor Communicator::all_to_all(const at::Tensor& send, const std::vector<int64_t>& send_sizes,
                                     const std::vector<int64_t>& recv_sizes) {
   Impl& I = *impl_;
+  ++I.n_all_to_all;
   const int n = I.size;
   TESSERA_CHECK(send.dim() >= 1, "all_to_all needs a tensor of at least one dimension");
   TESSERA_CHECK(static_cast<int>(send_sizes.size()) == n && static_cast<int>(recv_sizes.size()) == n,

@@ -111,8 +111,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int64_t all_reduce_int(int64_t value, ReduceOp op = ReduceOp::Sum);
   double all_reduce_double(double value, ReduceOp op = ReduceOp::Sum);
 
-  // --- asynchronous variants (for overlap); the tensors and this Communicator must
-  // stay alive until wait() ---
+  // --- asynchronous variants; the tensors and this Communicator must stay alive until
+  // wait(). On Gloo the work runs on the process group's threads (all-reduce,
+  // broadcast) or its transport's (the point-to-point all-gather and reduce-scatter;
+  // the latter's local sum runs in wait()), on NCCL on its stream: both overlap the
+  // caller. Over the shared-memory channel the call does the whole collective and
+  // returns a completed Pending: no overlap. ---
   Pending all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::Sum);
   // With `out` (contiguous, sum(dim0_sizes) rows, local's dtype and device) the
   // result lands there, and the caller can lay it out as it needs.
@@ -142,6 +146,18 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Capabilities capabilities(bool cuda = false) const;
   // Whether CPU collectives of this group use the shared-memory channel.
   bool uses_shared_memory() const;
+
+  // Collectives issued through this communicator since it was created, by kind: one per
+  // call of an all_reduce, all_gather, reduce_scatter, broadcast or all_to_all entry point,
+  // synchronous or asynchronous, in a group of one as well (there barrier() and the
+  // byte-string helpers issue nothing; otherwise barrier() counts as an all_reduce, and the
+  // size-discovering all_gather and the byte-string and scalar helpers as the collectives
+  // they are made of). For tests and diagnostics, e.g. that no_sync()
+  // issues no gradient collective.
+  struct Counts {
+    int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0, broadcast = 0, all_to_all = 0;
+  };
+  Counts counts() const;
 
   struct Impl;
 

@@ -1,13 +1,15 @@
 // Distributed data parallel: every rank holds the whole model; parameters (and
 // buffers) are broadcast from rank 0 at setup; gradients are averaged by bucketed
 // all-reduce. Buckets are filled in reverse registration order (roughly the order
-// backward produces gradients); a bucket's asynchronous all-reduce starts from a
-// gradient-accumulator hook as soon as all its gradients are ready (and every
-// earlier bucket has started, so all ranks issue collectives in the same order),
-// overlapping communication with the rest of backward. backward() waits for all of
-// them; afterwards each .grad holds the average, by default as an alias of its slice of
-// the bucket buffer (the buffers live as long as the strategy; see
-// DdpOptions::gradient_as_bucket_view).
+// backward produces gradients); a bucket's all-reduce starts from a
+// gradient-accumulator hook as soon as all its gradients are ready (and every earlier
+// bucket has started, so all ranks issue collectives in the same order). On Gloo and
+// NCCL it then runs while backward goes on; over the shared-memory channel (ranks of
+// one host, CPU tensors) it completes inside the hook, so backward pauses there until
+// every rank has reached the bucket (docs/architecture.md, "What overlaps, per
+// transport"). backward() waits for all of them; afterwards each .grad holds the
+// average, by default as an alias of its slice of the bucket buffer (the buffers live
+// as long as the strategy; see DdpOptions::gradient_as_bucket_view).
 #pragma once
 #include "tessera/strategy/strategy.h"
 

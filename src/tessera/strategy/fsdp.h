@@ -17,7 +17,8 @@
 // A unit's forward all-gathers its shards (one collective per unit), runs, and frees
 // the full tensors (FULL_SHARD); a custom autograd function on its output re-gathers
 // before the unit's backward; a hook on each parameter's gradient accumulator
-// reduce-scatters the unit's gradients (averaged once) as soon as all are ready.
+// reduce-scatters the unit's gradients (averaged once) as soon as all are ready. Whether
+// those collectives overlap computation depends on the transport (communicator.h).
 #pragma once
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
@@ -67,8 +68,10 @@ struct FsdpOptions {
   // Recompute each non-root unit's forward during its backward (saves activations).
   // The unit's forward must be deterministic (no dropout RNG replay).
   bool activation_checkpointing = false;
-  // Issue the next unit's all-gather asynchronously while the current one computes
-  // (forward: next in the recorded order; backward: the previous one).
+  // Issue the next unit's all-gather early (forward: next in the recorded order;
+  // backward: the previous one). On Gloo and NCCL it runs while the current unit
+  // computes; over the shared-memory channel it completes when issued (an early gather,
+  // no overlap).
   bool prefetch = true;
   // Broadcast every unit's parameters and buffers from rank 0 before sharding them.
   bool sync_module_states = true;
