@@ -22,6 +22,7 @@
 #include "tessera/checkpoint/crc32c.h"
 #include "tessera/checkpoint/metadata.h"
 #include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/reader.h"
 #include "tessera/strategy/fsdp.h"
 
 using namespace tessera;
