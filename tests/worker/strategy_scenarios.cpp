@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "scenario.h"
+#include "state_util.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/sharding/chunk.h"
 #include "tessera/strategy/ddp.h"
@@ -163,6 +164,8 @@ std::unique_ptr<Strategy> make_strategy(const std::string& kind, std::shared_ptr
   else if (kind == "hybrid") {
     o.sharding = ShardingStrategy::HybridShard;
     o.ranks_per_node = c->size() % 2 == 0 ? 2 : 1;
+  } else if (kind == "hybrid_local") {  // one shard group per node (LOCAL_WORLD_SIZE)
+    o.sharding = ShardingStrategy::HybridShard;
   } else if (kind == "bf16") {
     o.mixed_precision.param_dtype = at::kBFloat16;
   } else {
@@ -578,7 +581,15 @@ SCENARIO("strategy_resume") {
     std::vector<double> losses;
     train_steps(*strat, m, *opt, 0, a, &losses);
     for (int s = 0; s < a; ++s) WCHECK(rel(losses[s], want.losses[s]) <= 1e-5, "step ", s);
-    checkpoint::save(strat->state_dict(StateDictType::Sharded), dir, *c);
+    const state::StateDict saved = strat->state_dict(StateDictType::Sharded);
+    checkpoint::save(saved, dir, *c);
+    // Read back into zeros of the same layout: every bit of this rank's state returns.
+    state::StateDict back = zeroed_copy(saved);
+    checkpoint::load(back, dir, *c);
+    check_bit_equal(back, saved, concat(kind, " reload of ", dir));
+    if (auto* f = dynamic_cast<FsdpStrategy*>(strat.get()))
+      std::printf("shard group %d of %d, replica group size %d\n", f->shard_comm()->size(), c->size(),
+                  f->replicate_comm()->size());
     std::printf("saved rank %d\n", c->rank());
     return 0;
   }

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <set>
 
 #include "tessera/checkpoint/crc32c.h"
 #include "tessera/checkpoint/safetensors.h"
@@ -39,6 +41,24 @@ std::string from_hex(const std::string& s, const std::string& what) {
   return out;
 }
 
+// An integer in [lo, hi], checked before any narrowing (a value above 2^63 or 2^32 is
+// out of range, never wrapped or truncated); errors name `what` and the value.
+int64_t get_int_in(const json& j, int64_t lo, int64_t hi, const std::string& what) {
+  TESSERA_CHECK(j.is_number_integer(), what, ": expected an integer, got ", j.dump());
+  bool ok;
+  int64_t v = 0;
+  if (j.is_number_unsigned()) {
+    const uint64_t u = j.get<uint64_t>();
+    ok = hi >= 0 && u <= static_cast<uint64_t>(hi);
+    if (ok) v = static_cast<int64_t>(u);
+  } else {
+    v = j.get<int64_t>();
+    ok = v <= hi;
+  }
+  TESSERA_CHECK(ok && v >= lo, what, " is ", j.dump(), ", outside [", lo, ", ", hi, "]");
+  return v;
+}
+
 json value_json(const state::Value& v) {
   if (auto p = std::get_if<int64_t>(&v)) return {{"kind", "int"}, {"value", *p}};
   if (auto p = std::get_if<double>(&v)) {
@@ -68,7 +88,8 @@ state::Value value_from_json(const json& j, const std::string& what) {
   };
   if (k == "int") {
     need("value", j.contains("value") && j["value"].is_number_integer());
-    return j["value"].get<int64_t>();
+    return get_int_in(j["value"], std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
+                      what + " value");
   }
   if (k == "float") {
     need("bits", j.contains("bits") && j["bits"].is_string() && j["bits"].get<std::string>().size() == 16);
@@ -77,6 +98,13 @@ state::Value value_from_json(const json& j, const std::string& what) {
     for (unsigned char c : b) bits = (bits << 8) | c;
     double d;
     std::memcpy(&d, &bits, 8);
+    // "value" is for people reading the file; it must say what "bits" says (null for
+    // NaN and infinities), so an edit of the readable number cannot go unnoticed.
+    const bool agrees = !j.contains("value") ||
+                        (std::isfinite(d) ? j["value"].is_number() && j["value"].get<double>() == d &&
+                                                std::signbit(j["value"].get<double>()) == std::signbit(d)
+                                          : j["value"].is_null());
+    TESSERA_CHECK(agrees, what, ": float value ", j["value"].dump(), " disagrees with its bits ", j["bits"].dump());
     return d;
   }
   if (k == "bool") {
@@ -125,16 +153,55 @@ std::vector<int64_t> get_dims(const json& j, const std::string& what) {
 
 }  // namespace
 
+json parse_json_strict(const std::string& text, const std::string& what) {
+  // One frame per open object or array: the keys seen so far and the last one (the
+  // name of a nested value, for the message).
+  struct Frame {
+    bool object;
+    std::set<std::string> keys;
+    std::string last;
+  };
+  std::vector<Frame> stack;
+  std::string duplicate, place;
+  json::parser_callback_t cb = [&](int, json::parse_event_t ev, json& parsed) {
+    switch (ev) {
+      case json::parse_event_t::object_start: stack.push_back({true, {}, {}}); break;
+      case json::parse_event_t::array_start: stack.push_back({false, {}, {}}); break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (!stack.empty()) stack.pop_back();
+        break;
+      case json::parse_event_t::key:
+        if (!stack.empty() && parsed.is_string()) {
+          Frame& f = stack.back();
+          f.last = parsed.get<std::string>();
+          if (!f.keys.insert(f.last).second && duplicate.empty()) {
+            duplicate = f.last;
+            for (size_t i = 0; i + 1 < stack.size(); ++i)
+              place += stack[i].object ? concat(place.empty() ? "" : " > ", "'", stack[i].last, "'") : "[]";
+          }
+        }
+        break;
+      default: break;
+    }
+    return true;
+  };
+  json j;
+  try {
+    j = json::parse(text, cb);
+  } catch (const std::exception& e) {
+    throw Error(concat(what, " is not valid JSON: ", e.what()));
+  }
+  TESSERA_CHECK(duplicate.empty(), what, ": duplicate key '", duplicate, "' in ",
+                place.empty() ? std::string("the top-level object") : "the object at " + place,
+                " (edited or corrupt; a key may appear once)");
+  return j;
+}
+
 std::string encode_value(const state::Value& v) { return value_json(v).dump(); }
 
 state::Value decode_value(const std::string& text, const std::string& what) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const std::exception& e) {
-    throw Error(concat(what, ": not valid JSON: ", e.what()));
-  }
-  return value_from_json(j, what);
+  return value_from_json(parse_json_strict(text, what), what);
 }
 
 std::vector<std::pair<std::string, const state::Value*>> flatten_values(const state::StateDict& sd) {
@@ -237,23 +304,21 @@ void check_metadata_checksum(const std::string& text, const std::string& where) 
 
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir) {
   const std::string where = concat("'", join_path(dir, kMetadataFile), "'");
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const std::exception& e) {
-    throw Error(concat(where, ": metadata is not valid JSON: ", e.what()));
-  }
+  json j = parse_json_strict(text, concat(where, ": metadata"));
   TESSERA_CHECK(j.is_object() && j.value("format", "") == "tessera-checkpoint", where,
                 ": not Tessera checkpoint metadata (no \"format\": \"tessera-checkpoint\")");
   CheckpointMetadata m;
   m.source_kind = "sharded";
   m.location = dir;
   try {
-    TESSERA_CHECK(j["version"].is_number_integer(), where, ": no integer version");
-    m.version = j["version"].get<int>();
-    TESSERA_CHECK(m.version >= 1 && m.version <= kFormatVersion, where, ": format version ", m.version,
+    TESSERA_CHECK(j.contains("version") && j["version"].is_number_integer(), where, ": no integer version");
+    const int64_t version = get_int_in(j["version"], std::numeric_limits<int64_t>::min(),
+                                       std::numeric_limits<int64_t>::max(), where + " version");
+    TESSERA_CHECK(version >= 1 && version <= kFormatVersion, where, ": format version ", j["version"].dump(),
                   " is not supported (this Tessera reads versions 1..", kFormatVersion, ")");
-    m.world_size = static_cast<int>(get_u64(j["world_size"], where + " world_size"));
+    m.version = static_cast<int>(version);
+    TESSERA_CHECK(j.contains("world_size"), where, ": no world_size");
+    m.world_size = static_cast<int>(get_int_in(j["world_size"], 1, kMaxWorldSize, where + " world_size"));
     m.crc_block = get_u64(j["crc32c_block"], where + " crc32c_block");
     TESSERA_CHECK(m.crc_block > 0, where, ": crc32c_block is 0");
     TESSERA_CHECK(j["files"].is_array(), where, ": files is not an array");
@@ -262,6 +327,10 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
       check_plain_name(f["name"].get<std::string>(), where);
       m.files.emplace_back(f["name"].get<std::string>(), get_u64(f["size"], where + " file size"));
     }
+    // Every writer (save, reshard) writes one data file per rank, so the file list and
+    // the world size must agree.
+    TESSERA_CHECK(m.files.size() == static_cast<size_t>(m.world_size), where, ": world_size is ", m.world_size,
+                  " but ", m.files.size(), " data files are listed (one per rank)");
     TESSERA_CHECK(j["keys"].is_array() && j["entries"].is_object(), where, ": keys/entries missing");
     for (const auto& k : j["keys"]) {
       TESSERA_CHECK(k.is_string(), where, ": a key is not a string");

@@ -5,6 +5,7 @@
 // imported torch file (chunks held in memory).
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
 #include <map>
@@ -20,6 +21,8 @@ namespace tessera::checkpoint {
 constexpr int kFormatVersion = 1;
 constexpr const char* kMetadataFile = "tessera-checkpoint.json";
 constexpr uint64_t kMaxMetadataBytes = 256ull << 20;
+// The largest world size a checkpoint may record (the launcher's limit on ranks).
+constexpr int64_t kMaxWorldSize = 1 << 20;
 
 struct ChunkInfo {
   sharding::Box box;
@@ -50,6 +53,12 @@ struct CheckpointMetadata {
   std::map<std::string, EntryInfo> entries;
 };
 
+
+// Parses JSON text like nlohmann::json::parse, but refuses a key that appears twice in
+// one object, at any depth (nlohmann would keep the last one silently): a tampered
+// file could otherwise show one value to a reviewer and load another. Errors start
+// with `what` and name the key and where it is.
+nlohmann::json parse_json_strict(const std::string& text, const std::string& what);
 
 // JSON text of a plain value (int/float/bool/string/bytes/empty dict).
 std::string encode_value(const state::Value& v);

@@ -14,6 +14,19 @@ namespace tessera::checkpoint {
 
 namespace {
 
+// tessera.world_size of a consolidated file: decimal digits only, in [1, kMaxWorldSize].
+int parse_world_size(const std::string& s, const std::string& path) {
+  bool ok = !s.empty() && s.size() <= 8;
+  int64_t v = 0;
+  for (char c : s) {
+    ok = ok && c >= '0' && c <= '9';
+    if (ok) v = v * 10 + (c - '0');
+  }
+  TESSERA_CHECK(ok && v >= 1 && v <= kMaxWorldSize, "'", path, "': __metadata__ tessera.world_size '", s,
+                "' is not a world size in [1, ", kMaxWorldSize, "]");
+  return static_cast<int>(v);
+}
+
 CheckpointMetadata from_safetensors(const std::string& path) {
   SafetensorsReader r(path);
   CheckpointMetadata m;
@@ -23,10 +36,13 @@ CheckpointMetadata from_safetensors(const std::string& path) {
   m.crc_block = r.crc_block();
   nlohmann::json kinds = nlohmann::json::object(), values = nlohmann::json::object(), keys = nlohmann::json::array();
   try {
-    if (!r.meta("tessera.kinds").empty()) kinds = nlohmann::json::parse(r.meta("tessera.kinds"));
-    if (!r.meta("tessera.values").empty()) values = nlohmann::json::parse(r.meta("tessera.values"));
-    if (!r.meta("tessera.keys").empty()) keys = nlohmann::json::parse(r.meta("tessera.keys"));
-    if (!r.meta("tessera.world_size").empty()) m.world_size = std::stoi(r.meta("tessera.world_size"));
+    const std::string what = concat("'", path, "': __metadata__ ");
+    if (!r.meta("tessera.kinds").empty()) kinds = parse_json_strict(r.meta("tessera.kinds"), what + "tessera.kinds");
+    if (!r.meta("tessera.values").empty()) values = parse_json_strict(r.meta("tessera.values"), what + "tessera.values");
+    if (!r.meta("tessera.keys").empty()) keys = parse_json_strict(r.meta("tessera.keys"), what + "tessera.keys");
+    if (!r.meta("tessera.world_size").empty()) m.world_size = parse_world_size(r.meta("tessera.world_size"), path);
+  } catch (const Error&) {
+    throw;
   } catch (const std::exception& e) {
     throw Error(concat("'", path, "': malformed Tessera __metadata__: ", e.what()));
   }

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/metadata.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {
@@ -81,12 +82,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path, "r")
                 " does not fit in the file of ", size_, " bytes (truncated?)");
   std::string text(n, '\0');
   file_.pread_exact(8, text.data(), n);
-  nlohmann::json h;
-  try {
-    h = nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    throw Error(concat("'", path, "': safetensors header is not valid JSON: ", e.what()));
-  }
+  nlohmann::json h = parse_json_strict(text, concat("'", path, "': safetensors header"));
   TESSERA_CHECK(h.is_object(), "'", path, "': safetensors header is not a JSON object");
   const uint64_t data_start = 8 + n;
   const uint64_t data_len = size_ - data_start;

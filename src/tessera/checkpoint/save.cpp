@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <future>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/crc32c.h"
@@ -61,6 +64,59 @@ std::string prepare_target(const std::string& path, bool dir, std::string& tmp) 
   }
 }
 
+// One writer per box. Ranks that hold the same box (the replica groups of HYBRID_SHARD
+// each hold the whole model, sharded the same way) would otherwise all write it, and
+// the tiling check would reject the overlap. Every rank lists the boxes it could write
+// (or its error, "E..."); the lists are exchanged, and each distinct box goes to one of
+// its holders: the one with the fewest bytes assigned so far, largest boxes first, the
+// lowest rank on a tie, so replica groups share the writing. Every rank computes the
+// same assignment from the same lists. Returns, for each of `mine`, whether this rank
+// writes it; `err` gets the errors of all ranks (the same text on every rank).
+std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string& local_err,
+                               dist::Communicator& comm, std::string& err) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& p : mine)
+    list.push_back({p.fqn, p.box.offsets, p.box.sizes,
+                    static_cast<uint64_t>(p.box.numel()) * c10::elementSize(p.dtype)});
+  const auto all = comm.all_gather_bytes(local_err.empty() ? "C" + list.dump() : "E" + local_err);
+  err.clear();
+  for (size_t r = 0; r < all.size(); ++r)
+    if (all[r][0] == 'E') err += concat(err.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
+  std::vector<bool> keep(mine.size(), false);
+  if (!err.empty()) return keep;
+  using BoxKey = std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>>;
+  struct Holders {
+    uint64_t bytes = 0;
+    std::vector<int> ranks;  // ascending
+  };
+  std::map<BoxKey, Holders> boxes;
+  for (size_t r = 0; r < all.size(); ++r)
+    for (const auto& j : nlohmann::json::parse(all[r].substr(1))) {
+      Holders& h = boxes[BoxKey{j[0].get<std::string>(), j[1].get<std::vector<int64_t>>(),
+                                j[2].get<std::vector<int64_t>>()}];
+      h.bytes = j[3].get<uint64_t>();
+      h.ranks.push_back(static_cast<int>(r));
+    }
+  std::vector<std::pair<const BoxKey*, const Holders*>> order;
+  for (const auto& [k, h] : boxes) order.emplace_back(&k, &h);
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.second->bytes > b.second->bytes; });
+  std::vector<uint64_t> load(all.size(), 0);
+  std::set<BoxKey> written_here;
+  for (const auto& [k, h] : order) {
+    int w = h->ranks[0];
+    for (int r : h->ranks)
+      if (load[static_cast<size_t>(r)] < load[static_cast<size_t>(w)]) w = r;
+    load[static_cast<size_t>(w)] += h->bytes;
+    if (w == comm.rank()) written_here.insert(*k);
+  }
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const BoxKey k{mine[i].fqn, mine[i].box.offsets, mine[i].box.sizes};
+    keep[i] = written_here.erase(k) > 0;  // a box listed twice by one rank is written once
+  }
+  return keep;
+}
+
 void save_sharded(const state::StateDict& sd, const std::string& path, dist::Communicator& comm) {
   const int rank = comm.rank();
   auto flat = flatten_values(sd);
@@ -72,13 +128,13 @@ void save_sharded(const state::StateDict& sd, const std::string& path, dist::Com
   CheckpointMetadata m;
   m.world_size = comm.size();
   m.crc_block = kCrcBlock;
-  std::string mine;
+  std::vector<Piece> pieces;
+  std::string local_err;
   try {
-    std::vector<Piece> pieces;
     for (const auto& [fqn, v] : flat) {
       EntryInfo e = describe(fqn, *v);
       if (auto t = std::get_if<at::Tensor>(v)) {
-        if (rank == 0 && t->numel() > 0) {
+        if (rank == 0 && t->numel() > 0) {  // replicated: rank 0 writes it
           const at::Tensor tt = *t;
           pieces.push_back({fqn, e.dtype, sharding::full_box(e.shape), [tt] { return tt; }});
         }
@@ -92,40 +148,50 @@ void save_sharded(const state::StateDict& sd, const std::string& path, dist::Com
       m.keys.push_back(fqn);
       m.entries.emplace(fqn, std::move(e));
     }
-    mine = to_json(write_data_file(tmp, data_file_name(rank), pieces));
   } catch (const std::exception& e) {
-    mine = std::string("E") + e.what();
+    local_err = e.what();
   }
-  if (mine.empty() || mine[0] != 'E') mine = "D" + mine;
-  auto all = comm.all_gather_bytes(mine);
-  if (rank == 0) {
-    err.clear();
-    for (size_t r = 0; r < all.size(); ++r)
-      if (all[r][0] == 'E') err += concat(err.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
-    if (err.empty()) {
-      try {
-        for (size_t r = 0; r < all.size(); ++r) {
-          DataFileResult d = data_file_result_from_json(all[r].substr(1));
-          m.files.emplace_back(d.file, d.size);
-          for (auto& [fqn, c] : d.chunks) {
-            auto it = m.entries.find(fqn);
-            TESSERA_CHECK(it != m.entries.end(), "rank ", r, " saved key '", fqn, "' that rank 0 does not have");
-            it->second.chunks.push_back(std::move(c));
+  const std::vector<bool> keep = plan_writers(pieces, local_err, comm, err);
+  if (err.empty()) {
+    std::string mine;
+    try {
+      std::vector<Piece> writing;
+      for (size_t i = 0; i < pieces.size(); ++i)
+        if (keep[i]) writing.push_back(std::move(pieces[i]));
+      mine = to_json(write_data_file(tmp, data_file_name(rank), writing));
+    } catch (const std::exception& e) {
+      mine = std::string("E") + e.what();
+    }
+    if (mine.empty() || mine[0] != 'E') mine = "D" + mine;
+    auto all = comm.all_gather_bytes(mine);
+    if (rank == 0) {
+      for (size_t r = 0; r < all.size(); ++r)
+        if (all[r][0] == 'E') err += concat(err.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
+      if (err.empty()) {
+        try {
+          for (size_t r = 0; r < all.size(); ++r) {
+            DataFileResult d = data_file_result_from_json(all[r].substr(1));
+            m.files.emplace_back(d.file, d.size);
+            for (auto& [fqn, c] : d.chunks) {
+              auto it = m.entries.find(fqn);
+              TESSERA_CHECK(it != m.entries.end(), "rank ", r, " saved key '", fqn, "' that rank 0 does not have");
+              it->second.chunks.push_back(std::move(c));
+            }
           }
+          for (const auto& k : m.keys)
+            if (m.entries[k].is_tensor()) check_tiling(k, m.entries[k]);
+          write_metadata_file(tmp, m);
+          commit_rename(tmp, path);
+        } catch (const std::exception& e) {
+          err = e.what();
         }
-        for (const auto& k : m.keys)
-          if (m.entries[k].is_tensor()) check_tiling(k, m.entries[k]);
-        write_metadata_file(tmp, m);
-        commit_rename(tmp, path);
-      } catch (const std::exception& e) {
-        err = e.what();
       }
     }
-    if (!err.empty()) {
-      try {
-        remove_all(tmp);
-      } catch (const std::exception&) {
-      }
+  }
+  if (rank == 0 && !err.empty()) {
+    try {
+      remove_all(tmp);
+    } catch (const std::exception&) {
     }
   }
   agree(comm, err, concat("saving '", path, "'"));

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <set>
 
+#include "tessera/checkpoint/metadata.h"
 #include "tessera/core/error.h"
 #include "tessera/trainer/callbacks.h"
 #include "tessera/trainer/csv_logger.h"
@@ -79,6 +80,10 @@ void TrainingModule::log_dict(const Metrics& metrics, bool prog_bar, bool sync_d
 // --- Trainer ---------------------------------------------------------------------------
 
 namespace {
+
+// The largest step, epoch or sampler position a checkpoint may hold (2^40: over a thousand
+// years of steps at 30 per second); anything above is an edited or corrupt file.
+constexpr int64_t kMaxCheckpointCounter = int64_t(1) << 40;
 
 void check_count(const BatchCount& c, const char* name, bool allow_zero) {
   if (c.batches) {
@@ -442,13 +447,25 @@ void Trainer::load_checkpoint(const std::string& path, bool weights_only) {
   }
   fabric::FabricState st = make_state();
   state::StateDict rest = f.load(path, st);
-  global_step_ = st.values().integer("global_step");
-  epoch_ = st.values().integer("epoch");
+  // Counters read from the file are range-checked before use: an edited checkpoint
+  // (re-checksummed) could hold a negative step, or one that overflows the next
+  // increment or the sample arithmetic below.
+  auto counter = [&](const state::StateDict& sd, const std::string& key, const std::string& name, int64_t lo,
+                     int64_t hi) {
+    const int64_t v = sd.integer(key);
+    TESSERA_CHECK(v >= lo && v <= hi, "Trainer: checkpoint '", path, "' key '", name, "' is ", v, ", outside [", lo,
+                  ", ", hi, "] (edited or corrupt checkpoint)");
+    return v;
+  };
+  global_step_ = counter(st.values(), "global_step", "global_step", 0, kMaxCheckpointCounter);
+  epoch_ = counter(st.values(), "epoch", "epoch", 0, kMaxCheckpointCounter);
 
   // The sampler position, translated through global samples when the world size changed.
   state::StateDict ss = st.values().dict("sampler");
   const state::StateDict loop = prefixed_leftovers(rest, "loop");
-  const int64_t saved_w = ss.integer("num_replicas"), w = f.world_size();
+  counter(ss, "position", "sampler.position", 0, kMaxCheckpointCounter);
+  const int64_t saved_w = counter(ss, "num_replicas", "sampler.num_replicas", 1, checkpoint::kMaxWorldSize),
+                w = f.world_size();
   if (saved_w != w) {
     const int64_t global = ss.integer("position") * saved_w;
     TESSERA_CHECK(global % w == 0, "Trainer: cannot resume '", path, "' on ", w, " ranks: it stopped after ", global,
