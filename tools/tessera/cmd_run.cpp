@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "commands.h"
+#include "tessera/core/cli_checks.h"
 #include "tessera/dist/launcher.h"
 
 namespace tessera::cli {
@@ -27,23 +28,23 @@ Runner add_run_command(CLI::App& app) {
       "'[rank R]'. When a rank fails, the others get SIGTERM, then SIGKILL after --grace seconds, and\n"
       "tessera run exits with that rank's code (128+signal when killed by a signal).");
   sub->add_option("-n,--nproc-per-node", opts->nproc_per_node, "ranks to start on this node")
-      ->default_val(1)->check(CLI::Range(1, 4096));
+      ->default_val(1)->check(int_range(1, 4096));
   sub->add_option("--nnodes", opts->nnodes, "number of nodes (one `tessera run` per node)")
-      ->default_val(1)->check(CLI::Range(1, 65536));
+      ->default_val(1)->check(int_range(1, 65536));
   sub->add_option("--node-rank", opts->node_rank, "this node's index in [0, nnodes)")->default_val(0);
   sub->add_option("--master-addr", opts->master_addr, "host of rank 0 (the rendezvous store)")
       ->default_val("127.0.0.1");
   sub->add_option("--master-port", opts->master_port,
                   "rendezvous port; default: a free port (single node), required with --nnodes > 1")
-      ->default_val(0)->check(CLI::Range(0, 65535));
+      ->default_val(0)->check(int_range(0, 65535));
   sub->add_option("--threads-per-rank", opts->threads_per_rank,
                   "OMP_NUM_THREADS for each rank; default: 1 when ranks share the machine and\n"
                   "OMP_NUM_THREADS is not set")
-      ->default_val(0)->check(CLI::Range(0, 4096));
+      ->default_val(0)->check(int_range(0, 4096));
   sub->add_option("--grace", *grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->default_val(5.0)->check(CLI::Range(0.0, 3600.0));
+      ->default_val(5.0)->check(number_range(0.0, 3600.0));
   sub->add_option("--deadline", *deadline_s, "stop every rank and exit 124 after this many seconds (0: none)")
-      ->default_val(0.0)->check(CLI::Range(0.0, 1e7));
+      ->default_val(0.0)->check(number_range(0.0, 1e7));
   sub->prefix_command();  // PROGRAM and everything after it belong to PROGRAM
   sub->footer("PROGRAM and its arguments follow the options, optionally after --.");
   return [=]() {

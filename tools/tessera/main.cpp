@@ -11,6 +11,9 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("tessera ") + TESSERA_VERSION + " (libtorch " +
                                         TESSERA_TORCH_VERSION + ")");
   app.require_subcommand(1);
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string("tessera: error: ") + e.what() + "\nRun with --help for more information.\n";
+  });
   std::vector<std::pair<CLI::App*, tessera::cli::Runner>> commands;
   auto run = tessera::cli::add_run_command(app);
   auto ckpt = tessera::cli::add_ckpt_command(app);
@@ -29,15 +32,15 @@ int main(int argc, char** argv) {
   try {
     app.parse(args);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version exit 0; every usage error exits 2 (CLI11's own codes, 105-114,
+    // are not part of the interface).
+    return app.exit(e) == 0 ? 0 : tessera::cli::kUsageError;
   }
   try {
     if (app.got_subcommand("run")) return run();
     if (app.got_subcommand("ckpt")) return ckpt();
-  } catch (const tessera::Error& e) {
-    std::cerr << "tessera: error: " << e.what() << "\n";
-    return 2;
   } catch (const std::exception& e) {
+    tessera::cli::wait_if_interrupted();  // the interrupt ends the process, not this error
     std::cerr << "tessera: error: " << e.what() << "\n";
     return 2;
   }

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -260,6 +261,22 @@ bool is_regular_file(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+std::string not_regular_file_reason(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return "does not exist";
+    return concat("cannot be read: ", err());
+  }
+  if (S_ISREG(st.st_mode)) return "";
+  const char* what = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                                            : "not a file";
+  return concat("is not a regular file (", what, ")");
+}
+
 std::vector<std::string> list_dir(const std::string& dir) {
   std::vector<std::string> out;
   DIR* d = ::opendir(dir.c_str());
@@ -374,6 +391,27 @@ std::string aside_sibling(const std::string& dest) {
     if (starts_with(n, prefix) && path_exists(join_path(p, "tessera-checkpoint.json"))) return p;
   }
   return "";
+}
+
+void remove_dead_temporaries(const std::string& dest) {
+  const std::string parent = parent_dir(dest);
+  if (!is_directory(parent)) return;
+  const std::string prefix = "." + base_name(dest) + ".tessera-tmp-";
+  for (const auto& n : list_dir(parent)) {
+    if (!starts_with(n, prefix)) continue;
+    // "<pid>-<n>": a name that does not parse is not ours to judge and stays.
+    const std::string rest = n.substr(prefix.size());
+    const size_t dash = rest.find('-');
+    if (dash == 0 || dash == std::string::npos || rest.find_first_not_of("0123456789") != dash) continue;
+    const long long pid = std::strtoll(rest.substr(0, dash).c_str(), nullptr, 10);
+    if (pid <= 0 || pid > INT32_MAX || pid == ::getpid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to signal)
+    try {
+      remove_all(join_path(parent, n));
+    } catch (const Error&) {
+      // Another run may be removing it too; a leftover is harmless.
+    }
+  }
 }
 
 void recover_siblings(const std::string& dest) {

@@ -99,6 +99,9 @@ class StreamWriter {
 bool path_exists(const std::string& path);
 bool is_directory(const std::string& path);
 bool is_regular_file(const std::string& path);
+// Why `path` cannot be read as a regular file (symlinks followed): "" when it can, else
+// "does not exist", "is not a regular file (a directory)", "... (a FIFO)", and so on.
+std::string not_regular_file_reason(const std::string& path);
 std::vector<std::string> list_dir(const std::string& dir);  // names, without . and ..
 void make_dir(const std::string& path);
 void fsync_dir(const std::string& dir);
@@ -121,6 +124,10 @@ void commit_rename(const std::string& tmp, const std::string& dest);
 // and restores a previous checkpoint left aside by an interrupted fallback commit when
 // dest is missing. Called before a save.
 void recover_siblings(const std::string& dest);
+// Removes temporary siblings of `dest` ("<parent>/.<name>.tessera-tmp-<pid>-<n>") whose
+// process <pid> is no longer running on this host; those of live processes are kept. For
+// writers that may run next to another writer of the same output (`tessera ckpt`).
+void remove_dead_temporaries(const std::string& dest);
 // The previous checkpoint left aside by an interrupted commit ("" when none): used by
 // readers when `dest` is missing.
 std::string aside_sibling(const std::string& dest);

@@ -1,8 +1,15 @@
 #include "tessera/checkpoint/offline.h"
 
 #include <ATen/ATen.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <iomanip>
+#include <iostream>
+#include <mutex>
 #include <sstream>
 
 #include "tessera/checkpoint/crc32c.h"
@@ -34,6 +41,55 @@ std::string value_str(const state::Value& v) {
   if (auto p = std::get_if<std::string>(&v)) return "\"" + (p->size() > 40 ? p->substr(0, 40) + "..." : *p) + "\"";
   if (auto p = std::get_if<state::Bytes>(&v)) return std::to_string(p->data.size()) + " bytes";
   return "{}";
+}
+
+// The absolute path of `path` with every symlink resolved. A path that does not exist
+// (yet) is resolved through its nearest existing ancestor, the rest appended as written.
+std::string real_path(const std::string& path) {
+  std::string head = path.empty() ? "." : path;
+  std::vector<std::string> tail;
+  for (;;) {
+    if (char* r = ::realpath(head.c_str(), nullptr)) {
+      std::string s = r;
+      std::free(r);
+      for (auto it = tail.rbegin(); it != tail.rend(); ++it) s = join_path(s, *it);
+      return s;
+    }
+    TESSERA_CHECK(errno == ENOENT || errno == ENOTDIR, "cannot resolve '", head, "': ", std::strerror(errno));
+    const std::string parent = parent_dir(head);
+    TESSERA_CHECK(parent != head, "cannot resolve '", path, "'");
+    tail.push_back(base_name(head));
+    head = parent;
+  }
+}
+
+// `a` is `b` or lies below it (both real paths).
+bool within(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  const std::string dir = b == "/" ? b : b + "/";
+  return a.compare(0, dir.size(), dir) == 0;
+}
+
+// The output must not be the source, lie inside it or contain it: the commit would
+// replace the checkpoint being read (or a directory holding it). Checked before
+// anything else about the output, so that --force cannot get past it.
+void check_not_source(const std::string& src, const CheckpointMetadata& m, const std::string& out) {
+  const std::string o = real_path(out);
+  for (const std::string& s : {src, m.location}) {
+    if (s.empty()) continue;
+    const std::string r = real_path(s);
+    struct stat so, ss;
+    const bool same_inode = ::stat(out.c_str(), &so) == 0 && ::stat(s.c_str(), &ss) == 0 && so.st_dev == ss.st_dev &&
+                            so.st_ino == ss.st_ino;
+    const char* how = (o == r || same_inode) ? "is the source"
+                      : within(o, r)         ? "is inside the source"
+                      : within(r, o)         ? "contains the source"
+                                             : nullptr;
+    if (how == nullptr) continue;
+    const std::string detail = (o != out || r != src) ? concat(" (real paths '", o, "' and '", r, "')") : "";
+    throw Error(concat("refusing to write '", out, "': it ", how, " '", src, "'", detail,
+                       "; the source would be replaced (--force does not change this). Choose an output outside it"));
+  }
 }
 
 // An output path may be written: absent, or replaceable with --force.
@@ -174,33 +230,95 @@ VerifyReport verify(const std::string& path) {
   return rep;
 }
 
-// Writes `out` through a temporary sibling: `write(tmp)` fills it, then one atomic
-// rename publishes it; on any error the temporary is removed and `out` is untouched.
+namespace {
+
+// The temporary the operation in progress writes, for abandon_output_in_progress().
+std::mutex g_publish_mu;
+std::string g_in_progress;
+bool g_abandoned = false;
+
+const char* const kInterrupted = "interrupted: the unfinished output was removed";
+
+// Test hook (TESSERA_TEST_PAUSE_BEFORE_COMMIT=1): stop before the commit with the
+// temporary complete, so that a test can interrupt a run at a known point.
+void test_pause_before_commit(const std::string& out, const std::string& tmp) {
+  const char* v = std::getenv("TESSERA_TEST_PAUSE_BEFORE_COMMIT");
+  if (v == nullptr || std::string(v) != "1") return;
+  std::cerr << "tessera: test pause before committing '" << out << "' (temporary '" << tmp << "')" << std::endl;
+  for (;;) ::pause();
+}
+
+// Writes `out` through a temporary sibling: `write(tmp)` fills it (a directory when
+// `dir`, else a file; created here), then one atomic rename publishes it; on any error
+// the temporary is removed and `out` is untouched. Temporaries of dead earlier runs for
+// the same output are removed first.
 template <typename F>
-void publish_via_temp(const std::string& out, F&& write) {
+void publish_via_temp(const std::string& out, bool dir, F&& write) {
+  remove_dead_temporaries(out);
   const std::string tmp = temp_sibling(out);
+  {
+    std::lock_guard<std::mutex> lock(g_publish_mu);
+    TESSERA_CHECK(!g_abandoned, kInterrupted);
+    // Created under the lock: an interrupt either comes first or sees the temporary.
+    if (dir) {
+      make_dir(tmp);
+    } else {
+      File created(tmp, "w");
+    }
+    g_in_progress = tmp;
+  }
   try {
     write(tmp);
+    test_pause_before_commit(out, tmp);
+    std::lock_guard<std::mutex> lock(g_publish_mu);
+    TESSERA_CHECK(!g_abandoned, kInterrupted);
     commit_rename(tmp, out);
+    g_in_progress.clear();
   } catch (...) {
-    remove_all(tmp);
+    std::lock_guard<std::mutex> lock(g_publish_mu);
+    g_in_progress.clear();
+    try {
+      remove_all(tmp);
+    } catch (const Error&) {
+      // The original error matters more; a dead run's leftover is removed by the next run.
+    }
     throw;
   }
 }
 
+}  // namespace
+
+std::string abandon_output_in_progress() {
+  std::lock_guard<std::mutex> lock(g_publish_mu);
+  g_abandoned = true;
+  const std::string tmp = g_in_progress;
+  g_in_progress.clear();
+  // The writer may still be adding files to a directory: retry a few times.
+  for (int attempt = 0; !tmp.empty() && attempt < 10; ++attempt) {
+    try {
+      remove_all(tmp);
+      break;
+    } catch (const Error&) {
+    }
+  }
+  return tmp;
+}
+
 void consolidate(const std::string& src, const std::string& out, bool force) {
   CheckpointMetadata m = open_checkpoint(src);
+  check_not_source(src, m, out);
   check_output(out, force, false);
-  publish_via_temp(out, [&](const std::string& tmp) { write_consolidated(m, tmp); });
+  publish_via_temp(out, false, [&](const std::string& tmp) { write_consolidated(m, tmp); });
 }
 
 void reshard(const std::string& src, int world_size, const std::string& out, bool force) {
-  TESSERA_CHECK(world_size >= 1, "reshard: world size must be at least 1, got ", world_size);
+  TESSERA_CHECK(world_size >= 1 && world_size <= kMaxReshardWorldSize, "reshard: the world size must be between 1 and ",
+                kMaxReshardWorldSize, ", got ", world_size);
   CheckpointMetadata m = open_checkpoint(src);
+  check_not_source(src, m, out);
   check_output(out, force, false);
   ChunkReader reader(m);
-  publish_via_temp(out, [&](const std::string& tmp) {
-    make_dir(tmp);
+  publish_via_temp(out, true, [&](const std::string& tmp) {
     CheckpointMetadata o;
     o.world_size = world_size;
     o.crc_block = kCrcBlock;
@@ -238,14 +356,16 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
 void export_checkpoint(const std::string& src, ExportFormat format, const std::string& out, bool force) {
   if (format == ExportFormat::Safetensors) {
     CheckpointMetadata m = open_checkpoint(src);
+    check_not_source(src, m, out);
     check_output(out, force, true);
-    publish_via_temp(out, [&](const std::string& tmp) { write_consolidated(m, tmp); });
+    publish_via_temp(out, false, [&](const std::string& tmp) { write_consolidated(m, tmp); });
     return;
   }
   CheckpointMetadata m = open_checkpoint(src);
+  check_not_source(src, m, out);
   check_output(out, force, true);
   ChunkReader reader(m);
-  publish_via_temp(out, [&](const std::string& tmp) {
+  publish_via_temp(out, false, [&](const std::string& tmp) {
     {
       TorchExportWriter w(tmp);
       for (const auto& k : m.keys) {

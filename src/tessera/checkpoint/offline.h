@@ -23,12 +23,26 @@ struct VerifyReport {
 // chunks tiling every tensor) and every checksum. Never throws for a bad checkpoint.
 VerifyReport verify(const std::string& path);
 
+// The most ranks `reshard` writes a checkpoint for (one data file per rank).
+constexpr int kMaxReshardWorldSize = 65536;
+
 // `force`: replace an existing output (a Tessera checkpoint, or a plain file for
 // export); without it an existing output is an error. A non-empty directory that is
-// not a Tessera checkpoint is never replaced.
+// not a Tessera checkpoint is never replaced. An output that is the source, lies inside
+// it or contains it (real paths compared, symlinks resolved) is refused, with or
+// without `force`. The output is written into a temporary sibling
+// ".<name>.tessera-tmp-<pid>-<n>" and renamed into place at the end; temporaries that
+// earlier runs left for the same output are removed first when their process is dead.
 void consolidate(const std::string& src, const std::string& out, bool force);
 void reshard(const std::string& src, int world_size, const std::string& out, bool force);
 enum class ExportFormat { Torch, Safetensors };
 void export_checkpoint(const std::string& src, ExportFormat format, const std::string& out, bool force);
+
+// For a program's SIGINT/SIGTERM handling: removes the temporary output that a
+// consolidate/reshard/export in progress in this process is writing, and makes that
+// operation (and any later one in this process) fail instead of committing. Returns the
+// removed path ("" when none was in progress). Waits for a commit in progress to end.
+// Not async-signal-safe: call it from a thread that sigwait()s, not from a handler.
+std::string abandon_output_in_progress();
 
 }  // namespace tessera::checkpoint

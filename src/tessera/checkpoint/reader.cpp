@@ -102,14 +102,18 @@ CheckpointMetadata open_checkpoint(const std::string& path) {
   }
   if (is_directory(p)) {
     const std::string mf = join_path(p, kMetadataFile);
-    TESSERA_CHECK(is_regular_file(mf), "'", path, "' is not a Tessera checkpoint: '", kMetadataFile,
-                  "' is missing (incomplete or foreign directory)");
+    const std::string why_mf = not_regular_file_reason(mf);
+    TESSERA_CHECK(why_mf.empty(), "'", path, "' is not a Tessera checkpoint: '", kMetadataFile, "' ",
+                  why_mf == "does not exist" ? "is missing" : why_mf + ": '" + mf + "'",
+                  " (incomplete or foreign directory)");
     const std::string text = read_small_file(mf, kMaxMetadataBytes);
     CheckpointMetadata m = parse_metadata(text, p);
     check_metadata_checksum(text, concat("'", mf, "'"));  // after parsing: structural errors keep their messages
     for (const auto& [name, size] : m.files) {
       const std::string fp = join_path(p, name);
-      TESSERA_CHECK(is_regular_file(fp), "checkpoint '", path, "': data file '", name, "' is missing");
+      const std::string why = not_regular_file_reason(fp);
+      TESSERA_CHECK(why.empty(), "checkpoint '", path, "': data file '", name, "' ",
+                    why == "does not exist" ? "is missing" : why + ": '" + fp + "'");
       File f(fp, "r");
       TESSERA_CHECK(f.size() == size, "checkpoint '", path, "': data file '", name, "' is ", f.size(),
                     " bytes, the metadata says ", size, " (truncated or replaced)");
@@ -122,7 +126,8 @@ CheckpointMetadata open_checkpoint(const std::string& path) {
       }
     return m;
   }
-  TESSERA_CHECK(is_regular_file(p), "'", path, "' is neither a checkpoint directory nor a file");
+  const std::string why = not_regular_file_reason(p);
+  TESSERA_CHECK(why.empty(), "'", path, "' is neither a checkpoint directory nor a file: it ", why);
   if (looks_like_zip(p)) return import_torch_file(p);
   return from_safetensors(p);
 }
