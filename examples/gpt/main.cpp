@@ -31,6 +31,7 @@
 #include "model.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/core/device.h"
+#include "tessera/dist/world.h"
 #include "tessera/state/module_state.h"
 #include "tessera/trainer/csv_logger.h"
 #include "tessera/trainer/trainer.h"
@@ -58,11 +59,6 @@ struct TrainArgs {
 std::string lowercase(std::string s) {
   for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
-}
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : fallback;
 }
 
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
@@ -145,10 +141,11 @@ void check(bool ok, const std::string& msg) {
 }
 
 int run_train(TrainArgs a) {
-  // Ranks and batch split (the launcher's environment when started by one).
-  const bool launched = std::getenv("WORLD_SIZE") != nullptr;
-  const int world = launched ? env_int("WORLD_SIZE", 1) : (a.devices > 0 ? a.devices : 1);
-  const int local = launched ? env_int("LOCAL_WORLD_SIZE", world) : world;
+  // Ranks and batch split (the environment of tessera run, torchrun, srun or mpirun when started by one).
+  const bool launched = dist::started_by_launcher();
+  const dist::World env_world = launched ? dist::World::from_env() : dist::World{};
+  const int world = launched ? env_world.world_size : (a.devices > 0 ? a.devices : 1);
+  const int local = launched ? env_world.local_world_size : world;
   if (launched && a.devices > 0 && a.devices != local)
     throw CLI::ValidationError("--devices " + std::to_string(a.devices) + " disagrees with the launcher's " +
                                std::to_string(local) + " ranks per node (omit --devices under tessera run)");

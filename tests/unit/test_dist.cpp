@@ -1,6 +1,7 @@
 // Collectives, subgroups and failure detection with real rank processes.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 
@@ -9,6 +10,7 @@
 
 using namespace tessera;
 using tessera::testing::run_ranks;
+using tessera::testing::RanksResult;
 
 class Collectives : public ::testing::TestWithParam<int> {};
 
@@ -120,8 +122,23 @@ TEST(Subgroups, ThreeRanksOneNode) {
 
 // A peer dies (SIGKILL) right before a collective: the survivors raise CommError
 // themselves (they ignore the launcher's SIGTERM) well within the timeout.
-TEST(DeadPeer, SurvivorsRaiseInsteadOfHanging) {
-  auto res = run_ranks(3, {"dead_peer", "1"}, 60, {{"TESSERA_TEST_TIMEOUT_MS", "5000"}}, 30000);
+// Over the shared-memory channel (the default between ranks of one host) and over Gloo
+// (TESSERA_SHM=0, the path between hosts).
+class DeadPeer : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::map<std::string, std::string> env(const std::string& timeout_ms) const {
+    return {{"TESSERA_TEST_TIMEOUT_MS", timeout_ms}, {"TESSERA_SHM", GetParam() == "shm" ? "1" : "0"}};
+  }
+  void expect_transport(const RanksResult& res) const {
+    for (auto& [rank, lines] : res.out)
+      EXPECT_NE(std::find(lines.begin(), lines.end(), "transport " + GetParam()), lines.end())
+          << "rank " << rank << "\n" << res.all_output();
+  }
+};
+
+TEST_P(DeadPeer, SurvivorsRaiseInsteadOfHanging) {
+  auto res = run_ranks(3, {"dead_peer", "1"}, 60, env("5000"), 30000);
+  expect_transport(res);
   EXPECT_EQ(res.launch.failed_rank, 1) << res.all_output();
   EXPECT_EQ(res.launch.exit_code, 128 + 9);
   for (auto& st : res.launch.ranks) {
@@ -137,8 +154,9 @@ TEST(DeadPeer, SurvivorsRaiseInsteadOfHanging) {
 }
 
 // A peer that hangs (alive, silent): the others time out with an error naming the collective.
-TEST(DeadPeer, HungPeerTimesOut) {
-  auto res = run_ranks(2, {"dead_peer", "1", "hang"}, 60, {{"TESSERA_TEST_TIMEOUT_MS", "3000"}}, 1000);
+TEST_P(DeadPeer, HungPeerTimesOut) {
+  auto res = run_ranks(2, {"dead_peer", "1", "hang"}, 60, env("3000"), 1000);
+  expect_transport(res);
   EXPECT_EQ(res.launch.failed_rank, 0) << res.all_output();
   EXPECT_EQ(res.launch.exit_code, 3) << res.all_output();
   const std::string out = res.all_output();
@@ -147,6 +165,9 @@ TEST(DeadPeer, HungPeerTimesOut) {
   EXPECT_NE(out.find("timed out"), std::string::npos) << out;
   EXPECT_LT(res.launch.elapsed.count(), 20000);
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, DeadPeer, ::testing::Values("shm", "gloo"),
+                         [](const auto& info) { return info.param; });
 
 TEST(Rendezvous, MissingPeerTimesOutWithClearError) {
   // World of 2 but only rank 0 starts: store creation/process group must time out.

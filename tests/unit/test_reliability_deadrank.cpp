@@ -29,11 +29,16 @@ constexpr int kTimeoutMs = 5000;  // the Communicator timeout given to the ranks
 struct DeadRankCase {
   const char* phase;
   int victim;
+  bool shm;  // collectives over the shared-memory channel (the default on one host), or Gloo
 };
 
+std::string transport(bool shm) { return shm ? "shm" : "gloo"; }
+
 // The environment of rank r of a job started without a launcher (torchrun's variables).
-std::map<std::string, std::string> rank_env(int r, int port) {
-  return {{"RANK", std::to_string(r)},
+// TESSERA_SHM=0 sends the collectives over Gloo, the path between hosts.
+std::map<std::string, std::string> rank_env(int r, int port, bool shm) {
+  return {{"TESSERA_SHM", shm ? "1" : "0"},
+          {"RANK", std::to_string(r)},
           {"LOCAL_RANK", std::to_string(r)},
           {"WORLD_SIZE", std::to_string(kWorld)},
           {"LOCAL_WORLD_SIZE", std::to_string(kWorld)},
@@ -53,14 +58,14 @@ void print_output(const std::vector<Child>& ranks) {
 class ReliabilityDeadRank : public ::testing::TestWithParam<DeadRankCase> {};
 
 TEST_P(ReliabilityDeadRank, SurvivorsFailWithinTheTimeoutAndTheLastCheckpointLoads) {
-  const auto [phase, victim] = GetParam();
+  const auto [phase, victim, shm] = GetParam();
   const std::string dir = temp_dir("tessera-rel-dead");
   const uint64_t seed = base_seed() + static_cast<uint64_t>(victim);
   const int port = free_port();
   std::vector<Child> ranks;
   for (int r = 0; r < kWorld; ++r) {
     ranks.push_back(spawn({TESSERA_WORKER, "rel_train", phase, std::to_string(victim), dir, "6", std::to_string(seed)},
-                          rank_env(r, port)));
+                          rank_env(r, port, shm)));
     ASSERT_GT(ranks.back().pid, 0);
   }
   // The victim dies by SIGKILL (bounded wait: start-up and 4 steps).
@@ -76,6 +81,7 @@ TEST_P(ReliabilityDeadRank, SurvivorsFailWithinTheTimeoutAndTheLastCheckpointLoa
                                                           << ranks[victim].text;
   EXPECT_NE(ranks[victim].text.find(std::string("victim dies in ") + phase), std::string::npos)
       << ranks[victim].text;
+  EXPECT_NE(ranks[victim].text.find("transport " + transport(shm)), std::string::npos) << ranks[victim].text;
   std::string figures;
   for (int r = 0; r < kWorld; ++r) {
     if (r == victim) continue;
@@ -96,7 +102,7 @@ TEST_P(ReliabilityDeadRank, SurvivorsFailWithinTheTimeoutAndTheLastCheckpointLoa
                std::to_string(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st)) + ")";
   }
   for (auto& c : ranks) EXPECT_FALSE(group_alive(c.pid)) << phase << ": a process of rank pid " << c.pid << " is left";
-  std::cout << "[deadrank] " << phase << ": rank " << victim << " killed; time to exit:" << figures << std::endl;
+  std::cout << "[deadrank] " << phase << " (" << transport(shm) << "): rank " << victim << " killed; time to exit:" << figures << std::endl;
 
   // The last committed checkpoint: step 2, or step 4 when the killed save had committed.
   auto [rc, out] = run_command(std::string(TESSERA_CLI) + " ckpt verify " + dir + "/ckpt");
@@ -108,21 +114,28 @@ TEST_P(ReliabilityDeadRank, SurvivorsFailWithinTheTimeoutAndTheLastCheckpointLoa
 }
 
 INSTANTIATE_TEST_SUITE_P(Phases, ReliabilityDeadRank,
-                         ::testing::Values(DeadRankCase{"forward", 1}, DeadRankCase{"backward", 2},
-                                           DeadRankCase{"collective", 0}, DeadRankCase{"save", 1}),
-                         [](const auto& info) { return std::string(info.param.phase); });
+                         ::testing::Values(DeadRankCase{"forward", 1, true}, DeadRankCase{"backward", 2, true},
+                                           DeadRankCase{"collective", 0, true}, DeadRankCase{"save", 1, true},
+                                           DeadRankCase{"forward", 1, false}, DeadRankCase{"backward", 2, false},
+                                           DeadRankCase{"collective", 0, false}, DeadRankCase{"save", 1, false}),
+                         [](const auto& info) {
+                           return std::string(info.param.phase) + (info.param.shm ? "" : "_gloo");
+                         });
 
 // A rank that stops (SIGSTOP inside a collective) instead of dying keeps its sockets
 // open: only the Communicator timeout can end the survivors' wait. They must exit with
 // an error after about the timeout, not hang.
-TEST(ReliabilityDeadRankFrozen, SurvivorsOfAStoppedRankFailAfterTheTimeout) {
+class ReliabilityDeadRankFrozen : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ReliabilityDeadRankFrozen, SurvivorsOfAStoppedRankFailAfterTheTimeout) {
+  const bool shm = GetParam();
   const std::string dir = temp_dir("tessera-rel-frozen");
   const int port = free_port();
   const int victim = 1;
   std::vector<Child> ranks;
   for (int r = 0; r < kWorld; ++r) {
     ranks.push_back(spawn({TESSERA_WORKER, "rel_train", "freeze", std::to_string(victim), dir, "6"},
-                          rank_env(r, port)));
+                          rank_env(r, port, shm)));
     ASSERT_GT(ranks.back().pid, 0);
   }
   const bool froze = ranks[victim].wait_for("victim freezes in collective", 120000);
@@ -143,10 +156,14 @@ TEST(ReliabilityDeadRankFrozen, SurvivorsOfAStoppedRankFailAfterTheTimeout) {
   ::kill(-ranks[victim].pid, SIGKILL);
   ranks[victim].wait_exit(10000);
   ASSERT_TRUE(froze) << ranks[victim].text;
+  EXPECT_NE(ranks[victim].text.find("transport " + transport(shm)), std::string::npos) << ranks[victim].text;
   for (auto& c : ranks) EXPECT_FALSE(group_alive(c.pid));
-  std::cout << "[deadrank] freeze (SIGSTOP) in a collective, timeout " << kTimeoutMs << " ms: time to exit:" << figures
-            << std::endl;
+  std::cout << "[deadrank] freeze (SIGSTOP) in a collective (" << transport(shm) << "), timeout " << kTimeoutMs
+            << " ms: time to exit:" << figures << std::endl;
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, ReliabilityDeadRankFrozen, ::testing::Values(true, false),
+                         [](const auto& info) { return transport(info.param); });
 
 // Through the launcher: non-zero exit naming the rank, nothing left behind.
 TEST(ReliabilityDeadRankLauncher, TesseraRunExitsNonZeroNamingTheDeadRank) {

@@ -95,6 +95,84 @@ TEST(World, OpenMPI) {
   EXPECT_EQ(w.num_nodes, 2);
 }
 
+// The variables mpirun (Open MPI 4.x/5.x) sets for each rank of `mpirun -n 2 prog` on one
+// host: OMPI_COMM_WORLD_NODE_RANK is the rank among all jobs' processes on the node (here
+// equal to the local rank), not the node's index.
+static std::map<std::string, std::string> mpirun_env(int rank, int size, int per_node) {
+  const int local = rank % per_node;
+  return {{"OMPI_COMM_WORLD_SIZE", std::to_string(size)},
+          {"OMPI_COMM_WORLD_RANK", std::to_string(rank)},
+          {"OMPI_COMM_WORLD_LOCAL_SIZE", std::to_string(per_node)},
+          {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(local)},
+          {"OMPI_COMM_WORLD_NODE_RANK", std::to_string(local)},
+          {"OMPI_UNIVERSE_SIZE", std::to_string(size)},
+          {"MASTER_ADDR", "h0"},
+          {"MASTER_PORT", "5000"}};
+}
+
+TEST(World, OpenMPIOneHostTwoRanks) {
+  for (int r = 0; r < 2; ++r) {
+    World w = parse(mpirun_env(r, 2, 2));
+    EXPECT_EQ(w.source, "openmpi");
+    EXPECT_EQ(w.rank, r);
+    EXPECT_EQ(w.world_size, 2);
+    EXPECT_EQ(w.local_rank, r);
+    EXPECT_EQ(w.local_world_size, 2);
+    EXPECT_EQ(w.node_rank, 0) << w.describe();
+    EXPECT_EQ(w.num_nodes, 1) << w.describe();
+  }
+}
+
+// `mpirun -n 4 --host a:2,b:2 prog`: ranks 0,1 on a, 2,3 on b (mapping by slot, the
+// default); on b, NODE_RANK and LOCAL_RANK are 0 and 1 again.
+TEST(World, OpenMPITwoHostsOfTwoRanks) {
+  for (int r = 0; r < 4; ++r) {
+    World w = parse(mpirun_env(r, 4, 2));
+    EXPECT_EQ(w.rank, r);
+    EXPECT_EQ(w.local_rank, r % 2);
+    EXPECT_EQ(w.local_world_size, 2);
+    EXPECT_EQ(w.node_rank, r / 2) << w.describe();
+    EXPECT_EQ(w.num_nodes, 2) << w.describe();
+  }
+}
+
+TEST(World, OpenMPILayoutsWithoutANodeIndexAreRefusedNamingTheVariables) {
+  // 3 ranks on two hosts (2 + 1): no common ranks-per-node.
+  auto uneven = mpirun_env(0, 3, 2);
+  const std::string e1 = error_of(uneven);
+  EXPECT_NE(e1.find("OMPI_COMM_WORLD_LOCAL_SIZE=2, OMPI_COMM_WORLD_SIZE=3"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("same number of ranks on every node"), std::string::npos) << e1;
+  // --map-by node: rank 1 is the first rank of the second host.
+  auto by_node = mpirun_env(1, 4, 2);
+  by_node["OMPI_COMM_WORLD_LOCAL_RANK"] = "0";
+  by_node["OMPI_COMM_WORLD_NODE_RANK"] = "0";
+  const std::string e2 = error_of(by_node);
+  EXPECT_NE(e2.find("OMPI_COMM_WORLD_RANK=1 has OMPI_COMM_WORLD_LOCAL_RANK=0"), std::string::npos) << e2;
+  EXPECT_NE(e2.find("--map-by node"), std::string::npos) << e2;
+  auto too_many = mpirun_env(0, 2, 2);
+  too_many["OMPI_COMM_WORLD_LOCAL_SIZE"] = "4";
+  EXPECT_NE(error_of(too_many).find("OMPI_COMM_WORLD_LOCAL_SIZE=4 exceeds OMPI_COMM_WORLD_SIZE=2"),
+            std::string::npos);
+}
+
+TEST(World, DetectLauncherFollowsTheSameRuleAsParsing) {
+  auto detect = [](const std::map<std::string, std::string>& env) {
+    return tessera::dist::detect_launcher([&](const std::string& k) -> std::optional<std::string> {
+      auto it = env.find(k);
+      if (it == env.end()) return std::nullopt;
+      return it->second;
+    });
+  };
+  EXPECT_EQ(detect({}), "");
+  EXPECT_EQ(detect({{"MASTER_ADDR", "h"}, {"OMPI_COMM_WORLD_NODE_RANK", "0"}}), "");
+  EXPECT_EQ(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}}), "torchrun");  // tessera run -n 1: still launched
+  EXPECT_EQ(detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}), "slurm");
+  EXPECT_EQ(detect({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}}), "openmpi");
+  EXPECT_EQ(detect(mpirun_env(1, 2, 2)), "openmpi");
+  EXPECT_EQ(detect({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"}}), "torchrun");
+  EXPECT_EQ(parse(mpirun_env(1, 2, 2)).source, detect(mpirun_env(1, 2, 2)));
+}
+
 TEST(World, TorchrunTakesPrecedenceOverSlurm) {
   // srun launching torchrun: torchrun's variables describe the worker.
   World w = parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"},

@@ -291,6 +291,7 @@ SCENARIO("dead_peer") {
   auto c = comm();
   at::Tensor t = at::ones({1024});
   c->all_reduce(t);  // everyone is connected
+  std::cout << "transport " << (c->uses_shared_memory() ? "shm" : "gloo") << std::endl;
   if (c->rank() == victim) {
     if (hang) {
       std::this_thread::sleep_for(std::chrono::seconds(60));
@@ -339,5 +340,26 @@ SCENARIO("all_to_all") {
     WCHECK(at::equal(got, at::cat(want, 0)), "all_to_all ", dt, " rank ", r, "\n", got);
   }
   std::cout << "all_to_all ok rank " << r << "\n";
+  return 0;
+}
+
+// Prints where the environment puts this rank (dist::World), then checks over the
+// communicator that the ranks agree: every node index is counted by exactly
+// local_world_size ranks, and the node indices cover [0, num_nodes).
+SCENARIO("world_info") {
+  const dist::World w = dist::World::from_env();
+  std::cout << "world " << w.describe() << std::endl;
+  auto c = comm();
+  const int n = c->size();
+  at::Tensor per_node = at::zeros({n}, at::kLong);
+  per_node[w.node_rank] = 1;
+  c->all_reduce(per_node);
+  for (int node = 0; node < n; ++node) {
+    const int64_t want = node < w.num_nodes ? w.local_world_size : 0;
+    WCHECK(per_node[node].item<int64_t>() == want, "node ", node, " has ", per_node[node].item<int64_t>(),
+           " ranks, expected ", want, " (", w.describe(), ")");
+  }
+  WCHECK(c->all_reduce_int(w.local_rank, ReduceOp::Max) == w.local_world_size - 1, "local ranks");
+  std::cout << "world_info ok rank " << w.rank << std::endl;
   return 0;
 }

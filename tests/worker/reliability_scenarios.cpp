@@ -73,6 +73,8 @@ SCENARIO("rel_train") {
   const uint64_t seed = static_cast<uint64_t>(args.int_arg(4, 1));
   fabric::Fabric f(rel_options());
   f.launch();
+  std::printf("transport %s\n", f.comm()->uses_shared_memory() ? "shm" : "gloo");
+  std::fflush(stdout);
   const bool me = f.global_rank() == victim;
   int64_t step = 0;
   at::manual_seed(3);

@@ -32,8 +32,10 @@ Runner add_run_command(CLI::App& app) {
   sub->add_option("--nnodes", opts->nnodes, "number of nodes (one `tessera run` per node)")
       ->default_val(1)->check(int_range(1, 65536));
   sub->add_option("--node-rank", opts->node_rank, "this node's index in [0, nnodes)")->default_val(0);
-  sub->add_option("--master-addr", opts->master_addr, "host of rank 0 (the rendezvous store)")
-      ->default_val("127.0.0.1");
+  CLI::Option* master_addr =
+      sub->add_option("--master-addr", opts->master_addr,
+                      "host of rank 0 (the rendezvous store); required with --nnodes > 1")
+          ->default_val("127.0.0.1");
   sub->add_option("--master-port", opts->master_port,
                   "rendezvous port; default: a free port (single node), required with --nnodes > 1")
       ->default_val(0)->check(int_range(0, 65535));
@@ -52,6 +54,14 @@ Runner add_run_command(CLI::App& app) {
     for (const auto& a : trailing_args()) opts->command.push_back(a);
     if (opts->command.empty()) {
       std::cerr << "tessera run: no PROGRAM given (usage: tessera run -n N -- PROGRAM ARGS...)\n";
+      return 2;
+    }
+    // Without it every node but node 0 would wait for its own 127.0.0.1 until the
+    // rendezvous timeout. Given explicitly (even 127.0.0.1: nodes simulated on one
+    // machine), it is taken as it is.
+    if (opts->nnodes > 1 && master_addr->count() == 0) {
+      std::cerr << "tessera run: --nnodes " << opts->nnodes << " needs --master-addr: the host of node 0, "
+                << "reachable from every node (the default 127.0.0.1 reaches only this machine)\n";
       return 2;
     }
     opts->grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_s * 1000));

@@ -20,6 +20,7 @@
 #include "tessera/core/env.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
+#include "tessera/dist/rendezvous.h"
 #include "tessera/dist/shm_channel.h"
 
 namespace tessera::dist {
@@ -199,7 +200,7 @@ void probe_capabilities(Communicator::Impl& I) {
     log::debug("gloo bf16 probe: supported");
   } catch (const std::exception& e) {
     if (!is_unsupported(e)) {
-      throw CommError(concat("first collective of rank ", I.world.rank, " failed: ", e.what()));
+      throw CommError(concat("first collective of rank ", I.world.rank, " failed: ", short_error(e)));
     }
     I.caps_cpu.bf16 = 0;
     log::debug("gloo bf16 probe: unsupported (", e.what(), "); bf16 collectives run in fp32");
@@ -228,20 +229,9 @@ std::shared_ptr<Communicator> Communicator::create(const World& world, const Com
   }
   if (world.is_distributed()) {
     TESSERA_CHECK(world.master_port > 0, "rendezvous needs MASTER_PORT (rank ", world.rank, ")");
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<uint16_t>(world.master_port);
-    so.isServer = world.rank == 0 && !world.agent_store;
-    if (so.isServer) so.numWorkers = static_cast<size_t>(world.world_size);
-    so.waitWorkers = false;
-    so.timeout = options.timeout;
-    try {
-      impl->store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
-    } catch (const std::exception& e) {
-      throw CommError(concat("rendezvous of rank ", world.rank, " at ", world.master_addr, ":",
-                          world.master_port, " failed (timeout ", options.timeout.count(),
-                          " ms): ", e.what()));
-    }
+    impl->store = connect_store(world, options.timeout);
     auto base = c10::make_intrusive<c10d::PrefixStore>(impl->prefix, impl->store);
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       if (options.backend != "nccl") {
         impl->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", base), world.rank,
@@ -252,9 +242,9 @@ std::shared_ptr<Communicator> Communicator::create(const World& world, const Com
                                world.world_size, options);
       }
     } catch (const std::exception& e) {
-      throw CommError(concat("creating the process group on rank ", world.rank, " of ", world.world_size,
-                          " failed (a peer did not join within ", options.timeout.count(), " ms?): ",
-                          e.what()));
+      throw_join_failure(world, *impl->store, options.timeout,
+                         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0),
+                         e);
     }
     impl->store = base;
     probe_capabilities(*impl);

@@ -5,6 +5,8 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -106,6 +108,117 @@ void signal_all(std::vector<Child>& children, int sig) {
   }
 }
 
+// The guard: a small process forked before the ranks, in a process group of its own and
+// deaf to INT/TERM/HUP, that outlives a launcher killed without warning (SIGKILL, the OOM
+// killer, a crash) and then kills the ranks' process groups. The ranks themselves die
+// with the launcher (parent-death signal), but what they started would otherwise run on,
+// reparented to init. It learns the groups over a socket only the launcher writes:
+// +pgid when a rank starts, -pgid once the launcher has reaped it and killed its group,
+// 0 when the launch ends normally. End of file without the 0: the launcher is gone.
+class Guard {
+ public:
+  explicit Guard(int max_groups) : slots_(static_cast<size_t>(max_groups)) {}
+  Guard(const Guard&) = delete;
+  Guard& operator=(const Guard&) = delete;
+  ~Guard() { finish(); }
+
+  // Returns false (and the launch goes on unguarded) when the guard cannot be started.
+  bool start() {
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return false;
+    sigset_t all, old_mask;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old_mask);
+    pid_t pid = ::fork();
+    if (pid == 0) run(sv[1]);  // never returns
+    pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+    ::close(sv[1]);
+    if (pid < 0) {
+      ::close(sv[0]);
+      return false;
+    }
+    pid_ = pid;
+    fd_ = sv[0];
+    return true;
+  }
+  int fd() const { return fd_; }
+  void add(pid_t pgid) { send(static_cast<int32_t>(pgid)); }
+  void remove(pid_t pgid) { send(-static_cast<int32_t>(pgid)); }
+  // The launch ended normally: the guard exits without killing anything.
+  void finish() {
+    if (fd_ < 0) return;
+    send(0);
+    ::close(fd_);
+    fd_ = -1;
+    int st = 0;
+    while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+  }
+
+ private:
+  void send(int32_t v) {
+    if (fd_ < 0) return;
+    // MSG_NOSIGNAL: a guard that was killed must not take the launcher down with SIGPIPE.
+    while (::send(fd_, &v, sizeof v, MSG_NOSIGNAL) < 0 && errno == EINTR) {
+    }
+  }
+
+  // The guard process: only async-signal-safe calls (the launcher may have threads).
+  [[noreturn]] void run(int fd) {
+    ::setpgid(0, 0);  // not stopped by a signal sent to the launcher's process group
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    sigemptyset(&ign.sa_mask);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGTSTP, SIGTTIN, SIGTTOU}) sigaction(sig, &ign, nullptr);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    // Hold nothing of the launcher's open: a pipe reader waiting for end of file on the
+    // launcher's output must not wait for the guard.
+    if (fd != 0) {
+      ::dup2(fd, 0);
+      fd = 0;
+    }
+#ifdef SYS_close_range
+    if (::syscall(SYS_close_range, 1u, ~0u, 0u) != 0)
+#endif
+      for (int i = 1; i < 65536; ++i) ::close(i);
+    size_t n = 0;
+    unsigned char buf[256];
+    size_t have = 0;
+    for (;;) {
+      ssize_t k = ::read(fd, buf + have, sizeof buf - have);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) break;  // the launcher is gone
+      have += static_cast<size_t>(k);
+      size_t off = 0;
+      for (; off + sizeof(int32_t) <= have; off += sizeof(int32_t)) {
+        int32_t v;
+        std::memcpy(&v, buf + off, sizeof v);
+        if (v == 0) ::_exit(0);
+        if (v > 0 && n < slots_.size()) {
+          slots_[n++] = v;
+        } else if (v < 0) {
+          for (size_t i = 0; i < n; ++i) {
+            if (slots_[i] != -v) continue;
+            slots_[i] = slots_[--n];
+            break;
+          }
+        }
+      }
+      std::memmove(buf, buf + off, have - off);
+      have -= off;
+    }
+    for (size_t i = 0; i < n; ++i) ::kill(-slots_[i], SIGKILL);
+    ::_exit(0);
+  }
+
+  std::vector<pid_t> slots_;  // allocated before fork: the guard does not allocate
+  pid_t pid_ = -1;
+  int fd_ = -1;
+};
+
 }  // namespace
 
 LaunchResult launch(const LaunchOptions& o) {
@@ -139,10 +252,18 @@ LaunchResult launch(const LaunchOptions& o) {
     sigaction(SIGHUP, &sa, &old_hup);
   }
 
+  Guard guard(o.nproc_per_node);
+  if (!guard.start()) {
+    std::fprintf(stderr, "tessera run: warning: cannot start the guard process (%s); if this launcher is "
+                 "killed, processes started by the ranks may outlive it\n", std::strerror(errno));
+  }
+  const int guard_fd = guard.fd();
+
   std::vector<Child> children(o.nproc_per_node);
   const bool shared_machine = o.nproc_per_node > 1;
   const pid_t launcher_pid = ::getpid();
   std::string spawn_error;
+  int exec_failed_rank = -1;
   for (int i = 0; i < o.nproc_per_node; ++i) {
     const int rank = o.node_rank * o.nproc_per_node + i;
     std::map<std::string, std::string> env = o.env;
@@ -170,9 +291,9 @@ LaunchResult launch(const LaunchOptions& o) {
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
 
-    int out_p[2], err_p[2];
-    if (::pipe(out_p) != 0 || ::pipe(err_p) != 0) {
-      spawn_error = "pipe() failed";
+    int out_p[2], err_p[2], exec_p[2];
+    if (::pipe(out_p) != 0 || ::pipe(err_p) != 0 || ::pipe2(exec_p, O_CLOEXEC) != 0) {
+      spawn_error = std::string("pipe() failed: ") + std::strerror(errno);
       break;
     }
     // Signals stay blocked across fork until the child has reset the launcher's
@@ -186,6 +307,7 @@ LaunchResult launch(const LaunchOptions& o) {
     if (pid < 0) {
       spawn_error = std::string("fork() failed: ") + std::strerror(errno);
       ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
+      ::close(exec_p[0]); ::close(exec_p[1]);
       break;
     }
     if (pid == 0) {
@@ -200,6 +322,8 @@ LaunchResult launch(const LaunchOptions& o) {
       sigaction(SIGHUP, &dfl, nullptr);
       if (g_signal_pipe[0] >= 0) ::close(g_signal_pipe[0]);
       if (g_signal_pipe[1] >= 0) ::close(g_signal_pipe[1]);
+      if (guard_fd >= 0) ::close(guard_fd);  // only the launcher may hold the guard's socket
+      ::close(exec_p[0]);
       sigset_t none;
       sigemptyset(&none);
       sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -207,28 +331,46 @@ LaunchResult launch(const LaunchOptions& o) {
       ::dup2(err_p[1], 2);
       ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
       ::execvpe(argv[0], argv.data(), envp.data());
-      const char msg[] = "tessera run: cannot execute the program\n";
-      ssize_t ignored = ::write(2, msg, sizeof(msg) - 1);
+      // Tell the launcher why (it names the program and the error); a successful exec
+      // closes this pipe instead (O_CLOEXEC).
+      const int err = errno;
+      ssize_t ignored = ::write(exec_p[1], &err, sizeof err);
       (void)ignored;
       ::_exit(127);
     }
     ::setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
+    guard.add(pid);
     ::close(out_p[1]);
     ::close(err_p[1]);
+    ::close(exec_p[1]);
+    // Wait for the exec: end of file when it succeeded, the child's errno when it failed.
+    int exec_errno = 0;
+    ssize_t got;
+    while ((got = ::read(exec_p[0], &exec_errno, sizeof exec_errno)) < 0 && errno == EINTR) {
+    }
+    ::close(exec_p[0]);
     set_nonblock(out_p[0]);
     set_nonblock(err_p[0]);
     children[i].status.rank = rank;
     children[i].status.pid = pid;
     children[i].out_fd = out_p[0];
     children[i].err_fd = err_p[0];
+    if (got == static_cast<ssize_t>(sizeof exec_errno)) {
+      exec_failed_rank = rank;
+      spawn_error = concat("cannot execute the program '", o.command[0], "' for rank ", rank, ": ",
+                           std::strerror(exec_errno), " (errno ", exec_errno, ")");
+      break;
+    }
   }
 
   LaunchResult result;
   std::optional<Clock::time_point> kill_at;
   int forwarded_signal = 0;
   if (!spawn_error.empty()) {
-    result.exit_code = 1;
-    result.message = "tessera run: " + spawn_error;
+    result.exit_code = exec_failed_rank >= 0 ? 127 : 1;
+    result.failed_rank = exec_failed_rank;
+    result.message = spawn_error;
+    std::fprintf(stderr, "tessera run: %s\n", result.message.c_str());
     signal_all(children, SIGKILL);
     for (auto& c : children) {
       if (c.status.pid <= 0) c.running = false;
@@ -282,6 +424,7 @@ LaunchResult launch(const LaunchOptions& o) {
       if (WIFSIGNALED(st)) c.status.signal = WTERMSIG(st);
       // Kill whatever the rank left behind in its process group.
       ::kill(-c.status.pid, SIGKILL);
+      guard.remove(c.status.pid);
       const bool failed = c.status.signal != 0 || c.status.exit_code != 0;
       if (failed && result.failed_rank < 0 && !kill_at) {
         result.failed_rank = c.status.rank;
@@ -325,6 +468,7 @@ LaunchResult launch(const LaunchOptions& o) {
     ::close(g_signal_pipe[1]);
     g_signal_pipe[0] = g_signal_pipe[1] = -1;
   }
+  guard.finish();
   if (forwarded_signal && result.failed_rank < 0 && result.exit_code == 0) {
     result.exit_code = 128 + forwarded_signal;
     result.message = concat("stopped by signal ", forwarded_signal);

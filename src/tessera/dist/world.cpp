@@ -132,6 +132,13 @@ World from_slurm(const Reader& r) {
   return w;
 }
 
+// Open MPI documents OMPI_COMM_WORLD_NODE_RANK as this process's rank among the
+// processes of *all* jobs on its node, not as the node's index, so it is not read.
+// The node index comes from the layout instead: mpirun's default mapping (by slot,
+// which --map-by core/socket/ppr:N:node keep) gives each node a run of consecutive
+// ranks, so with the same number of ranks L on every node, node = rank / L. A layout
+// that is not of that form (uneven slots, --map-by node, --rank-by) is refused, naming
+// the variables, rather than given node indices that disagree between ranks.
 World from_openmpi(const Reader& r) {
   World w;
   w.source = "openmpi";
@@ -140,11 +147,23 @@ World from_openmpi(const Reader& r) {
   TESSERA_CHECK(w.rank < w.world_size, "OMPI_COMM_WORLD_RANK=", w.rank,
                 " is not below OMPI_COMM_WORLD_SIZE=", w.world_size);
   w.local_world_size = r.get_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxRanks).value_or(w.world_size);
-  w.local_rank = r.get_int("OMPI_COMM_WORLD_LOCAL_RANK", 0, kMaxRanks).value_or(0);
-  TESSERA_CHECK(w.local_rank < w.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK=", w.local_rank,
-                " is not below OMPI_COMM_WORLD_LOCAL_SIZE=", w.local_world_size);
-  w.num_nodes = (w.world_size + w.local_world_size - 1) / w.local_world_size;
-  w.node_rank = r.get_int("OMPI_COMM_WORLD_NODE_RANK", 0, kMaxRanks).value_or(w.rank / w.local_world_size);
+  TESSERA_CHECK(w.local_world_size <= w.world_size, "OMPI_COMM_WORLD_LOCAL_SIZE=", w.local_world_size,
+                " exceeds OMPI_COMM_WORLD_SIZE=", w.world_size);
+  const int L = w.local_world_size;
+  w.local_rank = r.get_int("OMPI_COMM_WORLD_LOCAL_RANK", 0, kMaxRanks).value_or(w.rank % L);
+  TESSERA_CHECK(w.local_rank < L, "OMPI_COMM_WORLD_LOCAL_RANK=", w.local_rank,
+                " is not below OMPI_COMM_WORLD_LOCAL_SIZE=", L);
+  TESSERA_CHECK(w.world_size % L == 0, "Open MPI placed ", L, " of the ", w.world_size,
+                " ranks on this node (OMPI_COMM_WORLD_LOCAL_SIZE=", L, ", OMPI_COMM_WORLD_SIZE=", w.world_size,
+                "), which does not divide them evenly: Tessera needs the same number of ranks on every node "
+                "(give every host the same slot count, e.g. --host a:", L, ",b:", L, " or --map-by ppr:", L,
+                ":node)");
+  TESSERA_CHECK(w.local_rank == w.rank % L, "OMPI_COMM_WORLD_RANK=", w.rank, " has OMPI_COMM_WORLD_LOCAL_RANK=",
+                w.local_rank, ", but Tessera needs the ranks of a node to be consecutive (with ", L,
+                " per node, rank ", w.rank, " would have local rank ", w.rank % L,
+                "): use mpirun's default mapping (by slot), not --map-by node or --rank-by");
+  w.num_nodes = w.world_size / L;
+  w.node_rank = w.rank / L;
   set_master(w, r, "", 0);
   return w;
 }
@@ -174,14 +193,27 @@ std::string World::describe() const {
              node_rank, "/", num_nodes, ", from ", source, ")");
 }
 
+std::string detect_launcher(const World::Lookup& lookup) {
+  Reader r{lookup};
+  if (r.get("RANK") || r.get("WORLD_SIZE")) return "torchrun";
+  if (r.get("SLURM_PROCID") && r.get("SLURM_NTASKS")) return "slurm";
+  if (r.get("OMPI_COMM_WORLD_RANK") || r.get("OMPI_COMM_WORLD_SIZE")) return "openmpi";
+  return "";
+}
+
+bool started_by_launcher() {
+  return !detect_launcher([](const std::string& n) { return env::get(n); }).empty();
+}
+
 World World::from_lookup(const Lookup& lookup) {
   Reader r{lookup};
+  const std::string launcher = detect_launcher(lookup);
   World w;
-  if (r.get("RANK") || r.get("WORLD_SIZE")) {
+  if (launcher == "torchrun") {
     w = from_torchrun(r);
-  } else if (r.get("SLURM_PROCID") && r.get("SLURM_NTASKS")) {
+  } else if (launcher == "slurm") {
     w = from_slurm(r);
-  } else if (r.get("OMPI_COMM_WORLD_RANK") || r.get("OMPI_COMM_WORLD_SIZE")) {
+  } else if (launcher == "openmpi") {
     w = from_openmpi(r);
   } else {
     return w;

@@ -34,6 +34,16 @@ struct World {
   static World from_lookup(const Lookup& lookup);
 };
 
+// Which launcher's variables are set, by the rule World::from_lookup() follows:
+// "torchrun" (also `tessera run`: RANK or WORLD_SIZE), "slurm" (SLURM_PROCID and
+// SLURM_NTASKS), "openmpi" (OMPI_COMM_WORLD_RANK or _SIZE), or "" when none is.
+std::string detect_launcher(const World::Lookup& lookup);
+
+// Whether an external launcher (tessera run, torchrun, srun, mpirun) set up this
+// process's environment, even for a world of one process. A program started by hand
+// (false) may start its own ranks; one started by a launcher must use the launcher's.
+bool started_by_launcher();
+
 // First host of a SLURM node list: "node[03-05,9],other" -> "node03".
 std::string slurm_first_host(const std::string& nodelist);
 

@@ -88,13 +88,13 @@ void Fabric::launch() {
     TESSERA_CHECK(opts_.options.num_nodes == 1, "FabricOptions.num_nodes=", opts_.options.num_nodes,
                   ": a multi-node job must be started on every node by `tessera run`, torchrun, srun or mpirun; "
                   "launch() only starts the ranks of one node");
-    TESSERA_CHECK(!env::get("TESSERA_LAUNCHED"), "Fabric::launch: this process was started by a launcher with ",
-                  "WORLD_SIZE=1 but FabricOptions.devices=", opts_.options.devices);
+    TESSERA_CHECK(!dist::started_by_launcher(), "Fabric::launch: this process was started by a launcher (",
+                  world_.source, ") with a world size of 1 but FabricOptions.devices=", opts_.options.devices,
+                  "; start it with ", opts_.options.devices, " ranks per node, or set devices=1");
     dist::LaunchOptions lo;
     lo.command = own_command_line();
     lo.nproc_per_node = opts_.options.devices;
-    dist::LaunchResult res = dist::launch(lo);
-    if (res.exit_code != 0) std::cerr << "[tessera fabric] " << res.message << std::endl;
+    dist::LaunchResult res = dist::launch(lo);  // it reports a failing rank itself (once)
     std::cout.flush();
     std::exit(res.exit_code);
   }

@@ -1,0 +1,107 @@
+#include "tessera/dist/rendezvous.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cctype>
+#include <cstdio>
+
+#include "tessera/core/error.h"
+
+namespace tessera::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The key every rank adds 1 to once it has reached the store.
+const char* const kJoinedKey = "tessera/rendezvous/joined";
+
+std::string seconds(std::chrono::milliseconds ms) {
+  char buf[32];
+  if (ms.count() % 1000 == 0) {
+    std::snprintf(buf, sizeof buf, "%lld s", static_cast<long long>(ms.count() / 1000));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f s", static_cast<double>(ms.count()) / 1000.0);
+  }
+  return buf;
+}
+
+std::string where(const World& w) { return concat(w.master_addr, ":", w.master_port); }
+
+// Whether the operation that failed ran out its time: by the clock, or by libtorch's
+// message (its socket connect counts whole seconds, so it may give up before the clock says so).
+bool ran_out(std::chrono::milliseconds waited, std::chrono::milliseconds timeout, const std::exception& e) {
+  if (waited.count() * 10 >= timeout.count() * 9) return true;
+  std::string m = e.what();
+  for (auto& c : m) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return m.find("timed out") != std::string::npos || m.find("timeout") != std::string::npos;
+}
+
+}  // namespace
+
+std::string short_error(const std::exception& e) {
+  std::string msg;
+  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) {
+    msg = ce->what_without_backtrace();
+  } else {
+    msg = e.what();
+  }
+  const auto bt = msg.find("Exception raised from");
+  if (bt != std::string::npos) msg.erase(bt);
+  while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
+  const auto nl = msg.find('\n');
+  if (nl != std::string::npos) msg = msg.substr(0, nl);
+  return msg;
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(w.master_port);
+  so.isServer = w.rank == 0 && !w.agent_store;
+  if (so.isServer) so.numWorkers = static_cast<size_t>(w.world_size);
+  so.waitWorkers = false;
+  so.timeout = timeout;
+  const auto t0 = Clock::now();
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, so);
+    store->add(kJoinedKey, 1);
+  } catch (const std::exception& e) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+    const bool timed_out = ran_out(waited, timeout, e);
+    if (so.isServer && !timed_out) {
+      throw CommError(concat("rank ", w.rank, " could not start the rendezvous store on port ", w.master_port,
+                             " (MASTER_PORT; is another job using it?): ", short_error(e)));
+    }
+    if (timed_out) {
+      throw CommError(concat("rank ", w.rank, " could not reach the rendezvous store at ", where(w),
+                             " (MASTER_ADDR:MASTER_PORT) within the timeout of ", seconds(timeout),
+                             ": is rank 0 running, and is that its address?"));
+    }
+    throw CommError(concat("rank ", w.rank, " could not reach the rendezvous store at ", where(w),
+                           " (MASTER_ADDR:MASTER_PORT): ", short_error(e)));
+  }
+  return store;
+}
+
+void throw_join_failure(const World& w, c10d::Store& store, std::chrono::milliseconds timeout,
+                        std::chrono::milliseconds waited, const std::exception& cause) {
+  int64_t joined = -1;
+  try {
+    joined = store.add(kJoinedKey, 0);
+  } catch (const std::exception&) {
+    // The store is gone (its host, rank 0, failed): the count is unknown.
+  }
+  const std::string count =
+      joined >= 0 ? concat(joined, " of ", w.world_size, " ranks joined") : std::string("the store no longer answers");
+  if (ran_out(waited, timeout, cause) && (joined < 0 || joined < w.world_size)) {
+    throw CommError(concat("rendezvous at ", where(w), " timed out after ", seconds(timeout), " on rank ", w.rank,
+                           ": ", count, joined >= 0 ? " (are the others started, with the same MASTER_ADDR and "
+                                                      "MASTER_PORT?)"
+                                                    : ""));
+  }
+  throw CommError(concat("creating the process group on rank ", w.rank, " of ", w.world_size, " at ", where(w),
+                         " failed (", count, ", timeout ", seconds(timeout), "): ", short_error(cause)));
+}
+
+}  // namespace tessera::dist
