@@ -95,15 +95,15 @@ std::string ProgressBar::line(const Stage& st, bool final_line, double t) const 
   if (final_line) {
     s += "  " + clock_text(elapsed);
   } else {
-    // ETA: batches left in the stage at the stage's batch rate, else optimizer steps left
-    // until max_steps at the step rate seen since the first batch.
+    // ETA: the stage ends at its last batch or, in training, at max_steps, whichever
+    // comes first: batches left at the stage's batch rate, and optimizer steps left until
+    // max_steps at the step rate seen since the first batch; the smaller one.
     std::optional<double> eta;
-    if (st.total >= 0 && rate > 0) {
-      eta = static_cast<double>(std::max<int64_t>(st.total - st.done, 0)) / rate;
-    } else if (st.total < 0 && st.max_steps >= 0 && st.step_first >= 0 && t > st.t_first &&
-               st.step > st.step_first) {
+    if (st.total >= 0 && rate > 0) eta = static_cast<double>(std::max<int64_t>(st.total - st.done, 0)) / rate;
+    if (train && st.max_steps >= 0 && st.step_first >= 0 && t > st.t_first && st.step > st.step_first) {
       const double step_rate = static_cast<double>(st.step - st.step_first) / (t - st.t_first);
-      eta = static_cast<double>(std::max<int64_t>(st.max_steps - st.step, 0)) / step_rate;
+      const double to_max = static_cast<double>(std::max<int64_t>(st.max_steps - st.step, 0)) / step_rate;
+      if (!eta || to_max < *eta) eta = to_max;
     }
     if (eta)
       s += "  ETA " + clock_text(*eta);
