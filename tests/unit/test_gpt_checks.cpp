@@ -6,11 +6,17 @@
 //    refused, naming both values; flags left out take the checkpoint's values;
 //  - a second run with the same --out stops at start ("in use by pid N");
 //  - a resume with --max-steps at or below the checkpoint's step changes nothing on disk;
-//  - float flags refuse nan/inf and print their bounds readably; --ckpt-every's help.
+//  - float flags refuse nan/inf and print their bounds readably; --ckpt-every's help;
+//  - with 2 ranks on a terminal, rank 0's progress bar is redrawn live by the launcher.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <stdlib.h>
+#include <sys/ioctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <chrono>
 #include <filesystem>
@@ -86,6 +92,43 @@ void expect_clean_error(int rc, const std::string& out, const std::string& what)
   EXPECT_NE(out.find("gpt: error: "), std::string::npos) << what << "\n" << out;
   for (const char* bad : {"Exception raised from", "frame #", "terminate called", "stoll", "Floating point"})
     EXPECT_EQ(out.find(bad), std::string::npos) << what << " printed '" << bad << "':\n" << out;
+}
+
+// Runs `cmd` through sh with stdout and stderr on a new pseudo-terminal `cols` wide;
+// returns its exit status and everything written to the terminal ('\n' arrives as "\r\n").
+std::pair<int, std::string> run_on_terminal(const std::string& cmd, int cols) {
+  const int m = ::posix_openpt(O_RDWR | O_NOCTTY);
+  if (m < 0 || ::grantpt(m) != 0 || ::unlockpt(m) != 0) return {-1, "cannot create a pseudo-terminal"};
+  const std::string slave = ::ptsname(m);
+  struct winsize ws {};
+  ws.ws_row = 50;
+  ws.ws_col = static_cast<unsigned short>(cols);
+  const pid_t pid = ::fork();
+  if (pid < 0) return {-1, "fork failed"};
+  if (pid == 0) {
+    ::setsid();
+    const int s = ::open(slave.c_str(), O_RDWR);  // the new session's controlling terminal
+    if (s < 0) ::_exit(126);
+    ::ioctl(s, TIOCSWINSZ, &ws);
+    ::dup2(s, 1);
+    ::dup2(s, 2);
+    ::close(s);
+    ::close(m);
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  std::string out;
+  char buf[4096];
+  for (;;) {  // until EIO: every process holding the terminal has ended
+    const ssize_t n = ::read(m, buf, sizeof buf);
+    if (n > 0) out.append(buf, static_cast<size_t>(n));
+    else if (n < 0 && errno == EINTR) continue;
+    else break;
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  ::close(m);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out};
 }
 
 }  // namespace
@@ -283,3 +326,27 @@ TEST_F(GptChecks, NumericFlagsRefuseNonFiniteValuesAndPrintBoundsReadably) {
   EXPECT_NE(help.find("0: after each validation, see --val-every, and at the end"), std::string::npos) << help;
 }
 
+// gpt --devices 2 runs its ranks through the launcher, which used to relay whole lines
+// only, so rank 0 (stderr a pipe) printed a plain line a second at most. On a terminal
+// the launcher now shows rank 0's bar live: "\r[rank 0] train epoch 0: ... ETA ..."
+// redrawn in place, cut to the terminal's width.
+TEST_F(GptChecks, TwoRanksOnATerminalShowALiveProgressBar) {
+  GptDir r;
+  const int cols = 150;
+  auto [rc, out] = run_on_terminal(kEnv + kGpt + " train --strategy ddp --devices 2 --max-steps 40 --val-every 0 --data " +
+                                       r.data + " --out " + r.dir + "/run --batch-size 8 --seed 5 --threads 1" + kShape,
+                                   cols);
+  ASSERT_EQ(rc, 0) << out;
+  size_t live = 0;
+  const std::string head = "\r[rank 0] train epoch 0: ";
+  for (size_t p = out.find(head); p != std::string::npos; p = out.find(head, p + 1)) {
+    const size_t end = out.find_first_of("\r\n", p + 1);
+    const std::string drawn = out.substr(p + 1, end == std::string::npos ? std::string::npos : end - p - 1);
+    EXPECT_LE(drawn.size(), static_cast<size_t>(cols)) << drawn;
+    if (drawn.find("ETA") != std::string::npos) ++live;
+  }
+  EXPECT_GE(live, 1u) << "no live progress line from rank 0:\n" << out;
+  // The stage's last state stays, as a line of its own, and the run's summary follows.
+  EXPECT_NE(out.find("40/"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 0] gpt: done step=40"), std::string::npos) << out;
+}

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 
 #include "tessera/core/error.h"
@@ -49,11 +50,19 @@ ProgressBar::ProgressBar(ProgressBarOptions o, std::ostream* out) : opt_(std::mo
   TESSERA_CHECK(opt_.refresh_rate >= 1, "ProgressBar: refresh_rate must be >= 1, got ", opt_.refresh_rate);
   TESSERA_CHECK(opt_.width >= 0, "ProgressBar: width must be >= 0, got ", opt_.width);
   const int fd = out_ == &std::cerr || out_ == &std::clog ? 2 : out_ == &std::cout ? 1 : -1;
-  tty_ = opt_.tty ? *opt_.tty : (fd >= 0 && ::isatty(fd));
+  // A rank whose stderr a launcher shows on its terminal (dist::launch sets
+  // TESSERA_TTY_COLUMNS, the columns left after its "[rank R] " prefix, and redraws
+  // what comes after '\r' live): draw in place as on a terminal of that width.
+  int relayed_columns = 0;
+  if (fd == 2 && !::isatty(2))
+    if (const char* c = std::getenv("TESSERA_TTY_COLUMNS")) relayed_columns = std::atoi(c);
+  tty_ = opt_.tty ? *opt_.tty : (fd >= 0 && (::isatty(fd) || relayed_columns > 0));
   max_width_ = static_cast<size_t>(opt_.width);
   struct winsize ws {};
   if (tty_ && max_width_ == 0 && fd >= 0 && ::ioctl(fd, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1)
     max_width_ = ws.ws_col - 1;  // leave the last column free so the cursor never wraps
+  else if (tty_ && max_width_ == 0 && relayed_columns > 1)
+    max_width_ = static_cast<size_t>(relayed_columns - 1);
 }
 
 double ProgressBar::now() const {
