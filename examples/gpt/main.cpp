@@ -22,6 +22,7 @@
 #include <iomanip>
 #include <iostream>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -29,7 +30,10 @@
 
 #include "data.h"
 #include "model.h"
+#include "run_lock.h"
+#include "settings.h"
 #include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/reader.h"
 #include "tessera/core/device.h"
 #include "tessera/dist/world.h"
 #include "tessera/state/module_state.h"
@@ -54,6 +58,7 @@ struct TrainArgs {
   std::string out = "gpt-run";
   bool tie_weights = false, progress_bar = true;
   int threads = 0;  // 0: cores / ranks on this node
+  std::set<std::string> given;  // model-shaping settings given on the command line (hparams keys)
 };
 
 std::string lowercase(std::string s) {
@@ -140,6 +145,56 @@ void check(bool ok, const std::string& msg) {
   if (!ok) throw CLI::ValidationError(msg);
 }
 
+// Takes OUT/run.lock on rank 0 (the rank that writes the metadata, metrics.csv and
+// hparams.yaml) for the rest of the process; every rank raises rank 0's refusal, so a
+// second run with the same --out stops at start on all of its ranks.
+void lock_run_dir(gpt::RunDirLock& lock, const std::string& dir, fabric::Fabric& f) {
+  const std::string err = f.is_global_zero() ? lock.acquire(dir) : std::string();
+  for (const auto& e : f.comm()->all_gather_bytes(err))
+    if (!e.empty()) throw std::runtime_error(e);
+}
+
+// The checkpoint --resume names: 'last' is OUT/checkpoints/last.ckpt (where the
+// Trainer's ModelCheckpoint writes it).
+std::string resume_path(const TrainArgs& a) {
+  return a.resume == "last" ? (fs::path(a.out) / "checkpoints" / "last.ckpt").string() : a.resume;
+}
+
+// Resuming: the checkpoint's model-shaping hparams, checked like the flags (and against
+// its weights), must equal the flags given explicitly; those not given take the
+// checkpoint's values. Returns the checkpoint's global step.
+int64_t adopt_checkpoint_settings(TrainArgs& a, const std::string& path, fabric::Fabric& f) {
+  if (!fs::exists(path)) throw std::runtime_error("--resume: checkpoint '" + path + "' does not exist");
+  const checkpoint::CheckpointMetadata meta = checkpoint::open_checkpoint(path);
+  const gpt::Config stored = gpt::stored_config(meta);
+  gpt::check_stored_weights(meta, stored);
+  const gpt::Config flags{a.n_layer, a.n_head, a.d_model, a.seq_len, a.tie_weights};
+  std::string mismatch, adopted;
+  for (const auto& k : gpt::config_keys()) {
+    const std::string want = gpt::config_value(flags, k), have = gpt::config_value(stored, k);
+    if (want == have) continue;
+    if (a.given.count(k)) {
+      const std::string flag = k == "tie_weights" ? "--tie-weights" : std::string(gpt::shape_setting(k).flag) + " " + want;
+      mismatch += (mismatch.empty() ? "" : "; ") + flag + " but the checkpoint has " + k + " " + have;
+    } else {
+      adopted += (adopted.empty() ? "" : ", ") + k + " " + have;
+    }
+  }
+  if (!mismatch.empty())
+    throw std::runtime_error("--resume: '" + path + "' holds another model: " + mismatch +
+                             " (a resumed run keeps the checkpoint's shape; leave these flags out to use its values)");
+  a.n_layer = stored.n_layer;
+  a.n_head = stored.n_head;
+  a.d_model = stored.d_model;
+  a.seq_len = stored.seq_len;
+  a.tie_weights = stored.tie_weights;
+  if (!adopted.empty()) f.print("gpt: resuming with the checkpoint's ", adopted);
+  auto step = meta.entries.find("global_step");
+  const int64_t* s = step == meta.entries.end() ? nullptr : std::get_if<int64_t>(&step->second.value);
+  if (!s) throw std::runtime_error("--resume: '" + path + "' has no integer global_step (not a checkpoint of gpt train)");
+  return *s;
+}
+
 int run_train(TrainArgs a) {
   // Ranks and batch split (the environment of tessera run, torchrun, srun or mpirun when started by one).
   const bool launched = dist::started_by_launcher();
@@ -191,6 +246,19 @@ int run_train(TrainArgs a) {
   o.enable_progress_bar = a.progress_bar;
 
   trainer::Trainer t(o);  // without a launcher and devices > 1: runs the ranks and exits
+  auto& f = t.fabric();
+  gpt::RunDirLock lock;
+  lock_run_dir(lock, a.out, f);
+  std::string resume;
+  if (!a.resume.empty()) {
+    resume = resume_path(a);
+    const int64_t step = adopt_checkpoint_settings(a, resume, f);
+    if (step >= a.max_steps) {  // nothing to train: leave the checkpoint and metrics.csv as they are
+      f.print("gpt: nothing left to do: '", resume, "' is at step ", step, " and --max-steps is ", a.max_steps,
+              "; the run directory is unchanged (raise --max-steps to train further)");
+      return 0;
+    }
+  }
   const int threads = a.threads > 0 ? a.threads
                                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local);
   at::set_num_threads(threads);
@@ -198,7 +266,6 @@ int run_train(TrainArgs a) {
   const std::vector<std::string> files = a.data.empty() ? gpt::default_data_files() : a.data;
   gpt::Dataset data = gpt::make_dataset(gpt::read_text(files), a.seq_len, a.val_fraction);
   gpt::Config cfg{a.n_layer, a.n_head, a.d_model, a.seq_len, a.tie_weights};
-  auto& f = t.fabric();
   f.print("gpt: ", data.total_bytes, " bytes from ", files.size(), " file(s): ", data.train.size(),
           " training / ", data.val.size(), " validation windows of ", a.seq_len, "+1 bytes");
   f.print("gpt: ", a.n_layer, " layers, ", a.n_head, " heads, d_model ", a.d_model, ", strategy ", a.strategy,
@@ -209,7 +276,7 @@ int run_train(TrainArgs a) {
   const trainer::TensorData val{data.val.inputs, data.val.targets};
   const auto t0 = std::chrono::steady_clock::now();
   const trainer::Metrics fitted =
-      t.fit(m, {data.train.inputs, data.train.targets}, a.val_every > 0 ? val : trainer::TensorData{}, a.resume);
+      t.fit(m, {data.train.inputs, data.train.targets}, a.val_every > 0 ? val : trainer::TensorData{}, resume);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // The final validation loss over the whole held-out split.
   double val_loss = std::nan("");
@@ -257,19 +324,13 @@ struct SampleArgs {
 int run_sample(const SampleArgs& a) {
   at::set_num_threads(std::max(1u, std::thread::hardware_concurrency()));
   if (!fs::exists(a.ckpt)) throw CLI::ValidationError("--ckpt: '" + a.ckpt + "' does not exist");
-  // The model's shape comes from the hyper-parameters the Trainer saved with it.
-  state::StateDict none;
+  // The model's shape comes from the hyper-parameters the Trainer saved with it, checked
+  // like the flags of gpt train, and against the stored weights' shapes before building it.
+  const checkpoint::CheckpointMetadata meta = checkpoint::open_checkpoint(a.ckpt);
+  const gpt::Config cfg = gpt::stored_config(meta);
+  gpt::check_stored_weights(meta, cfg);
   checkpoint::LoadOptions lax;
   lax.strict = false;
-  state::StateDict hp = checkpoint::load_local(none, a.ckpt, lax).leftovers;
-  auto hparam = [&](const std::string& k) {
-    const std::string key = "hparams." + k;
-    if (!hp.contains(key))
-      throw CLI::ValidationError("--ckpt: '" + a.ckpt + "' has no '" + key + "' (not a checkpoint of gpt train)");
-    return hp.string(key);
-  };
-  gpt::Config cfg{std::stoll(hparam("n_layer")), std::stoll(hparam("n_head")), std::stoll(hparam("d_model")),
-                  std::stoll(hparam("seq_len")), hparam("tie_weights") == "true"};
   gpt::Gpt net(cfg);
   state::StateDict target;
   const state::StateDict own = state::state_dict(*net);
@@ -323,7 +384,7 @@ int main(int argc, char** argv) {
   TrainArgs ta;
   auto* train = app.add_subcommand("train", "train on text files (default: the license texts of Debian's base-files)");
   train->add_option("--devices", ta.devices, "processes on this machine (default 1, or the launcher's)")
-      ->check(CLI::PositiveNumber);
+      ->check(gpt::int_in(1));
   train->add_option("--strategy", ta.strategy, "single|ddp|fsdp")->check(CLI::IsMember({"single", "ddp", "fsdp"}))
       ->capture_default_str();
   train->add_option("--sharding", ta.sharding, "FSDP sharding: full|grad-op|none|hybrid")
@@ -336,50 +397,52 @@ int main(int argc, char** argv) {
   train->add_option("--precision", ta.precision, "32|bf16-mixed")->check(CLI::IsMember({"32", "bf16-mixed"}))
       ->capture_default_str();
   train->add_option("--max-steps", ta.max_steps, "optimizer steps to train to (counted from step 0)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(gpt::int_in(1))->capture_default_str();
   train->add_option("--batch-size", ta.batch_size, "global batch in sequences (split over the ranks)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  train->add_option("--seq-len", ta.seq_len, "context length in bytes")->check(CLI::PositiveNumber)->capture_default_str();
-  train->add_option("--n-layer", ta.n_layer, "transformer blocks")->check(CLI::PositiveNumber)->capture_default_str();
-  train->add_option("--n-head", ta.n_head, "attention heads")->check(CLI::PositiveNumber)->capture_default_str();
-  train->add_option("--d-model", ta.d_model, "model width")->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(gpt::int_in(1))->capture_default_str();
+  train->add_option("--seq-len", ta.seq_len, "context length in bytes")->check(gpt::shape_flag("seq_len"))->capture_default_str();
+  train->add_option("--n-layer", ta.n_layer, "transformer blocks")->check(gpt::shape_flag("n_layer"))->capture_default_str();
+  train->add_option("--n-head", ta.n_head, "attention heads")->check(gpt::shape_flag("n_head"))->capture_default_str();
+  train->add_option("--d-model", ta.d_model, "model width")->check(gpt::shape_flag("d_model"))->capture_default_str();
   train->add_option("--lr", ta.lr, "peak learning rate (AdamW; linear warmup, cosine decay)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(gpt::positive_float())->capture_default_str();
   train->add_option("--warmup-steps", ta.warmup_steps, "learning-rate warmup steps (default min(30, max-steps/10))")
-      ->check(CLI::NonNegativeNumber);
+      ->check(gpt::int_in(0));
   train->add_option("--lr-decay-steps", ta.decay_steps,
                     "steps of the cosine schedule (default --max-steps; set it when stopping early to resume later)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(gpt::int_in(0));
   train->add_option("--seed", ta.seed, "initial weights and data order")->capture_default_str();
   train->add_option("--data", ta.data, "text file(s) to train on (repeatable)")->check(CLI::ExistingFile);
   train->add_option("--val-fraction", ta.val_fraction, "held-out share of the bytes (the end of the text)")
-      ->check(CLI::Range(0.0, 0.9))->capture_default_str();
+      ->check(gpt::float_in(0, 0.9))->capture_default_str();
   train->add_option("--val-every", ta.val_every, "validate every K steps (0: only at the end)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  train->add_option("--log-every", ta.log_every, "write a metrics row every K steps")->check(CLI::PositiveNumber)
+      ->check(gpt::int_in(0))->capture_default_str();
+  train->add_option("--log-every", ta.log_every, "write a metrics row every K steps")->check(gpt::int_in(1))
       ->capture_default_str();
-  train->add_option("--out", ta.out, "run directory: metrics.csv, checkpoints/")->capture_default_str();
-  train->add_option("--ckpt-every", ta.ckpt_every, "save checkpoints/last.ckpt every K steps (0: at the end only)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  train->add_option("--out", ta.out, "run directory: metrics.csv, checkpoints/, run.lock (one run at a time)")->capture_default_str();
+  train->add_option("--ckpt-every", ta.ckpt_every, "save checkpoints/last.ckpt every K steps (0: after each validation, see --val-every, and at "
+                    "the end)")
+      ->check(gpt::int_in(0))->capture_default_str();
   train->add_option("--state-dict", ta.state_dict, "checkpoint kind: sharded|full (default: sharded for fsdp)")
       ->check(CLI::IsMember({"sharded", "full"}));
-  train->add_option("--resume", ta.resume, "'last' (OUT/checkpoints/last.ckpt) or a checkpoint path");
+  train->add_option("--resume", ta.resume, "'last' (OUT/checkpoints/last.ckpt) or a checkpoint path; model-shape flags left out "
+                    "take the checkpoint's values, ones given must match it");
   train->add_flag("--tie-weights", ta.tie_weights, "share the token embedding with the output head");
   train->add_option("--grad-clip", ta.grad_clip, "global gradient-norm clipping (0: off)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(gpt::non_negative_float())->capture_default_str();
   train->add_option("--threads", ta.threads, "intra-op threads per rank (default: cores / ranks)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(gpt::int_in(0));
   train->add_flag("!--no-progress-bar", ta.progress_bar, "no progress bar");
 
   SampleArgs sa;
   auto* sample = app.add_subcommand("sample", "print a continuation of --prompt from a checkpoint");
   sample->add_option("--ckpt", sa.ckpt, "a sharded checkpoint directory or a consolidated file")->required();
   sample->add_option("--prompt", sa.prompt, "text to continue")->capture_default_str();
-  sample->add_option("--tokens", sa.tokens, "bytes to generate")->check(CLI::NonNegativeNumber)->capture_default_str();
+  sample->add_option("--tokens", sa.tokens, "bytes to generate")->check(gpt::int_in(0))->capture_default_str();
   sample->add_option("--temperature", sa.temperature, "softmax temperature (0: greedy)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(gpt::non_negative_float())->capture_default_str();
   sample->add_option("--top-k", sa.top_k, "sample among the k most likely bytes (0: all)")
-      ->check(CLI::Range(0, 256))->capture_default_str();
+      ->check(gpt::int_in(0, 256))->capture_default_str();
   sample->add_option("--seed", sa.seed, "sampling seed")->capture_default_str();
 
   if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "train" && std::string(argv[1]) != "sample") {
@@ -388,7 +451,12 @@ int main(int argc, char** argv) {
   }
   try {
     app.parse(argc, argv);
-    if (train->parsed()) return run_train(ta);
+    if (train->parsed()) {
+      for (const auto& s : gpt::shape_settings())
+        if (train->count(s.flag) > 0) ta.given.insert(s.key);
+      if (train->count("--tie-weights") > 0) ta.given.insert("tie_weights");
+      return run_train(ta);
+    }
     return run_sample(sa);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -64,6 +65,41 @@ std::vector<std::string> make_env(const std::map<std::string, std::string>& over
   return out;
 }
 
+// A rank's live line. When the launcher writes the ranks' output itself and its stderr
+// is a terminal, text a rank redraws with '\r' on stderr (the Trainer's progress bar,
+// told by TESSERA_TTY_COLUMNS that a terminal shows it) is shown as it comes, as one
+// "[rank R] ..." line redrawn in place at the bottom: other output clears it, is
+// written, and the line is drawn again below; the rank's '\n' makes it a normal line.
+struct LiveLine {
+  bool enabled = false, on = false;
+  int rank = -1;
+  std::string shown;  // what the terminal line holds now
+};
+LiveLine g_live;
+
+void live_write(const std::string& s) {
+  std::fwrite(s.data(), 1, s.size(), stderr);
+  std::fflush(stderr);
+}
+// "\r" + text, padded over what the line showed before.
+std::string live_redraw(const std::string& text) {
+  std::string s = "\r" + text;
+  if (text.size() < g_live.shown.size()) s.append(g_live.shown.size() - text.size(), ' ');
+  return s;
+}
+void live_clear() {
+  if (g_live.on) live_write(live_redraw("") + "\r");
+}
+void live_restore() {
+  if (g_live.on) live_write("\r" + g_live.shown);
+}
+// Ends the live line where it is (before the launcher's own messages and at the end).
+void live_end() {
+  if (g_live.on) live_write("\n");
+  g_live.on = false;
+  g_live.shown.clear();
+}
+
 void emit(const LaunchOptions& o, int rank, bool is_err, const std::string& line) {
   if (o.on_line) {
     o.on_line(rank, is_err, line);
@@ -71,8 +107,36 @@ void emit(const LaunchOptions& o, int rank, bool is_err, const std::string& line
   }
   std::string s = "[rank " + std::to_string(rank) + "] " + line + "\n";
   FILE* f = is_err ? stderr : stdout;
+  if (g_live.enabled && g_live.on && is_err && rank == g_live.rank && line.find('\r') != std::string::npos) {
+    // The live line's final state: written over it, and it is a normal line from now on.
+    const std::string text = "[rank " + std::to_string(rank) + "] " + line.substr(line.rfind('\r') + 1);
+    live_write(live_redraw(text) + "\n");
+    g_live.on = false;
+    g_live.shown.clear();
+    return;
+  }
+  if (g_live.enabled && line.find('\r') != std::string::npos)
+    s = "[rank " + std::to_string(rank) + "] " + line.substr(line.rfind('\r') + 1) + "\n";
+  live_clear();
+  std::fflush(stdout);
   std::fwrite(s.data(), 1, s.size(), f);
   std::fflush(f);
+  live_restore();
+}
+
+// The unfinished tail of a rank's stderr: when it redraws with '\r', shows its newest
+// state as the live line (one live line at a time; the first rank to draw keeps it).
+void live_update(const LaunchOptions& o, Child& c, std::string& buf) {
+  if (!g_live.enabled || o.on_line) return;
+  const size_t r = buf.rfind('\r');
+  if (r == std::string::npos || (g_live.on && g_live.rank != c.status.rank)) return;
+  buf.erase(0, r);  // earlier states are overwritten anyway
+  if (buf.size() == 1) return;  // "\r" alone: the text follows
+  const std::string text = "[rank " + std::to_string(c.status.rank) + "] " + buf.substr(1);
+  live_write(live_redraw(text));
+  g_live.on = true;
+  g_live.rank = c.status.rank;
+  g_live.shown = text;
 }
 
 // Reads what is available from fd; returns false at EOF or error.
@@ -90,6 +154,7 @@ bool pump(const LaunchOptions& o, Child& c, bool is_err) {
         start = nl + 1;
       }
       buf.erase(0, start);
+      if (is_err) live_update(o, c, buf);
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
@@ -259,6 +324,14 @@ LaunchResult launch(const LaunchOptions& o) {
   }
   const int guard_fd = guard.fd();
 
+  const bool live = !o.on_line && ::isatty(2);
+  int live_columns = 80;
+  if (live) {
+    g_live = LiveLine{};
+    g_live.enabled = true;
+    struct winsize ws {};
+    if (::ioctl(2, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 20) live_columns = ws.ws_col;
+  }
   std::vector<Child> children(o.nproc_per_node);
   const bool shared_machine = o.nproc_per_node > 1;
   const pid_t launcher_pid = ::getpid();
@@ -276,6 +349,8 @@ LaunchResult launch(const LaunchOptions& o) {
     env["MASTER_ADDR"] = o.master_addr;
     env["MASTER_PORT"] = std::to_string(port);
     env["TESSERA_LAUNCHED"] = "1";
+    // The columns left after the "[rank R] " prefix.
+    if (live) env["TESSERA_TTY_COLUMNS"] = std::to_string(live_columns - 8 - std::to_string(rank).size());
     if (o.threads_per_rank > 0) {
       env["OMP_NUM_THREADS"] = std::to_string(o.threads_per_rank);
     } else if (shared_machine && std::getenv("OMP_NUM_THREADS") == nullptr && !o.env.count("OMP_NUM_THREADS")) {
@@ -407,6 +482,7 @@ LaunchResult launch(const LaunchOptions& o) {
       while (::read(g_signal_pipe[0], &c, 1) == 1) {
         const int sig = static_cast<unsigned char>(c);
         if (!forwarded_signal) forwarded_signal = sig;
+        live_end();
         std::fprintf(stderr, "tessera run: received signal %d (%s); forwarding it to the ranks\n", sig,
                      strsignal(sig));
         signal_all(children, sig);
@@ -441,6 +517,7 @@ LaunchResult launch(const LaunchOptions& o) {
           for (auto& other : children)
             if (other.running) other.status.stopped_by_launcher = true;
         }
+        live_end();
         std::fprintf(stderr, "tessera run: %s\n", result.message.c_str());
       }
     }
@@ -448,12 +525,17 @@ LaunchResult launch(const LaunchOptions& o) {
     if (o.deadline && now - start > *o.deadline && any_running() && result.failed_rank < 0 && !kill_at) {
       result.exit_code = 124;
       result.message = concat("deadline of ", o.deadline->count(), " ms passed; stopping every rank");
+      live_end();
       std::fprintf(stderr, "tessera run: %s\n", result.message.c_str());
       signal_all(children, SIGTERM);
       kill_at = now + o.grace;
     }
     if (kill_at && now >= *kill_at) signal_all(children, SIGKILL);
     if (!any_running() && !drain_until) drain_until = Clock::now() + std::chrono::seconds(2);
+  }
+  if (live) {
+    live_end();
+    g_live = LiveLine{};
   }
   for (auto& c : children) {
     if (c.out_fd >= 0) ::close(c.out_fd);

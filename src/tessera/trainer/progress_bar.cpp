@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 
 #include "tessera/core/error.h"
@@ -49,11 +50,19 @@ ProgressBar::ProgressBar(ProgressBarOptions o, std::ostream* out) : opt_(std::mo
   TESSERA_CHECK(opt_.refresh_rate >= 1, "ProgressBar: refresh_rate must be >= 1, got ", opt_.refresh_rate);
   TESSERA_CHECK(opt_.width >= 0, "ProgressBar: width must be >= 0, got ", opt_.width);
   const int fd = out_ == &std::cerr || out_ == &std::clog ? 2 : out_ == &std::cout ? 1 : -1;
-  tty_ = opt_.tty ? *opt_.tty : (fd >= 0 && ::isatty(fd));
+  // A rank whose stderr a launcher shows on its terminal (dist::launch sets
+  // TESSERA_TTY_COLUMNS, the columns left after its "[rank R] " prefix, and redraws
+  // what comes after '\r' live): draw in place as on a terminal of that width.
+  int relayed_columns = 0;
+  if (fd == 2 && !::isatty(2))
+    if (const char* c = std::getenv("TESSERA_TTY_COLUMNS")) relayed_columns = std::atoi(c);
+  tty_ = opt_.tty ? *opt_.tty : (fd >= 0 && (::isatty(fd) || relayed_columns > 0));
   max_width_ = static_cast<size_t>(opt_.width);
   struct winsize ws {};
   if (tty_ && max_width_ == 0 && fd >= 0 && ::ioctl(fd, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1)
     max_width_ = ws.ws_col - 1;  // leave the last column free so the cursor never wraps
+  else if (tty_ && max_width_ == 0 && relayed_columns > 1)
+    max_width_ = static_cast<size_t>(relayed_columns - 1);
 }
 
 double ProgressBar::now() const {
@@ -95,15 +104,15 @@ std::string ProgressBar::line(const Stage& st, bool final_line, double t) const 
   if (final_line) {
     s += "  " + clock_text(elapsed);
   } else {
-    // ETA: batches left in the stage at the stage's batch rate, else optimizer steps left
-    // until max_steps at the step rate seen since the first batch.
+    // ETA: the stage ends at its last batch or, in training, at max_steps, whichever
+    // comes first: batches left at the stage's batch rate, and optimizer steps left until
+    // max_steps at the step rate seen since the first batch; the smaller one.
     std::optional<double> eta;
-    if (st.total >= 0 && rate > 0) {
-      eta = static_cast<double>(std::max<int64_t>(st.total - st.done, 0)) / rate;
-    } else if (st.total < 0 && st.max_steps >= 0 && st.step_first >= 0 && t > st.t_first &&
-               st.step > st.step_first) {
+    if (st.total >= 0 && rate > 0) eta = static_cast<double>(std::max<int64_t>(st.total - st.done, 0)) / rate;
+    if (train && st.max_steps >= 0 && st.step_first >= 0 && t > st.t_first && st.step > st.step_first) {
       const double step_rate = static_cast<double>(st.step - st.step_first) / (t - st.t_first);
-      eta = static_cast<double>(std::max<int64_t>(st.max_steps - st.step, 0)) / step_rate;
+      const double to_max = static_cast<double>(std::max<int64_t>(st.max_steps - st.step, 0)) / step_rate;
+      if (!eta || to_max < *eta) eta = to_max;
     }
     if (eta)
       s += "  ETA " + clock_text(*eta);

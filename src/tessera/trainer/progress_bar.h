@@ -5,8 +5,9 @@
 // at most one every `refresh_rate` batches and at most one per second (plus the summary
 // line of each stage in finish()), so log files stay short.
 //
-// ETA: from the batches left in the stage when `total` is known, else from the steps
-// left until `max_steps` when that is set; omitted otherwise.
+// ETA: until the end of the stage, which is its last batch (`total`, when known) or, in
+// training, `max_steps` (when set), whichever comes first at the rates seen so far; "?"
+// while no rate is known; omitted when neither bound is set.
 //
 // Stages nest: start() while a stage is running (validation in the middle of a training
 // epoch) suspends it, leaving its line in place; the inner stage's finish() resumes it.
