@@ -393,7 +393,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
   train->add_option("--peak-tflops", ta.peak_tflops, "GPU bf16 dense peak for the MFU figure (default: known GPUs)")
-      ->check(CLI::PositiveNumber);
+      ->check(gpt::positive_float());
   train->add_option("--precision", ta.precision, "32|bf16-mixed")->check(CLI::IsMember({"32", "bf16-mixed"}))
       ->capture_default_str();
   train->add_option("--max-steps", ta.max_steps, "optimizer steps to train to (counted from step 0)")

@@ -83,8 +83,9 @@ TEST(ReliabilityBadInput, CliFlagsAreCheckedAndNamed) {
   ck::save(state_of(4, 1), dir + "/c", *solo());
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"run -n 0 -- true", "--nproc-per-node"},
-      {"run --nnodes 2 --node-rank 0 -- true", "--master-port"},
-      {"run --nnodes 2 --node-rank 2 --master-port 1234 -- true", "--node-rank"},
+      {"run --nnodes 2 --node-rank 0 --master-port 1234 -- true", "--master-addr"},
+      {"run --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 -- true", "--master-port"},
+      {"run --nnodes 2 --node-rank 2 --master-addr 127.0.0.1 --master-port 1234 -- true", "--node-rank"},
       {"run --grace -1 -- true", "--grace"},
       {"run -n 2", "PROGRAM"},
       {"ckpt verify " + dir + "/nope", dir + "/nope"},

@@ -22,7 +22,8 @@ void expect_parity(int n, const std::string& kinds, const std::string& steps, co
   auto res = run_ranks(n, {"strategy_parity", kinds, steps, clip, micro}, 240, std::move(env));
   EXPECT_RANKS_OK(res);
   for (int r = 0; r < n; ++r) {
-    ASSERT_FALSE(res.out[r].empty()) << res.all_output();
+    EXPECT_FALSE(res.out[r].empty()) << res.all_output();
+    if (res.out[r].empty()) continue;
     EXPECT_EQ(res.out[r].back(), "parity ok rank " + std::to_string(r)) << res.all_output();
   }
   // One line per strategy kind on every rank.
@@ -67,7 +68,8 @@ tessera::testing::RanksResult expect_ok_lines(int n, const std::vector<std::stri
   auto res = run_ranks(n, args, 240);
   EXPECT_RANKS_OK(res);
   for (int r = 0; r < n; ++r) {
-    ASSERT_FALSE(res.out[r].empty()) << res.all_output();
+    EXPECT_FALSE(res.out[r].empty()) << res.all_output();
+    if (res.out[r].empty()) continue;
     EXPECT_EQ(res.out[r].back(), last_prefix + " rank " + std::to_string(r)) << res.all_output();
   }
   std::cout << res.all_output();
