@@ -1,6 +1,7 @@
 #include "tessera/dist/rendezvous.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cctype>
@@ -63,6 +64,14 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
   so.timeout = timeout;
   const auto t0 = Clock::now();
   c10::intrusive_ptr<c10d::Store> store;
+  // libtorch 2.x logs each failed connection attempt (a warning per retry, an error at the
+  // end) with the whole exception, backtrace included; the failure is reported below in
+  // one line, so c10's log is limited to fatal messages while connecting.
+  struct QuietWarnings {
+    int saved = FLAGS_caffe2_log_level;
+    QuietWarnings() { FLAGS_caffe2_log_level = std::max(saved, 3); }
+    ~QuietWarnings() { FLAGS_caffe2_log_level = saved; }
+  } quiet;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, so);
     store->add(kJoinedKey, 1);
