@@ -49,10 +49,17 @@ int main(int argc, char** argv) {
   for (int k = 0; k < n; ++k) all[static_cast<size_t>(k)] = k;
   dist::CommOptions gloo_opts = opts;
   gloo_opts.shared_memory = false;
+  gloo_opts.gloo_native = false;
   auto gloo = comm->split({all}, gloo_opts);
+  // Gloo's own single-tensor all-gather / reduce-scatter where this libtorch has them
+  // (torch 2.x); on 1.13 the same calls fall back to point to point, and the JSON says so.
+  dist::CommOptions native_opts = gloo_opts;
+  native_opts.gloo_native = true;
+  auto native = comm->split({all}, native_opts);
   std::vector<std::pair<std::string, dist::Communicator*>> transports;
   if (comm->uses_shared_memory()) transports.emplace_back("shm", comm.get());
   transports.emplace_back("gloo", gloo.get());
+  transports.emplace_back("gloo-native", native.get());
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t mib : {1, 4, 16, 64, 256}) {
     const int64_t bytes = mib << 20;
@@ -96,11 +103,19 @@ int main(int argc, char** argv) {
       }
     }
   }
+  const auto caps = native->capabilities();
+  auto route = [](int native_cap) {
+    return native_cap == 1 ? std::string("Gloo's native single-tensor form")
+                           : std::string("point to point (this Gloo has no single-tensor form)");
+  };
   if (r == 0) {
     nlohmann::json doc{{"benchmark", "collectives"},
                        {"world_size", n},
                        {"transports", {{"shm", "shared-memory channel (dist/shm_channel.h)"},
-                                       {"gloo", "Gloo over TCP loopback: all-gather and reduce-scatter point to point"}}},
+                                       {"gloo", "Gloo over TCP loopback: all-gather and reduce-scatter point to point"},
+                                       {"gloo-native", "Gloo over TCP loopback, CommOptions::gloo_native: all-gather " +
+                                                           route(caps.allgather_base) + ", reduce-scatter " +
+                                                           route(caps.reduce_scatter_base)}}},
                        {"intra_op_threads", static_cast<int>(at::get_num_threads())},
                        {"rows", rows}};
     std::ofstream f(out);

@@ -49,6 +49,28 @@ TEST_P(CollectivesOverGloo, EveryOpEveryDtypeUnevenAndEmptyPieces) {
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesOverGloo, ::testing::Values(2, 3));
 
+// CommOptions::gloo_native through TESSERA_GLOO_NATIVE: off, even pieces still go point to
+// point (the native forms are never tried); on, they are tried, and run where this Gloo has
+// them (torch 2.x) or fall back (1.13), with the same results either way.
+TEST(CollectivesOverGloo, NativeSingleTensorFormsAreOptInAndAgree) {
+  for (const char* native : {"0", "1"}) {
+    auto res = run_ranks(3, {"collectives"}, 120, {{"TESSERA_SHM", "0"}, {"TESSERA_GLOO_NATIVE", native}});
+    EXPECT_RANKS_OK(res);
+    for (int r = 0; r < 3; ++r) {
+      ASSERT_GE(res.out[r].size(), 3u) << res.all_output();
+      EXPECT_EQ(res.out[r].back(), "collectives ok rank " + std::to_string(r) + " of 3");
+      const std::string routes = res.out[r][res.out[r].size() - 3];
+      if (native[0] == '0') {
+        EXPECT_EQ(routes, "gloo single-tensor all_gather -1 reduce_scatter -1") << res.all_output();
+      } else {
+        EXPECT_TRUE(routes == "gloo single-tensor all_gather 1 reduce_scatter 1" ||
+                    routes == "gloo single-tensor all_gather 0 reduce_scatter 0")
+            << routes << "\n" << res.all_output();
+      }
+    }
+  }
+}
+
 // Ranks that enter different collectives get an error naming both (Gloo would hang or
 // deliver garbage), and the channel refuses further use. The segment's name is gone
 // from /dev/shm once the ranks have mapped it.

@@ -16,6 +16,7 @@
 #include <set>
 
 #include "tessera/core/buffer_cache.h"
+#include "tessera/core/cpu_allocator.h"
 #include "tessera/core/compat.h"
 #include "tessera/core/env.h"
 #include "tessera/core/error.h"
@@ -78,6 +79,8 @@ struct Communicator::Impl {
     return *gloo;
   }
   Capabilities& caps(const at::Tensor& t) { return t.is_cuda() ? caps_cuda : caps_cpu; }
+  // Whether CPU all-gather / reduce-scatter of even pieces try Gloo's native forms.
+  bool gloo_native() const { return env::get_bool("TESSERA_GLOO_NATIVE").value_or(options.gloo_native); }
   ShmChannel* shm_for(const at::Tensor& t) const { return t.is_cpu() ? shm.get() : nullptr; }
 
   std::string where(const char* what, const at::Tensor& t) const {
@@ -217,6 +220,7 @@ std::shared_ptr<Communicator> Communicator::create(const World& world, const Com
                 "backend '", options.backend, "' is not one of auto, gloo, nccl");
   TESSERA_CHECK(options.timeout.count() > 0, "communicator timeout must be positive");
   log::set_rank(world.is_distributed() ? world.rank : -1);
+  core::install_cpu_allocator();  // Tessera's CPU memory policy (core/cpu_allocator.h)
   auto impl = std::make_unique<Impl>();
   impl->world = world;
   impl->options = options;
@@ -435,16 +439,8 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
   WorkList works;
   at::Tensor buf;  // the padded path's landing buffer
   try {
-    if (local.is_cpu()) {
-      // Gloo: this rank's tensor goes to every peer and each peer's arrives at its exact
-      // offset in `out` (point to point: the bytes a ring all-gather moves, with no
-      // padding of uneven pieces and no staging buffer on either side).
-      works = exchange(
-          be, me, n, I.next_p2p_tag(), [&](int) { return send_w; },
-          [&](int from) { return out_w.narrow(0, off[from], sizes[from]); });
-      if (sizes[me] > 0) out_w.narrow(0, off[me], sizes[me]).copy_(send_w);
-    } else if (even && caps.allgather_base != 0) {
-      // NCCL: the native all-gather into one tensor, straight into `out`.
+    if (even && caps.allgather_base != 0 && (!local.is_cpu() || I.gloo_native())) {
+      // NCCL (or Gloo when asked): the native all-gather into one tensor, straight into `out`.
       try {
         works.push_back(be._allgather_base(out_w, send_w));
         caps.allgather_base = 1;
@@ -453,7 +449,15 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
         caps.allgather_base = 0;
       }
     }
-    if (works.empty() && !local.is_cpu()) {
+    if (works.empty() && local.is_cpu()) {
+      // Gloo: this rank's tensor goes to every peer and each peer's arrives at its exact
+      // offset in `out` (point to point: the bytes a ring all-gather moves, with no
+      // padding of uneven pieces and no staging buffer on either side).
+      works = exchange(
+          be, me, n, I.next_p2p_tag(), [&](int) { return send_w; },
+          [&](int from) { return out_w.narrow(0, off[from], sizes[from]); });
+      if (sizes[me] > 0) out_w.narrow(0, off[me], sizes[me]).copy_(send_w);
+    } else if (works.empty()) {
       // Uneven pieces on a device backend: the list form into equal, padded pieces.
       at::Tensor padded = send_w;
       if (!even) {
@@ -539,7 +543,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
   at::Tensor out;
   bool emulated = false;
   try {
-    if (!full.is_cpu() && caps.reduce_scatter_base != 0) {
+    if (caps.reduce_scatter_base != 0 && (!full.is_cpu() || (even && I.gloo_native()))) {
       at::Tensor src = in;
       if (!even) {
         src = at::zeros(rest_shape(in, maxs * n), in.options());

@@ -50,6 +50,13 @@ struct CommOptions {
   // Bytes each rank moves per round of a shared-memory collective; the segment holds
   // two such slots per rank (capped so that it stays under 64 MiB).
   size_t shm_chunk_bytes = size_t{1} << 20;
+  // Gloo (CPU, no shared-memory channel) all-gather and reduce-scatter of even pieces:
+  // false sends each piece point to point (no padding, no staging buffer); true uses
+  // Gloo's own single-tensor collectives where this libtorch has them (torch 2.x:
+  // all_gather_single / reduce_scatter_single; 1.13 has neither and falls back to point
+  // to point). Uneven pieces always go point to point. TESSERA_GLOO_NATIVE=0 or 1
+  // overrides this. bench_collectives measures both (docs/benchmarks.md).
+  bool gloo_native = false;
 };
 
 // An asynchronous collective. wait() blocks, raises CommError on failure, and runs
