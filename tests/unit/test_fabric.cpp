@@ -29,16 +29,12 @@ using namespace tessera::testing;
 
 namespace {
 
-std::string make_temp_dir() {
-  char tmpl[] = "/tmp/tessera-fabric-XXXXXX";
-  const char* d = ::mkdtemp(tmpl);
-  if (!d) throw std::runtime_error("mkdtemp failed");
-  return d;
-}
-
+// A temporary directory (temp_dir) removed with its contents at the end of the scope,
+// unless the test has failed by then: then it stays for a post-mortem (see temp_dirs.cpp).
 struct TempDir {
-  std::string path = make_temp_dir();
+  std::string path = temp_dir("tessera-fabric");
   ~TempDir() {
+    if (::testing::Test::HasFailure()) return;
     std::error_code ec;
     fs::remove_all(path, ec);
   }

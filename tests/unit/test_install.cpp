@@ -16,8 +16,7 @@ namespace fs = std::filesystem;
 using tessera::testing::run_command;
 
 TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
-  fs::path tmp = fs::temp_directory_path() / ("tessera-install-" + std::to_string(::getpid()));
-  fs::remove_all(tmp);
+  const fs::path tmp = tessera::testing::temp_dir("tessera-install");
   const std::string prefix = (tmp / "prefix").string();
   auto [rc, out] = run_command("cmake --install " TESSERA_BINARY_DIR " --prefix " + prefix);
   ASSERT_EQ(rc, 0) << out;
@@ -34,5 +33,4 @@ TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
   std::tie(rc, out) = run_command(prefix + "/bin/tessera run -n 2 -- " + build + "/consumer");
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("[rank 1] consumer ok: world 2 sum 6 chunks 4"), std::string::npos) << out;
-  fs::remove_all(tmp);
 }

@@ -152,7 +152,6 @@ TEST(ReliabilityTamper, EditedAndRechecksummedMetadataIsRefused) {
   expect_refused(good, work, rechecksum(edit(text, "\"value\": 0.125", "\"value\": 0.5")),
                  {"key 'opt.lr'", "float value 0.5 disagrees with its bits"});
   EXPECT_TRUE(ck::verify(good).ok);
-  fs::remove_all(dir);
 }
 
 // A consolidated file: tessera.world_size in the safetensors __metadata__, with the
@@ -192,7 +191,6 @@ TEST(ReliabilityTamper, ConsolidatedWorldSizeAndDuplicateHeaderKeysAreRefused) {
   const std::string e = error_of([&] { ck::open_checkpoint(work); });
   EXPECT_CONTAINS(e, "duplicate key 'model.b'");
   EXPECT_CONTAINS(e, work);
-  fs::remove_all(dir);
 }
 
 namespace {

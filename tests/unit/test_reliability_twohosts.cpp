@@ -146,5 +146,4 @@ TEST_F(ReliabilityTwoHosts, HybridShardedCheckpointAcrossTwoHostsSavesAndResumes
   }
   std::cout << "[twohosts] hybrid sharded checkpoint over 2 namespaces, saved and resumed: " << steady_ms() - t0
             << " ms" << std::endl;
-  std::filesystem::remove_all(dir);
 }

@@ -248,8 +248,10 @@ TEST(StreamWriter, WritesExactlyTheAppendedBytesInBothModes) {
   for (size_t i = 0; i < want.size(); ++i) want[i] = static_cast<char>((i * 2654435761u) >> 11);
   std::vector<std::string> dirs = {temp_dir()};
   if (is_directory("/dev/shm") && ::access("/dev/shm", W_OK) == 0) {
-    char tmpl[] = "/dev/shm/tessera-stream-XXXXXX";
-    if (::mkdtemp(tmpl)) dirs.push_back(tmpl);
+    try {
+      dirs.push_back(temp_dir("tessera-stream", "/dev/shm"));
+    } catch (const std::runtime_error&) {  // none there: the test covers /tmp only
+    }
   }
   for (const std::string& dir : dirs) {
     for (bool no_direct : {false, true}) {

@@ -99,16 +99,13 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, StrategyRanks, ::testing::Values(1, 2, 4));
 // into FSDP on 3 and 1 ranks, DDP on 2 ranks and one plain process, and continue:
 // every loss equals the uninterrupted single-process run.
 TEST(StrategyResume, ShardedCheckpointLoadsAtOtherWorldSizesAndStrategies) {
-  char tmpl[] = "/tmp/tessera_strategy_resume_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = std::string(tmpl) + "/ckpt";
+  const std::string dir = tessera::testing::temp_dir("tessera_strategy_resume") + "/ckpt";
   expect_ok_lines(2, {"strategy_resume", "save", "full", dir, "3"}, "saved");
   expect_ok_lines(3, {"strategy_resume", "load", "full", dir, "3", "3"}, "resumed ok");
   expect_ok_lines(1, {"strategy_resume", "load", "full", dir, "3", "3"}, "resumed ok");
   expect_ok_lines(2, {"strategy_resume", "load", "ddp", dir, "3", "3"}, "resumed ok");
   expect_ok_lines(1, {"strategy_resume", "load", "single", dir, "3", "3"}, "resumed ok");
   expect_ok_lines(4, {"strategy_resume", "load", "grad_op", dir, "3", "3"}, "resumed ok");
-  std::filesystem::remove_all(tmpl);
 }
 
 // Collectives counted per kind on the strategies' communicators: none for gradients
@@ -137,9 +134,8 @@ TEST(StrategyCollectives, DdpFindUnusedParametersAcrossRanks) {
 // resumes at other world sizes and strategies. The other way round too: FULL_SHARD's
 // checkpoint resumes under HYBRID_SHARD.
 TEST(StrategyResume, HybridWithTwoReplicaGroupsSavesShardedAndLoadsAnywhere) {
-  char tmpl[] = "/tmp/tessera_strategy_hybrid_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = std::string(tmpl) + "/hybrid", full_dir = std::string(tmpl) + "/full";
+  const std::string tmp = tessera::testing::temp_dir("tessera_strategy_hybrid");
+  const std::string dir = tmp + "/hybrid", full_dir = tmp + "/full";
   auto saved = expect_ok_lines(4, {"strategy_resume", "save", "hybrid", dir, "3"}, "saved");
   for (int r = 0; r < 4; ++r)
     EXPECT_NE(std::find(saved.out[r].begin(), saved.out[r].end(), "shard group 2 of 4, replica group size 2"),
@@ -167,5 +163,4 @@ TEST(StrategyResume, HybridWithTwoReplicaGroupsSavesShardedAndLoadsAnywhere) {
 
   expect_ok_lines(4, {"strategy_resume", "save", "full", full_dir, "3"}, "saved");
   expect_ok_lines(4, {"strategy_resume", "load", "hybrid", full_dir, "3", "3"}, "resumed ok");
-  std::filesystem::remove_all(tmpl);
 }

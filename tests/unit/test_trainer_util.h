@@ -23,11 +23,13 @@
 
 namespace tessera::testing {
 
-// A temporary directory removed with its contents at the end of the scope.
+// A temporary directory (temp_dir) removed with its contents at the end of the scope,
+// unless the test has failed by then: then it stays for a post-mortem (see temp_dirs.cpp).
 struct TempDir {
   std::string path;
   TempDir() : path(temp_dir("tessera-trainer")) {}
   ~TempDir() {
+    if (::testing::Test::HasFailure()) return;
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
   }

@@ -1,26 +1,65 @@
-// Small helpers shared by the unit tests: temporary directories, whole-file I/O,
-// running a shell command, and catching an error's message.
+// Small helpers shared by the unit tests: temporary directories (removed after a test
+// that passes, see temp_dirs.cpp), whole-file I/O, running a shell command, and catching
+// an error's message.
 #pragma once
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
+#include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "tessera/core/error.h"
 
 namespace tessera::testing {
 
-// A fresh directory under /tmp (left in place for post-mortems).
-inline std::string temp_dir(const std::string& prefix = "tessera-test") {
-  std::string tmpl = "/tmp/" + prefix + "-XXXXXX";
-  const char* d = ::mkdtemp(tmpl.data());
-  EXPECT_NE(d, nullptr) << "mkdtemp failed";
-  return tmpl;
+// The directories temp_dir() made in this process that the running test has not yet
+// disposed of: one registry for every translation unit (an inline function's static).
+struct TempDirRegistry {
+  std::mutex mu;
+  std::vector<std::string> paths;
+};
+
+inline TempDirRegistry& temp_dir_registry() {
+  static TempDirRegistry registry;
+  return registry;
+}
+
+inline void register_temp_dir(const std::string& path) {
+  TempDirRegistry& r = temp_dir_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.paths.push_back(path);
+}
+
+// The registered directories, emptying the registry.
+inline std::vector<std::string> take_temp_dirs() {
+  TempDirRegistry& r = temp_dir_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<std::string> paths;
+  paths.swap(r.paths);
+  return paths;
+}
+
+// A fresh directory <parent>/<prefix>-XXXXXX (mkdtemp), registered: when the running test
+// ends, the listener in temp_dirs.cpp removes it if the test did not fail, and keeps it
+// for a post-mortem (naming it on stderr) if it did. Throws when mkdtemp fails.
+inline std::string temp_dir(const std::string& prefix = "tessera-test", const std::string& parent = "/tmp") {
+  const std::string tmpl = parent + "/" + prefix + "-XXXXXX";
+  std::string path = tmpl;
+  if (!::mkdtemp(path.data())) {
+    const int err = errno;
+    throw std::runtime_error("mkdtemp(" + tmpl + ") failed: " + std::strerror(err));
+  }
+  register_temp_dir(path);
+  return path;
 }
 
 inline void write_bytes(const std::string& path, const std::string& bytes) {
