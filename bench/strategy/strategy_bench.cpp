@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <string>
 
+#include "tessera/core/blas.h"
 #include "tessera/core/error.h"
 #include "tessera/strategy/ddp.h"
 #include "tessera/strategy/fsdp.h"
@@ -74,6 +75,9 @@ double rss_now_mib() {
 }
 
 }  // namespace
+
+// OpenBLAS kernels for this CPU, chosen before any library loads (tessera/core/blas.h).
+TESSERA_TUNE_BLAS_AT_STARTUP();
 
 int main(int argc, char** argv) {
   using namespace tessera;

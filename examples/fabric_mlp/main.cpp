@@ -15,9 +15,13 @@
 #include <iostream>
 #include <string>
 
+#include "tessera/core/blas.h"
 #include "tessera/fabric/fabric.h"
 
 using namespace tessera;
+
+// OpenBLAS kernels for this CPU, chosen before any library loads (tessera/core/blas.h).
+TESSERA_TUNE_BLAS_AT_STARTUP();
 
 int main(int argc, char** argv) {
   fabric::FabricOptions options;

@@ -10,6 +10,7 @@
 // global batch (split evenly over the ranks), so runs at any world size see the same data.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <sys/resource.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
@@ -34,6 +35,8 @@
 #include "settings.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/reader.h"
+#include "tessera/core/blas.h"
+#include "tessera/core/cpu_allocator.h"
 #include "tessera/core/device.h"
 #include "tessera/dist/world.h"
 #include "tessera/state/module_state.h"
@@ -295,6 +298,18 @@ int run_train(TrainArgs a) {
     << " val_loss=" << val_loss << " tokens_per_s=" << std::setprecision(4) << tok_s << " seconds=" << secs
     << " params=" << gpt::count_parameters(cfg);
   f.print(s.str());
+  // Host memory: the largest rank's peak resident set (ru_maxrss, KiB on Linux), and the
+  // CPU memory policy it ran under (core/cpu_allocator.h).
+  {
+    rusage ru{};
+    ::getrusage(RUSAGE_SELF, &ru);
+    const double rss_mib = f.comm()->all_reduce_double(static_cast<double>(ru.ru_maxrss) / 1024.0, dist::ReduceOp::Max);
+    std::ostringstream h;
+    h << std::setprecision(4) << "gpt: host peak_rss_mib=" << rss_mib
+      << " cpu_allocator=" << core::to_string(core::cpu_allocator_policy()) << " blas=\"" << core::blas_summary()
+      << "\"";
+    f.print(h.str());
+  }
   // On a GPU: the caching allocator's peak on this rank, and model FLOPs utilisation
   // (6 N per token for the weights, 12 L d T for attention, forward and backward) against
   // the GPU's bf16 dense peak (--peak-tflops, or the known figure for its model).
@@ -376,6 +391,9 @@ int run_sample(const SampleArgs& a) {
 }
 
 }  // namespace
+
+// OpenBLAS kernels for this CPU, chosen before any library loads (tessera/core/blas.h).
+TESSERA_TUNE_BLAS_AT_STARTUP();
 
 int main(int argc, char** argv) {
   CLI::App app{"gpt: a byte-level GPT trained with Tessera (single, DDP or FSDP) and sampled from its checkpoints",

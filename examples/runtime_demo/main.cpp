@@ -4,10 +4,14 @@
 
 #include <iostream>
 
+#include "tessera/core/blas.h"
 #include "tessera/dist/communicator.h"
 #include "tessera/sharding/chunk.h"
 
 using namespace tessera;
+
+// OpenBLAS kernels for this CPU, chosen before any library loads (tessera/core/blas.h).
+TESSERA_TUNE_BLAS_AT_STARTUP();
 
 int main() {
   dist::World world = dist::World::from_env();

@@ -15,6 +15,7 @@
 #include <iostream>
 #include <string>
 
+#include "tessera/core/blas.h"
 #include "tessera/dist/communicator.h"
 #include "tessera/nn/sharded_embedding_bag.h"
 #include "tessera/sharding/chunk.h"
@@ -45,6 +46,9 @@ struct Model : torch::nn::Module {
 };
 
 }  // namespace
+
+// OpenBLAS kernels for this CPU, chosen before any library loads (tessera/core/blas.h).
+TESSERA_TUNE_BLAS_AT_STARTUP();
 
 int main(int argc, char** argv) {
   try {

@@ -16,6 +16,7 @@
 #include <iostream>
 #include <string>
 
+#include "tessera/core/blas.h"
 #include "tessera/trainer/callbacks.h"
 #include "tessera/trainer/trainer.h"
 
@@ -49,6 +50,9 @@ struct Regression : trainer::TrainingModule {
   void on_train_epoch_end(int64_t epoch) override { fabric().print("epoch ", epoch, " done at step ", global_step()); }
   std::map<std::string, std::string> hparams() const override { return {{"lr", std::to_string(lr)}}; }
 };
+
+// OpenBLAS kernels for this CPU, chosen before any library loads (tessera/core/blas.h).
+TESSERA_TUNE_BLAS_AT_STARTUP();
 
 int main(int argc, char** argv) {
   trainer::TrainerOptions options;

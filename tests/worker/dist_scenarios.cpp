@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "scenario.h"
+#include "tessera/core/cpu_allocator.h"
 
 using namespace tessera;
 using namespace tessera::testing;
@@ -171,6 +172,11 @@ SCENARIO("collectives") {
   WCHECK(c->all_reduce_int(r + 1, ReduceOp::Max) == n, "all_reduce_int");
   WCHECK(c->all_reduce_double(0.5, ReduceOp::Sum) == 0.5 * n, "all_reduce_double");
   c->barrier();
+  // Which Gloo route the even all-gather / reduce-scatter took: -1 never tried (point to
+  // point), 0 tried and unsupported by this Gloo, 1 Gloo's single-tensor form.
+  const auto caps = c->capabilities();
+  std::cout << "gloo single-tensor all_gather " << caps.allgather_base << " reduce_scatter "
+            << caps.reduce_scatter_base << "\n";
   std::cout << "transport " << (c->uses_shared_memory() ? "shm" : "gloo") << "\n";
   std::cout << "collectives ok rank " << r << " of " << n << "\n";
   return 0;
@@ -361,5 +367,13 @@ SCENARIO("world_info") {
   }
   WCHECK(c->all_reduce_int(w.local_rank, ReduceOp::Max) == w.local_world_size - 1, "local ranks");
   std::cout << "world_info ok rank " << w.rank << std::endl;
+  return 0;
+}
+
+// cpu_allocator: the CPU memory policy the communicator installed (TESSERA_CPU_ALLOCATOR).
+SCENARIO("cpu_allocator") {
+  auto c = comm();
+  c->barrier();
+  std::cout << "cpu allocator " << core::to_string(core::cpu_allocator_policy()) << "\n";
   return 0;
 }

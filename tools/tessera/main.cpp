@@ -4,6 +4,7 @@
 
 #include "commands.h"
 #include "tessera/config.h"
+#include "tessera/core/cpu_allocator.h"
 #include "tessera/core/error.h"
 
 int main(int argc, char** argv) {
@@ -38,7 +39,10 @@ int main(int argc, char** argv) {
   }
   try {
     if (app.got_subcommand("run")) return run();
-    if (app.got_subcommand("ckpt")) return ckpt();
+    if (app.got_subcommand("ckpt")) {
+      tessera::core::install_cpu_allocator();  // the CPU memory policy (core/cpu_allocator.h)
+      return ckpt();
+    }
   } catch (const std::exception& e) {
     tessera::cli::wait_if_interrupted();  // the interrupt ends the process, not this error
     std::cerr << "tessera: error: " << e.what() << "\n";

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/Allocator.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -40,6 +41,11 @@ using BackendBase = c10d::ProcessGroup;
 #endif
 static_assert(std::is_base_of<BackendBase, c10d::ProcessGroupGloo>::value,
               "configure-time probe disagrees with the ProcessGroupGloo headers");
+
+// c10::Allocator::allocate is a const member on 1.13 and a non-const one on 2.x
+// (core/cpu_allocator.cpp overrides whichever this libtorch declares).
+constexpr bool kAllocatorAllocateIsConst =
+    std::is_same<decltype(&c10::Allocator::allocate), c10::DataPtr (c10::Allocator::*)(size_t) const>::value;
 
 using Work = c10d::Work;
 using BackendPtr = c10::intrusive_ptr<BackendBase>;

@@ -11,6 +11,7 @@
 #include <iterator>
 
 #include "tessera/core/compat.h"
+#include "tessera/core/cpu_allocator.h"
 #include "tessera/core/device.h"
 #include "tessera/core/env.h"
 #include "tessera/core/log.h"
@@ -74,9 +75,10 @@ std::vector<std::string> own_command_line() {
 }  // namespace
 
 // GPUs are only counted when the accelerator may be CUDA (counting initializes the
-// CUDA driver in this process).
+// CUDA driver in this process). Tessera's CPU memory policy is installed first
+// (core/cpu_allocator.h).
 Fabric::Fabric(FabricOptions options)
-    : opts_(resolve(options, options.accelerator == "cpu" ? 0 : cuda_device_count())) {}
+    : opts_((core::install_cpu_allocator(), resolve(options, options.accelerator == "cpu" ? 0 : cuda_device_count()))) {}
 
 Fabric::~Fabric() = default;
 

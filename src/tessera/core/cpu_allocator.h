@@ -1,0 +1,59 @@
+// Tessera's CPU memory policy: a caching allocator for c10's CPU tensors.
+//
+// Why. A training step allocates and frees the same large tensors (activations,
+// gradients, optimizer temporaries) every step. glibc serves blocks above its mmap
+// threshold with mmap and returns them with munmap (and trims the heap top above its
+// trim threshold), so every step faults in and zeroes the same pages again. Measured on
+// the GPT example (L4 d256 T128, one process, 2 cores): the kernel time of those faults
+// halved the tokens/s against the same model under Python torch (docs/benchmarks.md,
+// "CPU memory policy").
+//
+// What. Requests of at least 64 KiB are rounded up to one of four size classes per
+// power of two (at most 25% slack, untouched slack pages never become resident) and a
+// freed block is kept on its class's free list for the next request of that class, as
+// long as the idle blocks stay under a cap (default 1 GiB per process,
+// TESSERA_CPU_CACHE_MIB). Smaller requests go to malloc, which serves them from its
+// arenas without mmap. Blocks are 64-byte aligned, as c10's own CPU allocator's.
+//
+// Who gets it. Fabric (so the Trainer), dist::Communicator::create and the tessera and
+// gpt programs install it before their first tensor; a program that uses none of these
+// calls install_cpu_allocator() itself. TESSERA_CPU_ALLOCATOR=system (or
+// install_cpu_allocator(CpuAllocatorPolicy::System)) keeps c10's default allocator;
+// tensors allocated before the switch are freed by the allocator that made them.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace tessera::core {
+
+enum class CpuAllocatorPolicy {
+  Caching,  // the caching allocator above (the default)
+  System,   // c10's default CPU allocator (malloc / posix_memalign)
+};
+
+// Installs the policy named by TESSERA_CPU_ALLOCATOR ("caching", the default, or
+// "system"; anything else is an error naming the variable). Idempotent; the first call
+// decides, later calls return what it chose.
+CpuAllocatorPolicy install_cpu_allocator();
+// Installs `policy` explicitly (overrides an earlier choice; the environment is not read).
+void install_cpu_allocator(CpuAllocatorPolicy policy);
+// The policy c10's CPU allocator follows now (System when nothing was installed).
+CpuAllocatorPolicy cpu_allocator_policy();
+const char* to_string(CpuAllocatorPolicy p);
+
+struct CpuAllocatorStats {
+  int64_t allocations = 0;  // requests served by the caching allocator since start
+  int64_t reuses = 0;       // of which came from a free list
+  size_t in_use_bytes = 0;  // class bytes handed out and not yet freed (cached classes only)
+  size_t peak_in_use_bytes = 0;
+  size_t idle_bytes = 0;    // on the free lists
+  size_t cap_bytes = 0;     // the cap on idle_bytes
+};
+CpuAllocatorStats cpu_allocator_stats();
+// Frees every idle block to the system.
+void release_idle_cpu_memory();
+// Sets the cap on idle bytes (trims at once if the idle blocks exceed it).
+void set_cpu_cache_cap(size_t bytes);
+
+}  // namespace tessera::core
