@@ -9,6 +9,7 @@ PKGS=(
   nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-numpy python3-venv bc time
   iproute2
+  libtcmalloc-minimal4  # make bench: the allocator Tessera's CPU memory policy is compared with
 )
 # Fuzzing and sanitizers (make fuzz / make test-asan) want clang's runtime.
 if [ "${TESSERA_SETUP_EXTRA:-}" = "fuzz" ]; then

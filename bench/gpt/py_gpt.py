@@ -5,12 +5,13 @@ ranks, under PyTorch's own DDP (gloo, CPU).
 
 Started once per rank with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the environment
 (bench/gpt/run.sh spawns them). Prints one JSON line on rank 0:
-{"impl": "python-ddp", "world", "params", "tokens_per_s"}.
+{"impl": "python-ddp", "world", "params", "tokens_per_s", "peak_rss_mib"}.
 
   py_gpt.py N_LAYER N_HEAD D_MODEL SEQ_LEN GLOBAL_BATCH STEPS
 """
 import json
 import os
+import resource
 import sys
 import time
 
@@ -67,9 +68,13 @@ def main():
         step()
     dist.barrier()
     secs = time.perf_counter() - t0
+    # The largest rank's peak resident set, MiB (ru_maxrss is in KiB on Linux).
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(json.dumps({"impl": "python-ddp", "world": world, "params": params,
-                          "tokens_per_s": round(steps * batch * seq_len / secs, 1)}))
+                          "tokens_per_s": round(steps * batch * seq_len / secs, 1),
+                          "peak_rss_mib": round(rss.item(), 1)}))
 
 
 if __name__ == "__main__":

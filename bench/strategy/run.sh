@@ -19,6 +19,12 @@ TESSERA="$BUILD/bin/tessera"
 BENCH="$BUILD/bin/strategy_bench"
 PY=/usr/bin/python3
 export OMP_NUM_THREADS=1
+unset TESSERA_CPU_ALLOCATOR TESSERA_CPU_CACHE_MIB || true
+TMP=$(mktemp -d /tmp/tessera-strategy-bench-XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+# The same BLAS kernels for Python as Tessera's programs choose (bench/common/blas.sh).
+source "$HERE/../common/blas.sh"
+tessera_blas_env "$BUILD" "$TMP"
 rows=()
 # run N MODE DIM LAYERS STEPS -> the rank-0 JSON line
 run() {
@@ -41,19 +47,20 @@ for size in "256 4 20" "512 8 6"; do
     done
   done
 done
-# Memory: FSDP vs DDP at 1, 2, 4 ranks on the 25M model (2 steps are enough for the peak).
-# glibc's dynamic mmap threshold keeps freed large blocks (FSDP's gathered parameters and
-# full gradients, freed every unit) in the heap, so the peak RSS then counts memory the
-# process no longer uses; a fixed threshold returns them to the OS. Both strategies are
-# measured both ways (docs/benchmarks.md explains the difference).
-for malloc in default fixed; do
+# Memory: FSDP vs DDP at 1, 2, 4 ranks on the 25M model (2 steps are enough for the peak),
+# under each CPU memory policy: Tessera's caching allocator (the default,
+# core/cpu_allocator.h), c10's default allocator on glibc malloc (TESSERA_CPU_ALLOCATOR=
+# system), and that with glibc's mmap threshold fixed at 1 MiB (its dynamic threshold
+# keeps freed large blocks in the heap, so the peak RSS counts memory no longer used).
+for alloc in caching system system-mmap1m; do
   for n in 1 2 4; do
     for mode in ddp fsdp; do
-      if [ $malloc = fixed ]; then
-        rows+=("memory-$malloc $(MALLOC_MMAP_THRESHOLD_=1048576 run $n $mode 512 8 2)")
-      else
-        rows+=("memory-$malloc $(run $n $mode 512 8 2)")
-      fi
+      case $alloc in
+        caching) rows+=("memory-$alloc $(run $n $mode 512 8 2)") ;;
+        system) rows+=("memory-$alloc $(TESSERA_CPU_ALLOCATOR=system run $n $mode 512 8 2)") ;;
+        system-mmap1m)
+          rows+=("memory-$alloc $(TESSERA_CPU_ALLOCATOR=system MALLOC_MMAP_THRESHOLD_=1048576 run $n $mode 512 8 2)") ;;
+      esac
     done
   done
 done

@@ -1,4 +1,4 @@
-"""Turns bench/strategy/run.sh's tagged JSON lines ("time-<round> {...}", "memory-<malloc> {...}")
+"""Turns bench/strategy/run.sh's tagged JSON lines ("time-<round> {...}", "memory-<allocator> {...}")
 into bench/results/strategy.json: the median step time of each run over the rounds, and the
 ratios the issue sets targets for, taken inside each round (median, min, max and every
 round's value)."""
@@ -45,7 +45,7 @@ for params in sorted({r["params"] for _, r in time_rows}):
                                "max": max(per_round), "per_round": per_round}
 memory = {}
 for malloc, r in mem_rows:
-    key = f"{r['params'] / 1e6:.1f}M, malloc {malloc}"
+    key = f"{r['params'] / 1e6:.1f}M, allocator {malloc}"
     memory.setdefault(key, {})[f"{r['mode']} x{r['world']}"] = r["peak_rss_mib"]
     memory[key]["runtime before the model"] = r["base_rss_mib"]
 for m in memory.values():
