@@ -196,10 +196,17 @@ CpuAllocatorPolicy install_cpu_allocator() {
   Installed& st = installed();
   std::lock_guard<std::mutex> lk(st.mu);
   if (st.decided) return st.policy;
+  // Under AddressSanitizer blocks reused from a free list would hide use-after-free of
+  // tensor memory, so sanitized builds default to c10's allocator (malloc, which ASan
+  // checks); TESSERA_CPU_ALLOCATOR=caching still selects the cache there.
+#if defined(__SANITIZE_ADDRESS__)
+  CpuAllocatorPolicy policy = CpuAllocatorPolicy::System;
+#else
   CpuAllocatorPolicy policy = CpuAllocatorPolicy::Caching;
+#endif
   if (auto v = env::get("TESSERA_CPU_ALLOCATOR")) {
     TESSERA_CHECK(*v == "caching" || *v == "system", "TESSERA_CPU_ALLOCATOR='", *v,
-                  "' is not one of: caching (the default), system");
+                  "' is not one of: caching, system");
     policy = *v == "caching" ? CpuAllocatorPolicy::Caching : CpuAllocatorPolicy::System;
   }
   if (auto mib = env::get("TESSERA_CPU_CACHE_MIB")) {

@@ -20,6 +20,8 @@
 // calls install_cpu_allocator() itself. TESSERA_CPU_ALLOCATOR=system (or
 // install_cpu_allocator(CpuAllocatorPolicy::System)) keeps c10's default allocator;
 // tensors allocated before the switch are freed by the allocator that made them.
+// Builds with AddressSanitizer default to `system`, so that ASan sees every tensor's
+// memory come and go.
 #pragma once
 #include <cstddef>
 #include <cstdint>
