@@ -1,7 +1,8 @@
 // Collective bandwidth over the Communicator: all-reduce, all-gather, reduce-scatter
 // from 1 MiB to 256 MiB over the shared-memory channel and over Gloo, reported as GB/s
 // and as a ratio to a memcpy of the same bytes measured in the same run on the same
-// machine (the limit for ranks that share one host's memory). Start with: tessera run -n 2 -- bench_collectives OUT.json
+// machine (the limit for ranks that share one host's memory). Start with:
+//   tessera run -n 2 -- bench_collectives OUT.json [TABLE_NAME]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -11,6 +12,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "tessera/config.h"
 #include "tessera/core/buffer_cache.h"
 #include "tessera/dist/communicator.h"
 
@@ -40,6 +42,8 @@ double best_seconds(dist::Communicator& c, int iters, F&& f) {
 
 int main(int argc, char** argv) {
   std::string out = argc > 1 ? argv[1] : "bench/results/collectives.json";
+  // The table's name in docs/benchmarks.md: one per libtorch build measured.
+  std::string name = argc > 2 ? argv[2] : "collectives";
   dist::CommOptions opts{std::chrono::seconds(300)};
   auto comm = dist::Communicator::create(dist::World::from_env(), opts);
   const int n = comm->size(), r = comm->rank();
@@ -109,7 +113,8 @@ int main(int argc, char** argv) {
                            : std::string("point to point (this Gloo has no single-tensor form)");
   };
   if (r == 0) {
-    nlohmann::json doc{{"benchmark", "collectives"},
+    nlohmann::json doc{{"benchmark", name},
+                       {"libtorch", TESSERA_TORCH_VERSION},
                        {"world_size", n},
                        {"transports", {{"shm", "shared-memory channel (dist/shm_channel.h)"},
                                        {"gloo", "Gloo over TCP loopback: all-gather and reduce-scatter point to point"},

@@ -8,6 +8,13 @@ cd "$ROOT"
 mkdir -p bench/results
 echo "== collectives (2 ranks, shared memory and gloo) =="
 "$BUILD/bin/tessera" run -n 2 -- "$BUILD/bin/bench_collectives" bench/results/collectives.json
+# The same on the torch 2.x build (make test-torch2 makes it), whose Gloo has native
+# single-tensor all-gather / reduce-scatter (the gloo-native rows).
+if [ -x build-torch2/bin/bench_collectives ]; then
+  echo "== collectives on the torch 2.x build =="
+  build-torch2/bin/tessera run -n 2 -- build-torch2/bin/bench_collectives bench/results/collectives-torch2.json \
+    collectives-torch2
+fi
 echo "== checkpoints: save/load ~1 GiB vs dd and torch.save/torch.load =="
 bash bench/checkpoint/run_checkpoint_bench.sh "$BUILD" "${CKPT_BENCH_MIB:-1024}"
 if [ -f bench/strategy/run.sh ]; then
