@@ -95,7 +95,7 @@ for size in $SIZES; do
   IFS=: read -r L H D T <<< "$size"
   for n in 1 2; do
     echo "-- L$L d$D T$T, $n rank(s)" >&2
-    echo "$L $H $D $T python-ddp ddp $n torch $(python_ddp $n "$L" "$H" "$D" "$T")" >> "$ROWS"
+    echo "$L $H $D $T python-ddp ddp $n glibc $(python_ddp $n "$L" "$H" "$D" "$T")" >> "$ROWS"
     for s in single ddp fsdp; do
       [ "$s" = single ] && [ "$n" -gt 1 ] && continue
       [ "$s" != single ] && [ "$n" -eq 1 ] && continue
