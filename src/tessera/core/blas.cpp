@@ -43,6 +43,10 @@ void blas_preinit(int, char** argv, char** envp) {
   for (char** e = envp; *e != nullptr; ++e) off = off || std::strcmp(*e, "TESSERA_BLAS_KERNELS=default") == 0;
   // The marker: this process was started again by this function already (never loop).
   if (off || has("OPENBLAS_CORETYPE=") || has("TESSERA_BLAS_KERNELS_SET=")) return;
+  // Under valgrind the new image would run outside it (valgrind does not follow exec by
+  // default): profile with OPENBLAS_CORETYPE set instead.
+  for (char** e = envp; *e != nullptr; ++e)
+    if (std::strncmp(*e, "LD_PRELOAD=", 11) == 0 && std::strstr(*e, "vgpreload") != nullptr) return;
   const char* best = openblas_coretype_for_this_cpu();
   if (*best == '\0') return;
   static char coretype[64], marker[96];

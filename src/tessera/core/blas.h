@@ -13,7 +13,8 @@
 // features allow, unless OPENBLAS_CORETYPE is already set or TESSERA_BLAS_KERNELS=default.
 // A program of yours does the same by putting TESSERA_TUNE_BLAS_AT_STARTUP(); in one of its
 // executable's source files (not in a shared library: .preinit_array is an executable's).
-// Other BLAS libraries (MKL in the PyPI torch wheels) ignore the variable.
+// Other BLAS libraries (MKL in the PyPI torch wheels) ignore the variable. Under valgrind
+// nothing is done (the restarted image would leave valgrind): set OPENBLAS_CORETYPE there.
 #pragma once
 #include <string>
 
