@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -269,8 +270,25 @@ SCENARIO("exit_code") {
   const int bad = static_cast<int>(args.int_arg(0, 1));
   const int code = static_cast<int>(args.int_arg(1, 3));
   const int rank = std::stoi(std::getenv("RANK"));
+  const int world = std::stoi(std::getenv("WORLD_SIZE"));
+  const bool spawn = args.arg(3) == "spawn";
+  // With "spawn", the failing rank waits until every other rank has left its grandchild
+  // (a marker file per rank, named by this launch's unique MASTER_PORT), so that the test
+  // does not depend on how fast the ranks start (ASan builds start slowly).
+  auto marker = [](int r) {
+    return concat("/tmp/tessera-exit-code-", std::getenv("MASTER_PORT"), "-", r);
+  };
   std::cout << "hello from rank " << rank << " pid " << ::getpid() << std::endl;
   if (rank == bad) {
+    if (spawn) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      for (int r = 0; r < world; ++r) {
+        if (r == bad) continue;
+        while (::access(marker(r).c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        ::unlink(marker(r).c_str());
+      }
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(args.int_arg(2, 200)));
     if (code < 0) ::raise(-code);  // die by that signal
     return code;
@@ -283,6 +301,7 @@ SCENARIO("exit_code") {
       ::_exit(127);
     }
     std::cout << "grandchild " << p << std::endl;
+    if (bad < world) std::ofstream(marker(rank)).put('1');  // the failing rank removes it
   }
   for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   return 0;
