@@ -134,7 +134,6 @@ void* allocate_block(size_t n) {
 template <bool AllocateIsConst, typename Base = c10::Allocator>
 class CachingAllocatorFor;
 
-template <typename Base>
 c10::DataPtr allocate_data(size_t n) {
   void* p = n == 0 ? nullptr : allocate_block(n);
   return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
@@ -143,14 +142,14 @@ c10::DataPtr allocate_data(size_t n) {
 template <typename Base>
 class CachingAllocatorFor<true, Base> final : public Base {
  public:
-  c10::DataPtr allocate(size_t n) const override { return allocate_data<Base>(n); }
+  c10::DataPtr allocate(size_t n) const override { return allocate_data(n); }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
 };
 
 template <typename Base>
 class CachingAllocatorFor<false, Base> final : public Base {
  public:
-  c10::DataPtr allocate(size_t n) override { return allocate_data<Base>(n); }
+  c10::DataPtr allocate(size_t n) override { return allocate_data(n); }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
   // Pure virtual where it exists (2.x); without `override`, as releases differ in it.
   void copy_data(void* dest, const void* src, std::size_t count) const {

@@ -79,8 +79,9 @@ struct Communicator::Impl {
     return *gloo;
   }
   Capabilities& caps(const at::Tensor& t) { return t.is_cuda() ? caps_cuda : caps_cpu; }
-  // Whether CPU all-gather / reduce-scatter of even pieces try Gloo's native forms.
-  bool gloo_native() const { return env::get_bool("TESSERA_GLOO_NATIVE").value_or(options.gloo_native); }
+  // Whether CPU all-gather / reduce-scatter of even pieces try Gloo's native forms
+  // (options.gloo_native, TESSERA_GLOO_NATIVE applied once when the group is made).
+  bool gloo_native() const { return options.gloo_native; }
   ShmChannel* shm_for(const at::Tensor& t) const { return t.is_cpu() ? shm.get() : nullptr; }
 
   std::string where(const char* what, const at::Tensor& t) const {
@@ -224,6 +225,7 @@ std::shared_ptr<Communicator> Communicator::create(const World& world, const Com
   auto impl = std::make_unique<Impl>();
   impl->world = world;
   impl->options = options;
+  impl->options.gloo_native = env::get_bool("TESSERA_GLOO_NATIVE").value_or(options.gloo_native);
   impl->rank = world.rank;
   impl->size = world.world_size;
   impl->members.resize(world.world_size);
@@ -757,6 +759,7 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<std::vector<
   auto impl = std::make_unique<Impl>();
   impl->world = I.world;
   impl->options = options.value_or(I.options);
+  impl->options.gloo_native = env::get_bool("TESSERA_GLOO_NATIVE").value_or(impl->options.gloo_native);
   impl->size = static_cast<int>(grp.size());
   impl->rank = static_cast<int>(std::find(grp.begin(), grp.end(), I.rank) - grp.begin());
   for (int r : grp) impl->members.push_back(I.members[r]);
