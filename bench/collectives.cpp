@@ -13,7 +13,6 @@
 #include <nlohmann/json.hpp>
 
 #include "tessera/config.h"
-#include "tessera/core/buffer_cache.h"
 #include "tessera/dist/communicator.h"
 
 using namespace tessera;
@@ -82,10 +81,10 @@ int main(int argc, char** argv) {
       at::Tensor local = at::ones({piece});
       std::vector<int64_t> sizes(n, piece);
       // As FSDP calls them: all-gather into a standing output buffer, reduce-scatter with
-      // its staging from the host buffer cache (core/buffer_cache.h), so the figures are
-      // the collectives' and not the first touch of freshly mapped pages.
+      // its staging from the process's CPU allocator (core/cpu_allocator.h, installed by
+      // Communicator::create), so the figures are the collectives' and not the first
+      // touch of freshly mapped pages.
       at::Tensor gathered = at::empty({piece * n});
-      auto keep = core::BufferCache::instance().reserve(static_cast<size_t>(2 * bytes));
       double t_ag = best_seconds(*c, iters, [&] { c->all_gather_async(local, sizes, gathered).wait(); });
       at::Tensor full = at::ones({piece * n});
       double t_rs = best_seconds(*c, iters, [&] { c->reduce_scatter(full, sizes); });

@@ -7,7 +7,6 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-#include "tessera/core/buffer_cache.h"
 #include "tessera/strategy/ddp.h"
 #include "tessera/strategy/fsdp.h"
 
@@ -135,28 +134,3 @@ TEST(StrategyLocal, SetupTwiceIsAnError) {
   EXPECT_THROW(s.setup(torch::nn::AnyModule(torch::nn::Linear(2, 2))), Error);
 }
 
-// FSDP's host buffer cache lives as long as the strategy: blocks of a step are reused
-// by the next, and nothing stays idle once the strategy is gone (or when it opts out).
-TEST(FsdpLocal, BufferCacheLivesWithTheStrategy) {
-  auto& cache = tessera::core::BufferCache::instance();
-  ASSERT_EQ(cache.limit(), 0u);
-  for (bool on : {true, false}) {
-    {
-      FsdpOptions o;
-      o.auto_wrap = wrap_all();
-      o.mixed_precision.param_dtype = at::kBFloat16;  // gathers even on one rank
-      o.cache_buffers = on;
-      FsdpStrategy s(nullptr, o);
-      auto m = s.setup(torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Linear(64, 8)));
-      EXPECT_EQ(cache.limit() > 0, on);
-      const int64_t reuses = cache.reuses();
-      for (int step = 0; step < 3; ++step) {
-        s.backward(m.forward(at::randn({4, 64})).sum());
-        for (auto& p : s.module()->parameters()) p.mutable_grad() = at::Tensor();
-      }
-      EXPECT_EQ(cache.reuses() > reuses, on) << "reuses " << reuses << " -> " << cache.reuses();
-    }
-    EXPECT_EQ(cache.limit(), 0u);
-    EXPECT_EQ(cache.idle_bytes(), 0u);
-  }
-}

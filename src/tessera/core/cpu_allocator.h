@@ -8,12 +8,18 @@
 // halved the tokens/s against the same model under Python torch (docs/benchmarks.md,
 // "CPU memory policy").
 //
-// What. Requests of at least 64 KiB are rounded up to one of four size classes per
-// power of two (at most 25% slack, untouched slack pages never become resident) and a
-// freed block is kept on its class's free list for the next request of that class, as
-// long as the idle blocks stay under a cap (default 1 GiB per process,
-// TESSERA_CPU_CACHE_MIB). Smaller requests go to malloc, which serves them from its
-// arenas without mmap. Blocks are 64-byte aligned, as c10's own CPU allocator's.
+// What. Requests of at least 64 KiB are carved out of large anonymous mappings
+// (segments of 256 MiB of address space; a page becomes resident only when written),
+// rounded up to whole pages, lowest address first. A freed block joins its free
+// neighbours, so freed memory serves the next request of any size (a step's activations
+// reuse what the previous step's gradients or gathered parameters used) and its pages
+// stay resident, without page faults, as long as the idle resident bytes stay under a
+// cap (default 1 GiB per process, TESSERA_CPU_CACHE_MIB); beyond it pages go back to the
+// kernel (madvise, or munmap of a whole free segment). An earlier design kept freed
+// blocks on per-size-class free lists: a block could serve only its own class, and FSDP's
+// per-rank peak on the 25.5M GPT was about 100 MiB higher (docs/benchmarks.md). Smaller
+// requests go to malloc, which serves them from its arenas without mmap. Blocks are
+// 64-byte aligned, as c10's own CPU allocator's.
 //
 // Who gets it. Fabric (so the Trainer), dist::Communicator::create and the tessera and
 // gpt programs install it before their first tensor; a program that uses none of these
@@ -30,7 +36,7 @@
 namespace tessera::core {
 
 enum class CpuAllocatorPolicy {
-  Caching,  // the caching allocator above (the default)
+  Caching,  // the allocator above (the default)
   System,   // c10's default CPU allocator (malloc / posix_memalign)
 };
 
@@ -46,14 +52,15 @@ const char* to_string(CpuAllocatorPolicy p);
 
 struct CpuAllocatorStats {
   int64_t allocations = 0;  // requests served by the caching allocator since start
-  int64_t reuses = 0;       // of which came from a free list
-  size_t in_use_bytes = 0;  // class bytes handed out and not yet freed (cached classes only)
+  int64_t reuses = 0;       // of which were served by idle resident pages
+  size_t in_use_bytes = 0;  // block bytes (page-rounded) handed out and not yet freed
   size_t peak_in_use_bytes = 0;
-  size_t idle_bytes = 0;    // on the free lists
+  size_t idle_bytes = 0;    // resident pages of free ranges (may over-count after a trim)
   size_t cap_bytes = 0;     // the cap on idle_bytes
+  size_t mapped_bytes = 0;  // address space of the segments (mostly not resident)
 };
 CpuAllocatorStats cpu_allocator_stats();
-// Frees every idle block to the system.
+// Gives every idle page back to the kernel.
 void release_idle_cpu_memory();
 // Sets the cap on idle bytes (trims at once if the idle blocks exceed it).
 void set_cpu_cache_cap(size_t bytes);

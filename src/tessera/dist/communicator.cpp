@@ -15,7 +15,6 @@
 #include <numeric>
 #include <set>
 
-#include "tessera/core/buffer_cache.h"
 #include "tessera/core/cpu_allocator.h"
 #include "tessera/core/compat.h"
 #include "tessera/core/env.h"
@@ -131,12 +130,8 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   }
 }
 
-// A contiguous buffer for an emulated collective's staging (the host buffer cache on the CPU).
-at::Tensor staging(const std::vector<int64_t>& shape, const at::TensorOptions& opts) {
-  int64_t numel = 1;
-  for (int64_t d : shape) numel *= d;
-  return core::BufferCache::instance().empty(numel, opts).view(shape);
-}
+// A contiguous buffer for an emulated collective's staging.
+at::Tensor staging(const std::vector<int64_t>& shape, const at::TensorOptions& opts) { return at::empty(shape, opts); }
 
 std::vector<int64_t> rest_shape(const at::Tensor& t, int64_t dim0) {
   std::vector<int64_t> s = t.sizes().vec();

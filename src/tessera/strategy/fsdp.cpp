@@ -8,7 +8,6 @@
 #include <map>
 #include <set>
 
-#include "tessera/core/buffer_cache.h"
 #include "tessera/core/log.h"
 #include "tessera/state/module_state.h"
 #include "tessera/strategy/fsdp_impl.h"
@@ -238,16 +237,6 @@ torch::nn::AnyModule FsdpStrategy::setup(torch::nn::AnyModule module, std::vecto
   }
   register_unit(I, *root, true);
   register_sharded_params();
-  if (options_.cache_buffers) {
-    // What a step makes and drops, a few units at a time: gathered units (the current
-    // one and the prefetched one), and for the two units whose gradients may be in
-    // flight their flat gradients and reduce-scatter staging.
-    size_t largest = 0;
-    for (auto& u : I.units)
-      largest = std::max(largest, static_cast<size_t>(u->numel) * (2 * c10::elementSize(u->compute_dtype) +
-                                                                  4 * c10::elementSize(u->reduce_dtype)));
-    I.cache_reservation = core::BufferCache::instance().reserve(largest);
-  }
   return result;
 }
 

@@ -75,12 +75,6 @@ struct FsdpOptions {
   bool prefetch = true;
   // Broadcast every unit's parameters and buffers from rank 0 before sharding them.
   bool sync_module_states = true;
-  // Keep the host buffers FSDP makes and drops every step (gathered units, flat
-  // gradients, collective staging) for reuse instead of returning them to the OS
-  // (core/buffer_cache.h), from setup until the strategy is destroyed. Idle buffers
-  // stay under about six times the largest unit's bytes; false frees them every time
-  // (lower RSS between steps, slower steps on CPU).
-  bool cache_buffers = true;
   // Applied to the children of torch::nn::Sequential containers; null: no auto-wrap.
   WrapPolicy auto_wrap;
 };

@@ -7,7 +7,6 @@
 #include <string>
 #include <vector>
 
-#include "tessera/core/buffer_cache.h"
 #include "tessera/strategy/fsdp.h"
 #include "tessera/strategy/grad_hooks.h"
 
@@ -75,7 +74,6 @@ struct FsdpStrategy::Impl {
   bool grad_path = false;       // gradients go through hooks (anything but 1 rank in fp32)
   int64_t prefetch_count = 0;
   int64_t gather_count = 0;
-  core::BufferCache::Reservation cache_reservation;  // FsdpOptions::cache_buffers
   // ShardedTensors registered on modules (unregistered when the strategy goes).
   std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::string>> registered;
 

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 
-#include "tessera/core/buffer_cache.h"
 #include "tessera/core/log.h"
 #include "tessera/strategy/fsdp_impl.h"
 
@@ -36,7 +35,9 @@ void alloc_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t nb = static_cast<size_t>(t.numel()) * t.element_size();
   if (s->nbytes() == nb) return;
-  s->set_data_ptr_noswap(t.is_cpu() ? core::BufferCache::instance().allocate(nb) : s->allocator()->allocate(nb));
+  // The process's CPU allocator (core/cpu_allocator.h) on the host: the storage may have
+  // been made before it was installed.
+  s->set_data_ptr_noswap(t.is_cpu() ? c10::GetAllocator(c10::kCPU)->allocate(nb) : s->allocator()->allocate(nb));
   s->set_nbytes(nb);
 }
 
@@ -310,8 +311,8 @@ void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
   bool any = false;
   at::Tensor flat;  // the unit's full gradients in the flat layout, in reduce dtype
   if (sync)
-    flat = core::BufferCache::instance().empty(
-        u.numel, at::TensorOptions().dtype(u.reduce_dtype).device(self->options_.device));
+    flat = at::empty(
+        {u.numel}, at::TensorOptions().dtype(u.reduce_dtype).device(self->options_.device));
   for (auto& Pp : u.params) {
     auto& P = *Pp;
     at::Tensor g = P.p.grad();
