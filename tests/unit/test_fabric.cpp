@@ -264,6 +264,53 @@ TEST(FabricDist, SaveAndResumeContinuesWithIdenticalLosses) {
   }
 }
 
+// save_async returns before anything is written (the write is held until the next
+// training step has changed every parameter), writes the state as it was at the call,
+// and a resumed run continues with the losses of the uninterrupted one.
+TEST(FabricDist, AsyncSaveReturnsBeforeWritingAndSavesTheStateAtTheCall) {
+  for (const char* type : {"sharded", "full"}) {
+    SCOPED_TRACE(type);
+    TempDir tmp;
+    const std::string dir = tmp.path + "/ckpt";
+    auto a = run_ranks(2, {"fabric_resume", "fsdp", type, dir, "save", "5", "2", "async"}, 60);
+    EXPECT_RANKS_OK(a);
+    ASSERT_TRUE(fs::exists(dir));
+    auto b = run_ranks(2, {"fabric_resume", "fsdp", type, dir, "resume", "5", "2"}, 60);
+    EXPECT_RANKS_OK(b);
+    auto full = losses(a), resumed = losses(b);
+    EXPECT_EQ(resumed.size(), 3u) << b.all_output();
+    std::map<int64_t, double> tail(full.find(2), full.end());
+    expect_same_losses(resumed, tail, std::string("async ") + type);
+  }
+}
+
+// Deferred initialisation: a model built unit by unit through init_module never exists
+// whole on any rank. 8 units of 16 MiB (128 MiB of fp32 weights) at 4 ranks: each rank's
+// peak rises by at most its shards (32 MiB) + the largest unit (16 MiB) + 24 MiB for the
+// runtime's own allocations, well below the whole model.
+TEST(FabricDist, DeferredInitNeverHoldsTheWholeModel) {
+  auto r = run_ranks(4, {"fabric_deferred_init", "8", "2048"}, 120);
+  EXPECT_RANKS_OK(r);
+  for (int rank = 0; rank < 4; ++rank) {
+    ASSERT_TRUE(r.out.count(rank)) << r.all_output();
+    long long before = -1, peak = -1, shard = -1, unit = -1, whole = -1;
+    int got = 0;
+    for (auto& line : r.out[rank]) {
+      int rr = -1;
+      if (std::sscanf(line.c_str(), "deferred rank %d rss_before_kib %lld peak_kib %lld shard_kib %lld unit_kib %lld whole_kib %lld",
+                      &rr, &before, &peak, &shard, &unit, &whole) == 6)
+        got = 1;
+    }
+    ASSERT_TRUE(got) << r.all_output();
+    EXPECT_EQ(whole, 8 * unit);
+    EXPECT_LE(shard, whole / 4 + unit / 4);  // about a quarter of every unit
+    EXPECT_LE(peak - before, shard + unit + 24 * 1024)
+        << "rank " << rank << ": peak rose by " << (peak - before) / 1024 << " MiB; shards " << shard / 1024
+        << " MiB, largest unit " << unit / 1024 << " MiB, whole model " << whole / 1024 << " MiB";
+    EXPECT_LT(peak - before, whole) << "rank " << rank << " held as much as the whole model";
+  }
+}
+
 TEST(FabricDist, CollectivesAndSampler) {
   auto r = run_ranks(2, {"fabric_collectives"}, 30);
   EXPECT_RANKS_OK(r);

@@ -1,5 +1,6 @@
 // Reliability: crash consistency of saves. `tessera run -n 2` runs a save loop
-// (sharded, and consolidated) that is SIGKILLed at a seeded random moment — the whole
+// (sharded, and consolidated; synchronous saves, and async ones written by a background
+// thread while the next iteration is prepared) that is SIGKILLed at a seeded random moment — the whole
 // job at once (power loss) or one rank (the launcher then stops the other). After each
 // kill the path must hold one complete iteration that `tessera ckpt verify` accepts and
 // that loads; leftovers of the interrupted save are ignored by readers and removed by
@@ -68,12 +69,12 @@ TEST(ReliabilityCrash, SigkillAtRandomMomentsOfMultiRankSavesLeavesACompleteChec
   for (int round = 0; round < rounds && !::testing::Test::HasFailure(); ++round) {
     const uint64_t seed = seed0 + static_cast<uint64_t>(round);
     std::mt19937_64 rng(seed);
-    const bool full = round % 3 == 2;
+    const bool full = round % 3 == 2, async = round % 4 >= 2;
     const std::string target = full ? dir + "/full.safetensors" : dir + "/ckpt";
     const std::string where = "round " + std::to_string(round) + " seed " + std::to_string(seed) +
-                              (full ? " (consolidated)" : " (sharded)");
+                              (full ? " (consolidated" : " (sharded") + (async ? ", async)" : ")");
     Child job = spawn({TESSERA_CLI, "run", "-n", "2", "--", TESSERA_WORKER, "ckpt_save_loop", target,
-                       full ? "full" : "sharded"});
+                       full ? "full" : "sharded", async ? "async" : "sync"});
     ASSERT_GT(job.pid, 0);
     // The first save of this job committed: from here on every moment is a fair target.
     const bool started = job.wait_for("saved 1\n", 60000);

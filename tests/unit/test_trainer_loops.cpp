@@ -281,7 +281,8 @@ TEST(TrainerResume, SchedulerDropoutAndAccumulationResumeExactly) {
 
 namespace {
 
-trainer::TrainerOptions topk_options(const std::string& root, int64_t epochs, int64_t k, bool sharded) {
+trainer::TrainerOptions topk_options(const std::string& root, int64_t epochs, int64_t k, bool sharded,
+                                     bool async = false) {
   auto o = local_options(root);
   o.max_epochs = epochs;
   o.limit_train_batches = 1;
@@ -291,6 +292,7 @@ trainer::TrainerOptions topk_options(const std::string& root, int64_t epochs, in
   mo.save_top_k = k;
   mo.save_last = true;
   mo.filename = "{epoch}-{step}-{score:.3f}";
+  mo.async_save = async;
   o.callbacks.push_back(std::make_shared<trainer::ModelCheckpoint>(mo));
   return o;
 }
@@ -299,9 +301,12 @@ trainer::TrainerOptions topk_options(const std::string& root, int64_t epochs, in
 
 TEST(TrainerCheckpoint, TopKFilesMatchTheBookkeeping) {
   const std::vector<double> scores = {5, 3, 4, 1, 2, 6};
-  for (bool sharded : {false, true}) {
+  // async: each save is written in the background; superseded checkpoints go once the
+  // one replacing them is committed, and fit returns with everything committed.
+  for (auto [sharded, async] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(std::string(sharded ? "sharded" : "full") + (async ? " async" : ""));
     TempDir tmp;
-    trainer::Trainer t(topk_options(tmp.path, 6, 2, sharded));
+    trainer::Trainer t(topk_options(tmp.path, 6, 2, sharded, async));
     Reg m;
     m.scores = scores;
     t.fit(m, regression_data(8), regression_data(4));
@@ -315,6 +320,7 @@ TEST(TrainerCheckpoint, TopKFilesMatchTheBookkeeping) {
     EXPECT_EQ(mc->best_k_models().size(), 2u);
     for (auto& [p, s] : mc->best_k_models()) EXPECT_EQ(fs::is_directory(p), sharded) << p;
     EXPECT_EQ(t.last_checkpoint_path(), dir + "/last.ckpt");
+    EXPECT_EQ(t.checkpoint_stats().saves, 6 + 5);  // last.ckpt every epoch, a top-k file in 5 of them
   }
   // save_top_k -1 keeps all; mode max keeps the largest.
   TempDir all;
@@ -323,23 +329,26 @@ TEST(TrainerCheckpoint, TopKFilesMatchTheBookkeeping) {
   m.scores = scores;
   t.fit(m, regression_data(8), regression_data(4));
   EXPECT_EQ(entries(all.path + "/checkpoints").size(), 4u);
-  TempDir mx;
-  auto o = local_options(mx.path);
-  o.max_epochs = 4;
-  o.limit_train_batches = 1;
-  trainer::ModelCheckpointOptions mo;
-  mo.monitor = "score";
-  mo.mode = "max";
-  mo.save_top_k = 1;
-  mo.filename = "best";
-  o.callbacks.push_back(std::make_shared<trainer::ModelCheckpoint>(mo));
-  trainer::Trainer t2(o);
-  Reg m2;
-  m2.scores = {1, 7, 3, 7};
-  t2.fit(m2, regression_data(8), regression_data(4));
-  // The better score's file replaces the one it supersedes under the same name; 7 again is not better.
-  EXPECT_EQ(entries(mx.path + "/checkpoints"), (std::vector<std::string>{"best.ckpt"}));
-  EXPECT_EQ(t2.checkpoint_callback()->best_model_score(), 7.0);
+  for (bool async : {false, true}) {
+    TempDir mx;
+    auto o = local_options(mx.path);
+    o.max_epochs = 4;
+    o.limit_train_batches = 1;
+    trainer::ModelCheckpointOptions mo;
+    mo.monitor = "score";
+    mo.mode = "max";
+    mo.save_top_k = 1;
+    mo.filename = "best";
+    mo.async_save = async;
+    o.callbacks.push_back(std::make_shared<trainer::ModelCheckpoint>(mo));
+    trainer::Trainer t2(o);
+    Reg m2;
+    m2.scores = {1, 7, 3, 7};
+    t2.fit(m2, regression_data(8), regression_data(4));
+    // The better score's file replaces the one it supersedes under the same name; 7 again is not better.
+    EXPECT_EQ(entries(mx.path + "/checkpoints"), (std::vector<std::string>{"best.ckpt"}));
+    EXPECT_EQ(t2.checkpoint_callback()->best_model_score(), 7.0);
+  }
 }
 
 TEST(TrainerCheckpoint, ResumedRunContinuesTheTopK) {

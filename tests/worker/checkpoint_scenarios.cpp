@@ -166,15 +166,25 @@ SCENARIO("ckpt_load_error") {
   return 0;
 }
 
-// ckpt_save_loop DIR MODE: saves iterations 1, 2, ... until killed (bounded: 60 s).
+// ckpt_save_loop DIR MODE [async]: saves iterations 1, 2, ... until killed (bounded:
+// 60 s), printing "saved I" once iteration I is committed. async: each iteration is a
+// save_async, and the next one is prepared while it is written (save_async waits for the
+// previous one, so its return means that one is committed).
 SCENARIO("ckpt_save_loop") {
   auto c = comm();
   const auto mode = args.arg(1, "sharded") == "full" ? ck::SaveMode::Full : ck::SaveMode::Sharded;
+  const bool async = args.arg(2) == "async";
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 1; std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60); ++i) {
     auto sd = make_state(c, true, false, i);
-    ck::save(sd, args.arg(0), *c, {mode});
-    std::cout << "saved " << i << std::endl;
+    if (!async) {
+      ck::save(sd, args.arg(0), *c, {mode});
+      std::cout << "saved " << i << std::endl;
+      continue;
+    }
+    ck::AsyncSave h = ck::save_async(sd, args.arg(0), c, {mode});
+    if (i == 1) h.wait();  // the first commit starts the test's clock
+    std::cout << "saved " << (i == 1 ? 1 : i - 1) << std::endl;
   }
   return 0;
 }

@@ -7,8 +7,13 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <future>
 #include <iostream>
+#include <thread>
 
 #include "scenario.h"
 #include "tessera/core/env.h"
@@ -109,14 +114,19 @@ SCENARIO("fabric_train") {
   return 0;
 }
 
-// fabric_resume STRATEGY SDTYPE(full|sharded) DIR PHASE(save|resume) TOTAL SAVE_AT
+// fabric_resume STRATEGY SDTYPE(full|sharded) DIR PHASE(save|resume) TOTAL SAVE_AT [async]
 //  save:   trains TOTAL steps printing losses, saving after SAVE_AT steps;
 //  resume: builds the model from another seed, loads, trains the remaining steps.
+//  async:  the save is save_async, and its background write is held at a gate until
+//          this thread has trained the next step (changing every parameter and the
+//          optimizer state): the call must have returned before anything was written,
+//          and what is written must be the state at the call.
 SCENARIO("fabric_resume") {
   auto o = options_for(args.arg(0));
   o.state_dict_type = args.arg(1) == "sharded" ? strategy::StateDictType::Sharded : strategy::StateDictType::Full;
   const std::string dir = args.arg(2), phase = args.arg(3);
   const int64_t total = args.int_arg(4, 6), save_at = args.int_arg(5, 3);
+  const bool async = args.arg(6) == "async";
   fabric::Fabric f(o);
   f.launch();
   auto net = make_net(phase == "save" ? 7 : 99);
@@ -137,14 +147,80 @@ SCENARIO("fabric_resume") {
     WCHECK(std::abs(lr - 0.02) < 1e-12, "learning rate not restored: ", lr);
     std::printf("rank %d loaded step %lld\n", f.global_rank(), static_cast<long long>(start));
   }
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  checkpoint::AsyncSave pending;
+  bool gate_open = false;
   for (int64_t s = start; s < total; ++s) {
     print_loss(f, s, loop.step(s));
+    if (pending.valid() && !gate_open) {  // the step after save_async has run: let the write begin
+      WCHECK(!pending.done() && !std::filesystem::exists(dir), "the async save finished before its gate opened");
+      gate.set_value();
+      gate_open = true;
+    }
     if (phase == "save" && s + 1 == save_at) {
       fabric::FabricState st;
       st.set("model", model).set("optimizer", opt).set("step", int64_t(save_at)).set("note", "hello");
-      f.save(dir, st);
+      if (!async) {
+        f.save(dir, st);
+        continue;
+      }
+      const auto caller = std::this_thread::get_id();
+      checkpoint::set_async_save_hook_for_tests([opened, caller] {
+        if (std::this_thread::get_id() == caller) throw Error("save_async wrote on the calling thread");
+        opened.wait();
+      });
+      pending = f.save_async(dir, st);
+      checkpoint::set_async_save_hook_for_tests(nullptr);
+      WCHECK(!std::filesystem::exists(dir), "save_async returned after writing ", dir);
     }
   }
+  if (async) {
+    WCHECK(pending.valid(), "no async save was made");
+    f.wait_for_checkpoint();
+    WCHECK(pending.done() && std::filesystem::exists(dir), "wait_for_checkpoint returned before the commit");
+  }
+  return 0;
+}
+
+// fabric_deferred_init UNITS WIDTH: FSDP builds a Sequential of UNITS Linear(WIDTH,
+// WIDTH) layers through init_module (each sharded as soon as it is built) and prints
+// "deferred rank R rss_before_kib B peak_kib P shard_kib S unit_kib U whole_kib W": the
+// resident set before the model and the process's peak after setup, against this rank's
+// shards, the largest unit and the whole model.
+SCENARIO("fabric_deferred_init") {
+  auto o = options_for("fsdp");
+  o.fsdp.auto_wrap = nullptr;
+  fabric::Fabric f(o);
+  f.launch();
+  const int64_t units = args.int_arg(0, 8), width = args.int_arg(1, 2048);
+  auto kib = [](const char* field) {
+    // VmRSS / VmHWM from /proc/self/status, in KiB.
+    std::ifstream in("/proc/self/status");
+    std::string line;
+    while (std::getline(in, line))
+      if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::string(field).size()));
+    return -1LL;
+  };
+  at::manual_seed(3);
+  at::ones({1}).sum();  // the runtime's first-op allocations happen before the baseline
+  f.barrier();
+  const long long before = kib("VmRSS:");
+  torch::nn::Sequential net;
+  for (int64_t i = 0; i < units; ++i)
+    net->push_back(f.init_module([&] { return torch::nn::AnyModule(torch::nn::Linear(width, width)); }));
+  auto model = f.setup_module(net);
+  const long long peak = kib("VmHWM:");
+  int64_t shard_bytes = 0;
+  for (auto& p : net->parameters()) shard_bytes += p.numel() * 4;
+  const int64_t unit_bytes = (width * width + width) * 4;
+  // The model still computes: a forward pass over the sharded units.
+  at::Tensor y = model.forward<at::Tensor>(at::ones({2, width}));
+  WCHECK(y.size(1) == width && std::isfinite(y.sum().item<double>()), "forward through the deferred model");
+  std::printf("deferred rank %d rss_before_kib %lld peak_kib %lld shard_kib %lld unit_kib %lld whole_kib %lld\n",
+              f.global_rank(), before, peak, static_cast<long long>(shard_bytes / 1024),
+              static_cast<long long>(unit_bytes / 1024), static_cast<long long>(units * unit_bytes / 1024));
+  std::fflush(stdout);
   return 0;
 }
 

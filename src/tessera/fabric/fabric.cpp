@@ -80,7 +80,15 @@ std::vector<std::string> own_command_line() {
 Fabric::Fabric(FabricOptions options)
     : opts_((core::install_cpu_allocator(), resolve(options, options.accelerator == "cpu" ? 0 : cuda_device_count()))) {}
 
-Fabric::~Fabric() = default;
+Fabric::~Fabric() {
+  // A checkpoint still being written is finished, not abandoned.
+  if (!pending_save_.valid()) return;
+  try {
+    pending_save_.wait();
+  } catch (const std::exception& e) {
+    log::warn("the async checkpoint save still running when Fabric was destroyed failed: ", e.what());
+  }
+}
 
 void Fabric::launch() {
   if (strategy_) return;
@@ -191,9 +199,8 @@ OptimizerPtr Fabric::setup_optimizer(OptimizerPtr optimizer) {
   return optimizer;
 }
 
-torch::nn::AnyModule Fabric::init_module(const std::function<torch::nn::AnyModule()>& build, bool empty_init) {
+torch::nn::AnyModule Fabric::init_module(const std::function<torch::nn::AnyModule()>& build) {
   require_launched("init_module");
-  (void)empty_init;
   return strategy_->init_module(build);
 }
 

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/checkpoint/checkpoint.h"
 #include "tessera/core/error.h"
 #include "tessera/dist/communicator.h"
 #include "tessera/dist/world.h"
@@ -117,11 +118,12 @@ class Fabric {
   // Registers optimizers (after setup_module) so save/load and step know them.
   void setup_optimizers(const std::vector<OptimizerPtr>& optimizers);
   OptimizerPtr setup_optimizer(OptimizerPtr optimizer);
-  // Builds a piece of the model under the strategy's init context (FSDP shards it as
-  // soon as it is built). `empty_init` is accepted for parity with Lightning: libtorch
-  // modules always initialize their parameters (there is no meta device here), so it
-  // only documents that the values will be overwritten by a checkpoint.
-  torch::nn::AnyModule init_module(const std::function<torch::nn::AnyModule()>& build, bool empty_init = false);
+  // Builds a piece of the model under the strategy's init context: FSDP makes it a unit
+  // and shards it as soon as `build` returns, so a model built piece by piece never
+  // exists whole on any rank (per-rank peak: its shards, the largest piece, the runtime).
+  // Lightning's `empty_init` has no counterpart: libtorch modules initialise their
+  // parameters in their constructors and C++ has no meta-device context to skip that.
+  torch::nn::AnyModule init_module(const std::function<torch::nn::AnyModule()>& build);
 
   // --- training step ---
   void backward(const at::Tensor& loss);
@@ -173,8 +175,20 @@ class Fabric {
   // --- checkpoints ---
   // Writes the state's module (strategy state dict), optimizers and values to `path`:
   // a sharded directory or one consolidated file, per FabricOptions.state_dict_type
-  // (Sharded by default for FSDP). Collective.
+  // (Sharded by default for FSDP). A consolidated save streams each sharded tensor to
+  // rank 0 in bounded slices, so no rank ever holds more than its shards and one slice.
+  // Waits for an async save in flight first. Collective.
   void save(const std::string& path, const FabricState& state);
+  // The same save, written in the background: returns once every rank has copied its
+  // part of the state to host memory (training may change the model right away); the
+  // files are written and committed (as crash-safely as save()) by a background thread
+  // over a communicator of its own. At most one save is in flight: a later save,
+  // save_async or load waits for it. wait() on the handle (or wait_for_checkpoint())
+  // blocks until it is committed and rethrows its error; ~Fabric waits for it too.
+  // Costs one host copy of this rank's state while the write runs. Collective.
+  checkpoint::AsyncSave save_async(const std::string& path, const FabricState& state);
+  // Blocks until the async save in flight (if any) is committed; rethrows its error.
+  void wait_for_checkpoint();
   // Restores every entry of `state` in place from `path` (a sharded directory or a
   // consolidated file, saved at any world size) and returns the plain values in the
   // checkpoint that `state` did not ask for. strict: an entry of `state` missing from
@@ -193,6 +207,8 @@ class Fabric {
   void require_launched(const char* what) const;
   void check_is_setup_module(const std::shared_ptr<torch::nn::Module>& m, const std::string& what) const;
   int optimizer_index(const torch::optim::Optimizer* opt, const std::string& what) const;
+  // The checkpoint save() and save_async() write (the state dict and its save mode).
+  std::pair<state::StateDict, checkpoint::SaveOptions> checkpoint_of(const FabricState& st);
 
   ResolvedOptions opts_;
   dist::World world_;
@@ -202,6 +218,7 @@ class Fabric {
   // The modules that name the set-up model: what was passed, what setup returned, and
   // the modules they wrap.
   std::vector<std::shared_ptr<torch::nn::Module>> setup_aliases_;
+  checkpoint::AsyncSave pending_save_;  // the latest save_async
 };
 
 }  // namespace tessera::fabric

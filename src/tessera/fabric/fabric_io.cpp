@@ -158,8 +158,7 @@ static SplitState split_state(strategy::Strategy& s, const std::string& strategy
   return out;
 }
 
-void Fabric::save(const std::string& path, const FabricState& st) {
-  require_launched("save");
+std::pair<StateDict, checkpoint::SaveOptions> Fabric::checkpoint_of(const FabricState& st) {
   std::vector<std::pair<std::string, int>> opts;
   bool want_module = false;
   for (const auto& name : st.names()) {
@@ -173,7 +172,10 @@ void Fabric::save(const std::string& path, const FabricState& st) {
   SplitState parts;
   if (want_module || !opts.empty()) {
     TESSERA_CHECK(setup_original_, "Fabric::save: call setup_module(model) first");
-    parts = split_state(*strategy_, opts_.strategy, opts_.state_dict_type, opts, want_module);
+    // Always the sharded form (it aliases the live tensors): a consolidated save gathers
+    // each sharded tensor to rank 0 slice by slice as it writes (checkpoint::save), where
+    // the strategy's Full state dict would gather every tensor on every rank first.
+    parts = split_state(*strategy_, opts_.strategy, strategy::StateDictType::Sharded, opts, want_module);
   }
   StateDict out;
   size_t next_opt = 0;
@@ -193,7 +195,29 @@ void Fabric::save(const std::string& path, const FabricState& st) {
   checkpoint::SaveOptions so;
   so.mode = opts_.state_dict_type == strategy::StateDictType::Sharded ? checkpoint::SaveMode::Sharded
                                                                       : checkpoint::SaveMode::Full;
-  checkpoint::save(out, path, *comm_, so);
+  return {std::move(out), so};
+}
+
+void Fabric::save(const std::string& path, const FabricState& st) {
+  require_launched("save");
+  wait_for_checkpoint();
+  auto [sd, so] = checkpoint_of(st);
+  checkpoint::save(sd, path, *comm_, so);
+}
+
+checkpoint::AsyncSave Fabric::save_async(const std::string& path, const FabricState& st) {
+  require_launched("save_async");
+  wait_for_checkpoint();
+  auto [sd, so] = checkpoint_of(st);
+  pending_save_ = checkpoint::save_async(sd, path, comm_, so);
+  return pending_save_;
+}
+
+void Fabric::wait_for_checkpoint() {
+  if (!pending_save_.valid()) return;
+  checkpoint::AsyncSave p = std::move(pending_save_);
+  pending_save_ = {};
+  p.wait();
 }
 
 namespace {
@@ -230,6 +254,7 @@ void materialize_optimizer_state(strategy::Strategy& s, torch::optim::Optimizer&
 
 StateDict Fabric::load(const std::string& path, FabricState& st, bool strict) {
   require_launched("load");
+  wait_for_checkpoint();
   std::vector<std::pair<std::string, int>> opts;
   std::vector<std::string> module_names, value_names;
   for (const auto& name : st.names()) {

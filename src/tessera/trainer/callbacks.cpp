@@ -171,8 +171,29 @@ std::string ModelCheckpoint::unique_path(Trainer& trainer, const std::string& st
   return trainer.fabric().broadcast(path, 0);
 }
 
+void ModelCheckpoint::write(Trainer& trainer, const std::string& path) {
+  flush_removals(trainer);
+  if (o_.async_save) trainer.save_checkpoint_async(path);
+  else trainer.save_checkpoint(path);
+}
+
+void ModelCheckpoint::flush_removals(Trainer& trainer) {
+  if (pending_removals_.empty()) return;
+  trainer.wait_for_checkpoint();
+  std::vector<std::string> paths;
+  paths.swap(pending_removals_);
+  for (auto& p : paths) remove(trainer, p);
+}
+
+void ModelCheckpoint::retire(Trainer& trainer, const std::string& path) {
+  if (path.empty() || path == last_path()) return;
+  if (o_.async_save) pending_removals_.push_back(path);  // once its replacement is committed
+  else remove(trainer, path);
+}
+
 void ModelCheckpoint::remove(Trainer& trainer, const std::string& path) {
   if (path.empty() || path == last_path()) return;
+
   if (trainer.is_global_zero()) {
     std::error_code ec;
     fs::remove_all(path, ec);  // a file, or a sharded checkpoint's directory
@@ -196,9 +217,9 @@ void ModelCheckpoint::save(Trainer& trainer, TrainingModule& module) {
     for (auto& p : superseded) best_k_.erase(p);
     best_k_[path] = static_cast<double>(step);
     best_path_ = kth_path_ = path;
-    trainer.save_checkpoint(path);
+    write(trainer, path);
     for (auto& p : superseded)
-      if (p != path) remove(trainer, p);
+      if (p != path) retire(trainer, p);
   } else if (k != 0) {
     auto it = m.find(o_.monitor);
     if (it == m.end()) {
@@ -231,8 +252,8 @@ void ModelCheckpoint::save(Trainer& trainer, TrainingModule& module) {
           if (kth_path_.empty() || better(best_k_.at(kth_path_), s)) kth_path_ = p;
         }
         best_score_ = best_k_.at(best_path_);
-        trainer.save_checkpoint(path);
-        if (superseded != path) remove(trainer, superseded);
+        write(trainer, path);
+        if (superseded != path) retire(trainer, superseded);
       }
     }
   }
@@ -242,7 +263,7 @@ void ModelCheckpoint::save(Trainer& trainer, TrainingModule& module) {
 void ModelCheckpoint::save_last(Trainer& trainer) {
   last_path_ = last_path();
   last_saved_last_step_ = trainer.global_step();
-  trainer.save_checkpoint(last_path_);
+  write(trainer, last_path_);
   trainer.set_last_checkpoint_path(last_path_);
 }
 
@@ -264,6 +285,7 @@ void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, TrainingModule& modul
 
 void ModelCheckpoint::on_train_end(Trainer& trainer, TrainingModule&) {
   if (o_.save_last && last_saved_last_step_ != trainer.global_step()) save_last(trainer);
+  flush_removals(trainer);
 }
 
 // --- EarlyStopping --------------------------------------------------------------------

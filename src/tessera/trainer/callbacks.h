@@ -29,6 +29,11 @@ struct ModelCheckpointOptions {
   // When every_n_train_steps is 0: save after validation in epochs e with (e + 1) % n == 0
   // (after the training epoch when the fit has no validation); 0 disables.
   int64_t every_n_epochs = 1;
+  // Write in the background (Trainer::save_checkpoint_async): training goes on while the
+  // files are written; checkpoints this one supersedes are removed once it is committed
+  // (at the next save or the end of training). A save_last right after a top-k save of
+  // the same step waits for that one.
+  bool async_save = false;
 };
 
 // Saves checkpoints during fit, keeps the best save_top_k of them (removing superseded
@@ -69,6 +74,13 @@ class ModelCheckpoint : public Callback {
   bool better(double a, double b) const;
   std::string unique_path(Trainer& trainer, const std::string& stem, const std::string& replaces);
   void remove(Trainer& trainer, const std::string& path);
+  // A checkpoint superseded by the one just saved: removed now, or (async_save) once
+  // that one is committed.
+  void retire(Trainer& trainer, const std::string& path);
+  // Saves `path` (sync or async per the options).
+  void write(Trainer& trainer, const std::string& path);
+  // Removes superseded checkpoints whose replacement is committed (waits for it).
+  void flush_removals(Trainer& trainer);
 
   ModelCheckpointOptions o_;
   std::string dirpath_;
@@ -77,6 +89,7 @@ class ModelCheckpoint : public Callback {
   std::optional<double> best_score_;
   int64_t last_saved_step_ = -1, last_saved_last_step_ = -1;
   bool fit_has_val_ = false, warned_missing_ = false;
+  std::vector<std::string> pending_removals_;  // superseded by an async save in flight
 };
 
 struct EarlyStoppingOptions {

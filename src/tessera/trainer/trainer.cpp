@@ -5,6 +5,7 @@
 #include <ATen/Context.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -225,6 +226,7 @@ Trainer::Trainer(TrainerOptions options) : options_(checked(std::move(options)))
     mo.save_last = true;
     mo.save_top_k = 0;
     mo.every_n_train_steps = options_.checkpoint_every_n_train_steps;
+    mo.async_save = options_.checkpoint_async;
     checkpoints.push_back(std::make_shared<ModelCheckpoint>(mo));
   }
   callbacks_.insert(callbacks_.end(), checkpoints.begin(), checkpoints.end());
@@ -359,7 +361,7 @@ fabric::FabricState Trainer::make_state() {
   return st;
 }
 
-void Trainer::save_checkpoint(const std::string& path) {
+fabric::FabricState Trainer::checkpoint_state(const std::string& path) {
   TESSERA_CHECK(module_ && model_set_up_ && optimizers_set_up_ && sampler_,
                 "Trainer::save_checkpoint('", path, "'): nothing to save yet (call fit first)");
   auto& f = *fabric_;
@@ -400,11 +402,32 @@ void Trainer::save_checkpoint(const std::string& path) {
   std::error_code ec;
   if (f.is_global_zero()) fs::create_directories(fs::path(path).parent_path(), ec);
   f.barrier();
-  f.save(path, st);
+  return st;
+}
+
+void Trainer::save_checkpoint(const std::string& path) { write_checkpoint(path, /*async=*/false); }
+
+void Trainer::save_checkpoint_async(const std::string& path) { write_checkpoint(path, /*async=*/true); }
+
+void Trainer::write_checkpoint(const std::string& path, bool async) {
+  const auto t0 = std::chrono::steady_clock::now();
+  wait_for_checkpoint();
+  fabric::FabricState st = checkpoint_state(path);
+  if (async) fabric_->save_async(path, st);
+  else fabric_->save(path, st);
+  ckpt_stats_.saves++;
+  ckpt_stats_.blocking_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   each_callback([&](Callback& c) { c.on_save_checkpoint(*this, *module_, path); });
 }
 
+void Trainer::wait_for_checkpoint() {
+  if (fabric_) fabric_->wait_for_checkpoint();
+}
+
+
+
 std::string Trainer::resolve_ckpt_path(const std::string& ckpt_path) {
+  wait_for_checkpoint();  // a last.ckpt still being written counts once it is committed
   if (ckpt_path != "last") return ckpt_path;
   // The newest last.ckpt of the ModelCheckpoint callbacks, chosen on rank zero.
   std::string best;
@@ -801,6 +824,7 @@ Metrics Trainer::fit(TrainingModule& module, const TensorData& train, const Tens
     }
     module.on_train_end();
     each_callback([&](Callback& c) { c.on_train_end(*this, module); });
+    wait_for_checkpoint();  // fit returns with every checkpoint committed (or its error)
     for (auto& l : loggers_) l->finalize();
     module.on_fit_end();
     each_callback([&](Callback& c) { c.on_fit_end(*this, module); });

@@ -184,6 +184,8 @@ struct TrainerOptions {
   // ModelCheckpoint already.
   bool enable_checkpointing = true;
   int64_t checkpoint_every_n_train_steps = 0;
+  // The default ModelCheckpoint writes in the background (ModelCheckpointOptions::async_save).
+  bool checkpoint_async = false;
   std::vector<CallbackPtr> callbacks;
   // No loggers given and enable_logger: one CsvLogger(default_root_dir).
   bool enable_logger = true;
@@ -222,6 +224,19 @@ class Trainer {
   // Saves model, optimizers, schedulers, loop and sampler state, RNG states, callback
   // states, hparams and the module's extra state (collective).
   void save_checkpoint(const std::string& path);
+  // The same checkpoint written in the background (Fabric::save_async): returns once
+  // every rank has copied its state to host memory; training goes on while the files
+  // are written. At most one save is in flight: a later save (or a load, or the end of
+  // fit/validate/test) waits for it, and its error is raised there. Callbacks'
+  // on_save_checkpoint runs when the state has been copied, before the commit.
+  void save_checkpoint_async(const std::string& path);
+  // Blocks until the async save in flight (if any) is committed; rethrows its error.
+  void wait_for_checkpoint();
+  struct CheckpointStats {
+    int64_t saves = 0;              // save_checkpoint and save_checkpoint_async calls
+    double blocking_seconds = 0;    // time the training loop spent in them
+  };
+  const CheckpointStats& checkpoint_stats() const { return ckpt_stats_; }
 
   fabric::Fabric& fabric() { return *fabric_; }
   const TrainerOptions& options() const { return options_; }
@@ -284,6 +299,8 @@ class Trainer {
   void setup_model(TrainingModule& module, bool with_optimizers);
   void setup_loggers(TrainingModule& module);
   fabric::FabricState make_state();
+  fabric::FabricState checkpoint_state(const std::string& path);
+  void write_checkpoint(const std::string& path, bool async);
   void load_checkpoint(const std::string& path, bool weights_only);
   std::string resolve_ckpt_path(const std::string& ckpt_path);
   void log_metric(const std::string& name, double value, bool prog_bar, bool sync_dist);
@@ -319,6 +336,7 @@ class Trainer {
   // to the next epoch is left); the batch's validation has not run yet.
   bool epoch_end_done_ = false, val_pending_ = false;
   std::string last_ckpt_;
+  CheckpointStats ckpt_stats_;
   bool model_set_up_ = false, optimizers_set_up_ = false;
   bool configuring_model_ = false;  // inside TrainingModule::configure_model (init_module is valid)
 };
