@@ -59,7 +59,7 @@ struct TrainArgs {
   uint64_t seed = 1234;
   std::vector<std::string> data;
   std::string out = "gpt-run";
-  bool tie_weights = false, progress_bar = true;
+  bool tie_weights = false, progress_bar = true, async_ckpt = false;
   int threads = 0;  // 0: cores / ranks on this node
   std::set<std::string> given;  // model-shaping settings given on the command line (hparams keys)
 };
@@ -241,6 +241,7 @@ int run_train(TrainArgs a) {
   o.eval_batch_size = o.batch_size;
   o.default_root_dir = a.out;  // checkpoints in OUT/checkpoints
   o.checkpoint_every_n_train_steps = a.ckpt_every;
+  o.checkpoint_async = a.async_ckpt;
   // OUT/metrics.csv and OUT/hparams.yaml; a resumed run keeps the earlier rows up to its step.
   auto csv = trainer::CsvLogger::flat(a.out);
   csv->keep_existing(!a.resume.empty());
@@ -298,6 +299,15 @@ int run_train(TrainArgs a) {
     << " val_loss=" << val_loss << " tokens_per_s=" << std::setprecision(4) << tok_s << " seconds=" << secs
     << " params=" << gpt::count_parameters(cfg);
   f.print(s.str());
+  // Checkpoints: how long the training loop waited for them (with --async-ckpt, only the
+  // copy of the state; the writes ran beside training).
+  {
+    const auto& cs = t.checkpoint_stats();
+    std::ostringstream c;
+    c << std::setprecision(4) << "gpt: checkpoints saves=" << cs.saves << " blocking_s=" << cs.blocking_seconds
+      << " async=" << (a.async_ckpt ? 1 : 0);
+    f.print(c.str());
+  }
   // Host memory: the largest rank's peak resident set (ru_maxrss, KiB on Linux), and the
   // CPU memory policy it ran under (core/cpu_allocator.h).
   {
@@ -306,8 +316,17 @@ int run_train(TrainArgs a) {
     const double rss_mib = f.comm()->all_reduce_double(static_cast<double>(ru.ru_maxrss) / 1024.0, dist::ReduceOp::Max);
     std::ostringstream h;
     h << std::setprecision(4) << "gpt: host peak_rss_mib=" << rss_mib
-      << " cpu_allocator=" << core::to_string(core::cpu_allocator_policy()) << " blas=\"" << core::blas_summary()
-      << "\"";
+      << " cpu_allocator=" << core::to_string(core::cpu_allocator_policy());
+    if (core::cpu_allocator_policy() == core::CpuAllocatorPolicy::Caching) {
+      // What the caching allocator held at its busiest and keeps idle now (largest rank).
+      const core::CpuAllocatorStats cs = core::cpu_allocator_stats();
+      const auto mib = [&](size_t b) {
+        return f.comm()->all_reduce_double(static_cast<double>(b) / 1048576.0, dist::ReduceOp::Max);
+      };
+      const double peak_in_use = mib(cs.peak_in_use_bytes), idle = mib(cs.idle_bytes);
+      h << " cache_peak_in_use_mib=" << peak_in_use << " cache_idle_mib=" << idle;
+    }
+    h << " blas=\"" << core::blas_summary() << "\"";
     f.print(h.str());
   }
   // On a GPU: the caching allocator's peak on this rank, and model FLOPs utilisation
@@ -441,6 +460,7 @@ int main(int argc, char** argv) {
   train->add_option("--ckpt-every", ta.ckpt_every, "save checkpoints/last.ckpt every K steps (0: after each validation, see --val-every, and at "
                     "the end)")
       ->check(gpt::int_in(0))->capture_default_str();
+  train->add_flag("--async-ckpt", ta.async_ckpt, "write checkpoints in the background while training goes on (one in flight)");
   train->add_option("--state-dict", ta.state_dict, "checkpoint kind: sharded|full (default: sharded for fsdp)")
       ->check(CLI::IsMember({"sharded", "full"}));
   train->add_option("--resume", ta.resume, "'last' (OUT/checkpoints/last.ckpt) or a checkpoint path; model-shape flags left out "
