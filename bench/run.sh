@@ -23,4 +23,6 @@ if [ -f bench/strategy/run.sh ]; then
 fi
 echo "== GPT: tokens/s of single/DDP/FSDP at 1 and 2 ranks vs Python DDP, make demo's wall time =="
 bash bench/gpt/run.sh "$BUILD"
+echo "== GPT memory: FSDP peak RSS at 1/2/4 ranks, Full vs Sharded saves, async checkpoint blocking, ~400M model =="
+bash bench/gpt/memory.sh "$BUILD"
 /usr/bin/python3 bench/report.py

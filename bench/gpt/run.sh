@@ -12,6 +12,7 @@
 #   bench/gpt/run.sh BUILD_DIR
 #     GPT_BENCH_STEPS    timed steps per run (default 30)
 #     GPT_BENCH_SIZES    "L:H:D:T ..." (default "4:4:128:64 4:4:256:128 8:8:512:64")
+#     GPT_BENCH_RANKS    "1 2" (default) or a subset
 #     GPT_BENCH_DEMO=0   skips the demo
 set -euo pipefail
 BUILD=${1:-build}
@@ -93,7 +94,7 @@ allocs="caching system"
 # Interleaved so that machine noise hits every implementation alike.
 for size in $SIZES; do
   IFS=: read -r L H D T <<< "$size"
-  for n in 1 2; do
+  for n in ${GPT_BENCH_RANKS:-1 2}; do
     echo "-- L$L d$D T$T, $n rank(s)" >&2
     echo "$L $H $D $T python-ddp ddp $n glibc $(python_ddp $n "$L" "$H" "$D" "$T")" >> "$ROWS"
     for s in single ddp fsdp; do
