@@ -305,7 +305,7 @@ int run_train(TrainArgs a) {
     const auto& cs = t.checkpoint_stats();
     std::ostringstream c;
     c << std::setprecision(4) << "gpt: checkpoints saves=" << cs.saves << " blocking_s=" << cs.blocking_seconds
-      << " async=" << (a.async_ckpt ? 1 : 0);
+      << " first_blocking_s=" << cs.first_blocking_seconds << " async=" << (a.async_ckpt ? 1 : 0);
     f.print(c.str());
   }
   // Host memory: the largest rank's peak resident set (ru_maxrss, KiB on Linux), and the

@@ -183,8 +183,9 @@ class Fabric {
   // part of the state to host memory (training may change the model right away); the
   // files are written and committed (as crash-safely as save()) by a background thread
   // over a communicator of its own. At most one save is in flight: a later save,
-  // save_async or load waits for it. wait() on the handle (or wait_for_checkpoint())
-  // blocks until it is committed and rethrows its error; ~Fabric waits for it too.
+  // save_async or load waits for it (and raises its error, on every rank). wait() on the
+  // handle (or wait_for_checkpoint()) blocks until it is committed and rethrows its
+  // error; ~Fabric waits for it too (and logs an error).
   // Costs one host copy of this rank's state while the write runs. Collective.
   checkpoint::AsyncSave save_async(const std::string& path, const FabricState& state);
   // Blocks until the async save in flight (if any) is committed; rethrows its error.

@@ -193,7 +193,6 @@ void ModelCheckpoint::retire(Trainer& trainer, const std::string& path) {
 
 void ModelCheckpoint::remove(Trainer& trainer, const std::string& path) {
   if (path.empty() || path == last_path()) return;
-
   if (trainer.is_global_zero()) {
     std::error_code ec;
     fs::remove_all(path, ec);  // a file, or a sharded checkpoint's directory

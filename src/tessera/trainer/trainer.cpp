@@ -415,8 +415,9 @@ void Trainer::write_checkpoint(const std::string& path, bool async) {
   fabric::FabricState st = checkpoint_state(path);
   if (async) fabric_->save_async(path, st);
   else fabric_->save(path, st);
-  ckpt_stats_.saves++;
-  ckpt_stats_.blocking_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (ckpt_stats_.saves++ == 0) ckpt_stats_.first_blocking_seconds = seconds;
+  ckpt_stats_.blocking_seconds += seconds;
   each_callback([&](Callback& c) { c.on_save_checkpoint(*this, *module_, path); });
 }
 

@@ -233,8 +233,10 @@ class Trainer {
   // Blocks until the async save in flight (if any) is committed; rethrows its error.
   void wait_for_checkpoint();
   struct CheckpointStats {
-    int64_t saves = 0;              // save_checkpoint and save_checkpoint_async calls
-    double blocking_seconds = 0;    // time the training loop spent in them
+    int64_t saves = 0;                  // save_checkpoint and save_checkpoint_async calls
+    double blocking_seconds = 0;        // time the training loop spent in them
+    double first_blocking_seconds = 0;  // of which the first save's (an async one also
+                                        // creates the background process group)
   };
   const CheckpointStats& checkpoint_stats() const { return ckpt_stats_; }
 
