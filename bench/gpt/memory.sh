@@ -108,8 +108,7 @@ if "big-fsdp-4" in r:
 doc = {"benchmark": "gpt-memory", "rows": rows,
        "settings": "default settings (caching CPU allocator, one intra-op thread per rank), examples/gpt, "
                    "AdamW, global batch 16 (8 for the large model), ranks sharing this machine",
-       "peak_rss_mib": "the largest rank's peak resident set (getrusage ru_maxrss)",
-       "raw": r}
+       "peak_rss_mib": "the largest rank's peak resident set (getrusage ru_maxrss)"}
 json.dump(doc, open(out, "w"), indent=1)
 print(json.dumps(doc, indent=1))
 EOF
