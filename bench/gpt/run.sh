@@ -115,7 +115,7 @@ if [ "${GPT_BENCH_DEMO:-1}" != 0 ]; then
   demo_s=$(echo "$(date +%s.%N) - $t0" | bc)
 fi
 
-"$PY" - "$OUT" "$demo_s" "$STEPS" "$SGEMM" "$ROWS" "$(nproc)" "$BLAS" <<'EOF'
+"$PY" - "$OUT" "$demo_s" "$STEPS" "$SGEMM" "$ROWS" "$(nproc --all)" "$BLAS" <<'EOF'
 import json, sys
 out, demo_s, steps, sgemm, rows_path, cores, blas = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5], int(sys.argv[6]), sys.argv[7]
 raw = [l.split() for l in open(rows_path) if l.strip()]
