@@ -30,7 +30,8 @@ ROWS="$TMP/rows"
 : > "$ROWS"
 MODEL="--n-layer 8 --n-head 8 --d-model 512 --seq-len 64 --batch-size 16"
 
-# run NAME ARGS... -> appends "NAME peak_rss_mib saves blocking_s tokens_per_s params first_blocking_s" to ROWS
+# run NAME ARGS... -> appends "NAME peak_rss_mib saves blocking_s tokens_per_s params first_blocking_s
+# cache_peak_in_use_mib" to ROWS (the last: the CPU allocator's peak of live blocks of 64 KiB and more)
 run() {
   local name=$1 out
   shift
@@ -38,10 +39,11 @@ run() {
   rm -rf "$TMP/$name"
   echo "$name $(echo "$out" | grep -o 'peak_rss_mib=[0-9.e+]*' | tail -1 | cut -d= -f2)" \
        "$(echo "$out" | grep -o 'saves=[0-9]*' | tail -1 | cut -d= -f2)" \
-       "$(echo "$out" | grep -o 'blocking_s=[0-9.e+-]*' | tail -1 | cut -d= -f2)" \
+       "$(echo "$out" | grep -o ' blocking_s=[0-9.e+-]*' | tail -1 | cut -d= -f2)" \
        "$(echo "$out" | grep -o 'tokens_per_s=[0-9.e+]*' | tail -1 | cut -d= -f2)" \
        "$(echo "$out" | grep -o 'params=[0-9]*' | tail -1 | cut -d= -f2)" \
-       "$(echo "$out" | grep -o 'first_blocking_s=[0-9.e+-]*' | tail -1 | cut -d= -f2)" >> "$ROWS"
+       "$(echo "$out" | grep -o 'first_blocking_s=[0-9.e+-]*' | tail -1 | cut -d= -f2)" \
+       "$(echo "$out" | grep -o 'cache_peak_in_use_mib=[0-9.e+-]*' | tail -1 | cut -d= -f2)" >> "$ROWS"
   tail -1 "$ROWS" >&2
 }
 
@@ -72,9 +74,10 @@ import json, sys
 out, rows_path = sys.argv[1], sys.argv[2]
 r = {}
 for line in open(rows_path):
-    name, rss, saves, blocking, tps, params, first = line.split()
+    name, rss, saves, blocking, tps, params, first, in_use = line.split()
     r[name] = {"peak_rss_mib": float(rss), "saves": int(saves), "blocking_s": float(blocking),
-               "first_blocking_s": float(first), "tokens/s": float(tps), "params": int(params)}
+               "first_blocking_s": float(first), "tokens/s": float(tps), "params": int(params),
+               "in_use_mib": float(in_use)}
 one = r["fsdp-1-sharded"]["peak_rss_mib"]
 rows = []
 for n, goal in ((1, None), (2, 0.72), (4, 0.55)):
@@ -104,7 +107,8 @@ if "big-fsdp-4" in r:
     rows.append({"measure": f"{b['params'] / 1e6:.0f}M GPT (L24 d1152), FSDP 4 ranks, 3 steps: peak RSS per rank",
                  "value": b["peak_rss_mib"], "unit": "MiB", "vs one rank": "",
                  "goal": f"arithmetic: {share:.0f} MiB of weights+grads+AdamW per rank "
-                         f"(a single process would need {b['params'] * 16 / 2**20:.0f})"})
+                         f"(a single process would need {b['params'] * 16 / 2**20:.0f}); "
+                         f"tensors of 64 KiB and more at their peak: {b['in_use_mib']:.0f} MiB"})
 doc = {"benchmark": "gpt-memory", "rows": rows,
        "settings": "default settings (caching CPU allocator, one intra-op thread per rank), examples/gpt, "
                    "AdamW, global batch 16 (8 for the large model), ranks sharing this machine",
