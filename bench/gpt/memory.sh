@@ -21,13 +21,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 OUT="$ROOT/bench/results/gpt-memory.json"
 GPT="$BUILD/bin/gpt"
-export OMP_NUM_THREADS=1
-unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT TESSERA_LAUNCHED \
-  TESSERA_CPU_ALLOCATOR TESSERA_CPU_CACHE_MIB || true
-TMP=$(mktemp -d /tmp/tessera-gpt-memory-XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-ROWS="$TMP/rows"
-: > "$ROWS"
+source "$HERE/../common/run_env.sh"
+bench_run_env gpt-memory
 MODEL="--n-layer 8 --n-head 8 --d-model 512 --seq-len 64 --batch-size 16"
 
 # run NAME ARGS... -> appends "NAME peak_rss_mib saves blocking_s tokens_per_s params first_blocking_s

@@ -25,13 +25,8 @@ STEPS=${GPT_BENCH_STEPS:-30}
 SIZES=${GPT_BENCH_SIZES:-"4:4:128:64 4:4:256:128 8:8:512:64"}
 BATCH=16  # global
 TCMALLOC=$(ls /usr/lib/*/libtcmalloc_minimal.so.4 2>/dev/null | head -1 || true)
-export OMP_NUM_THREADS=1
-unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT TESSERA_LAUNCHED \
-  TESSERA_CPU_ALLOCATOR TESSERA_CPU_CACHE_MIB || true
-TMP=$(mktemp -d /tmp/tessera-gpt-bench-XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-ROWS="$TMP/rows"
-: > "$ROWS"
+source "$HERE/../common/run_env.sh"
+bench_run_env gpt-bench
 
 # tessera STRATEGY RANKS ALLOCATOR L H D T -> "tokens/s peak_rss_mib params" (steady state: from
 # the end of the first batch; RSS: the largest rank's peak)

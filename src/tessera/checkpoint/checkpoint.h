@@ -78,6 +78,9 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
                      const SaveOptions& options = {});
 // Waits for the async save in flight, if any (rethrows its error).
 void wait_for_pending_save();
+// The same wait, logging the error instead of throwing it (it belongs to the save's
+// handle): what save and load do before they start.
+void finish_pending_save();
 
 // Tests only: each later save_async's background thread calls `hook` before it writes
 // anything (an exception from it fails that save); tests block in it to see that

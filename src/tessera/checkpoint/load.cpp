@@ -8,7 +8,6 @@
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/core/error.h"
-#include "tessera/core/log.h"
 
 namespace tessera::checkpoint {
 
@@ -155,13 +154,7 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
 }
 
 LoadResult load(state::StateDict& target, const std::string& path, dist::Communicator& comm, const LoadOptions& options) {
-  // An async save of this process still being written finishes first (it may be writing
-  // this path). Its error belongs to its handle; here it is only logged.
-  try {
-    wait_for_pending_save();
-  } catch (const std::exception& e) {
-    log::warn("the previous async checkpoint save failed: ", e.what());
-  }
+  finish_pending_save();  // an async save of this process may be writing this path
   LoadResult res;
   std::string err;
   try {

@@ -350,7 +350,6 @@ at::Tensor host_copy(const at::Tensor& t, std::vector<c10::Device>& staged) {
   return h;
 }
 
-void wait_previous();
 std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, const std::shared_ptr<dist::Communicator>& bg,
                                                 std::vector<c10::Device>& staged) {
   auto out = std::make_shared<state::StateDict>();
@@ -384,16 +383,15 @@ std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std
   return out;
 }
 
-// Waits for the pending async save; its error was the business of its handle, so it is
-// only logged here.
-void wait_previous() {
+}  // namespace
+
+void finish_pending_save() {
   try {
     wait_for_pending_save();
   } catch (const std::exception& e) {
     log::warn("the previous async checkpoint save failed: ", e.what());
   }
 }
-}  // namespace
 
 void wait_for_pending_save() {
   std::shared_ptr<AsyncSave::State> p;
@@ -422,7 +420,7 @@ bool AsyncSave::done() const {
 AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<dist::Communicator> comm,
                      const SaveOptions& options) {
   TESSERA_CHECK(comm != nullptr, "save_async: no communicator");
-  wait_previous();
+  finish_pending_save();
   auto bg = background_comm(comm);
   auto snap = snapshot(sd, bg);
   auto st = std::make_shared<AsyncSave::State>();
@@ -456,7 +454,7 @@ void set_async_save_hook_for_tests(std::function<void()> hook) {
 
 void save(const state::StateDict& sd, const std::string& path, dist::Communicator& comm, const SaveOptions& options) {
   // A save waits for an async one in flight (they would race on the same files).
-  if (!tl_background) wait_previous();
+  if (!tl_background) finish_pending_save();
   if (options.mode == SaveMode::Full) save_full(sd, path, comm);
   else save_sharded(sd, path, comm);
 }

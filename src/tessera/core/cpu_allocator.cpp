@@ -8,10 +8,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
-#include <utility>
 #include <map>
 #include <mutex>
 #include <new>
+#include <utility>
 
 #include "tessera/core/compat.h"
 #include "tessera/core/env.h"
@@ -88,7 +88,7 @@ struct Arena {
     return free.erase(it);
   }
 
-  // First fit: the lowest-addressed free range that holds `bytes`; nullptr if none.
+  // First fit in FreeKey order: the first free range that holds `bytes`; nullptr if none.
   char* take(size_t bytes) {
     for (auto it = free.begin(); it != free.end(); ++it) {
       if (it->second.bytes < bytes) continue;
@@ -153,10 +153,10 @@ struct Arena {
       const FreeKey k = victim->first;
       char* p = k.second;
       const Range r = victim->second;
-      const size_t excess = idle - limit;
-      // [keep_end, resident end) goes back; the range splits there.
+      const size_t excess = round_up(idle - limit, kPage);
+      // [cut, resident end) goes back; the range splits at cut.
       char* resident_end = p + most;
-      char* cut = p + (most > round_up(excess, kPage) ? most - round_up(excess, kPage) : 0);
+      char* cut = p + (most > excess ? most - excess : 0);
       erase_free(victim);
       ::madvise(cut, static_cast<size_t>(resident_end - cut), MADV_DONTNEED);
       if (cut > p) add_free(k, Range{static_cast<size_t>(cut - p), false});

@@ -130,8 +130,6 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   }
 }
 
-// A contiguous buffer for an emulated collective's staging.
-at::Tensor staging(const std::vector<int64_t>& shape, const at::TensorOptions& opts) { return at::empty(shape, opts); }
 
 std::vector<int64_t> rest_shape(const at::Tensor& t, int64_t dim0) {
   std::vector<int64_t> s = t.sizes().vec();
@@ -524,7 +522,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
   if (ShmChannel* shm = I.shm_for(full)) {
     const at::Tensor in = full.contiguous();
     const auto counts = element_counts(sizes, total > 0 ? in.numel() / total : 0);
-    at::Tensor r = staging(rest_shape(in, mine), in.options());
+    at::Tensor r = at::empty(rest_shape(in, mine), in.options());
     I.guarded("reduce_scatter", full, [&] { shm->reduce_scatter(in, counts, op, r); return 0; });
     finish_avg(r, op, n);
     return Pending([r] { return r; });
@@ -565,7 +563,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
       // is deterministic. Slot k of `out` holds rank k's copy (this rank's own is read
       // from `in`). Gloo: point to point straight from `in`; otherwise one all-to-all.
       emulated = true;
-      out = staging(rest_shape(in, mine * n), in.options());
+      out = at::empty(rest_shape(in, mine * n), in.options());
       if (full.is_cpu()) {
         works = exchange(
             be, me, n, I.next_p2p_tag(), [&](int to) { return in.narrow(0, off[to], sizes[to]); },
@@ -594,7 +592,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
       auto part = [&](int k) {
         return full.is_cpu() && k == me ? in.narrow(0, off[me], mine) : out.narrow(0, k * mine, mine);
       };
-      r = staging(rest_shape(in, mine), in.options());
+      r = at::empty(rest_shape(in, mine), in.options());
       for (int k = 1; k < n; ++k) {
         const at::Tensor acc = k == 1 ? part(0) : r;  // the first step also fills r
         switch (op) {

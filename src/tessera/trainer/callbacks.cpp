@@ -186,7 +186,6 @@ void ModelCheckpoint::flush_removals(Trainer& trainer) {
 }
 
 void ModelCheckpoint::retire(Trainer& trainer, const std::string& path) {
-  if (path.empty() || path == last_path()) return;
   if (o_.async_save) pending_removals_.push_back(path);  // once its replacement is committed
   else remove(trainer, path);
 }

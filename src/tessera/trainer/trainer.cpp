@@ -411,8 +411,7 @@ void Trainer::save_checkpoint_async(const std::string& path) { write_checkpoint(
 
 void Trainer::write_checkpoint(const std::string& path, bool async) {
   const auto t0 = std::chrono::steady_clock::now();
-  wait_for_checkpoint();
-  fabric::FabricState st = checkpoint_state(path);
+  fabric::FabricState st = checkpoint_state(path);  // Fabric waits for a save in flight
   if (async) fabric_->save_async(path, st);
   else fabric_->save(path, st);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -227,7 +227,7 @@ class Trainer {
   // The same checkpoint written in the background (Fabric::save_async): returns once
   // every rank has copied its state to host memory; training goes on while the files
   // are written. At most one save is in flight: a later save (or a load, or the end of
-  // fit/validate/test) waits for it, and its error is raised there. Callbacks'
+  // fit) waits for it, and its error is raised there. Callbacks'
   // on_save_checkpoint runs when the state has been copied, before the commit.
   void save_checkpoint_async(const std::string& path);
   // Blocks until the async save in flight (if any) is committed; rethrows its error.
