@@ -27,7 +27,8 @@ configure: $(BUILD)/build.ninja
 build: setup configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: build python-base
+# The Python environment first: configuring the suite detects what that Python can do.
+test: python-base build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
 # ---- the same project against the libtorch inside PyPI's torch 2.x wheel (a CUDA build):
