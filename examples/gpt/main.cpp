@@ -4,6 +4,7 @@
 //   gpt train --devices 2 --strategy fsdp --max-steps 300 --out runs/gpt
 //   gpt train --devices 2 --strategy fsdp --max-steps 600 --out runs/gpt --resume last
 //   gpt sample --ckpt runs/gpt/checkpoints/last.ckpt --prompt "This License" --tokens 200
+//   gpt train --devices 2 --strategy fsdp --max-steps 300 --out runs/gpt2 --init-from model.safetensors
 //
 // Started without a launcher, `train` re-runs itself on --devices ranks; started by
 // `tessera run -n N` (or torchrun/srun) it uses the launcher's ranks. --batch-size is the
@@ -40,6 +41,7 @@
 #include "tessera/core/device.h"
 #include "tessera/dist/world.h"
 #include "tessera/state/module_state.h"
+#include "tessera/strategy/strategy.h"
 #include "tessera/trainer/csv_logger.h"
 #include "tessera/trainer/trainer.h"
 
@@ -51,6 +53,7 @@ namespace {
 struct TrainArgs {
   int devices = 0;  // 0: the launcher's LOCAL_WORLD_SIZE, else 1
   std::string strategy = "fsdp", sharding = "full", precision = "32", state_dict, resume;
+  std::string init_from;  // a checkpoint whose model weights replace the initial ones (step 0)
   std::string accelerator = "auto";
   double peak_tflops = 0;  // 0: the GPU's bf16 dense peak when known (core::peak_tflops)
   int64_t max_steps = 300, batch_size = 16, seq_len = 64, n_layer = 4, n_head = 4, d_model = 128;
@@ -115,6 +118,41 @@ struct GptModule : trainer::TrainingModule {
             {"batch_size", std::to_string(args.batch_size)}, {"seed", std::to_string(args.seed)}};
   }
   void on_train_start() override { start_step = global_step(); }
+
+  // --init-from: the checkpoint's weights replace the seed's initial ones before the
+  // first step; the step count and the optimizer start fresh. The load target is the
+  // strategy's own state dict (sharded under FSDP, as Fabric::load does), so each rank
+  // reads only what it holds: under FSDP its rows of every parameter. The metadata was
+  // checked against this model before (gpt::check_init_weights). Collective.
+  std::string init_prefix;  // "model." or "" (gpt::init_weights_prefix)
+  void on_fit_start() override {
+    if (args.init_from.empty()) return;
+    strategy::Strategy& s = fabric().strategy();
+    const auto type = args.strategy == "fsdp" ? strategy::StateDictType::Sharded : strategy::StateDictType::Full;
+    state::StateDict target;
+    s.state_dict(type, /*with_optimizers=*/false).for_each([&](const std::string& k, const state::Value& v) {
+      // Copies (the state dict aliases the live weights): read into them, then apply.
+      if (const auto* t = std::get_if<at::Tensor>(&v)) target.set(init_prefix + k, t->detach().clone());
+      else if (const auto* st = std::get_if<sharding::ShardedTensor>(&v)) target.set(init_prefix + k, st->clone());
+      else throw std::runtime_error("--init-from: the model's state holds a " + std::string(state::kind_name(v)) +
+                                    " under '" + k + "'");
+    });
+    checkpoint::LoadOptions lax;
+    lax.strict = false;  // the checkpoint may hold more than weights (optimizer state, hparams, ...)
+    const checkpoint::LoadResult res = checkpoint::load(target, args.init_from, *fabric().comm(), lax);
+    if (!res.missing.empty() || !res.mismatched.empty()) {
+      std::string what;
+      for (const auto& k : res.missing) what += " missing " + k + ";";
+      for (const auto& k : res.mismatched) what += " " + k + ";";
+      throw std::runtime_error("--init-from: '" + args.init_from + "' does not hold this model's weights:" + what);
+    }
+    state::StateDict weights;
+    target.for_each([&](const std::string& k, const state::Value& v) { weights.set(k.substr(init_prefix.size()), v); });
+    const std::vector<std::string> rest = s.load_state_dict(weights, /*strict=*/false);
+    if (!rest.empty()) throw std::runtime_error("--init-from: the model did not take '" + rest.front() + "'");
+    fabric().print("gpt: initial weights from '", args.init_from, "' (", res.loaded.size(), " tensors", 
+                   init_prefix.empty() ? "" : " under model.", "); step 0, fresh optimizer");
+  }
 
   // Training throughput: from the end of the first batch of this run (warm-up excluded)
   // to the end of the last one, without the time spent validating in between.
@@ -219,6 +257,11 @@ int run_train(TrainArgs a) {
                                             " must be smaller than --lr-decay-steps (default --max-steps) " +
                                             std::to_string(a.decay_steps));
   if (a.sharding != "full") check(a.strategy == "fsdp", "--sharding " + a.sharding + " needs --strategy fsdp");
+  if (!a.init_from.empty()) {
+    check(a.resume.empty(), "--init-from and --resume exclude each other: --resume continues a run (weights, optimizer, "
+                            "step), --init-from starts a new one at step 0 from a checkpoint's weights");
+    check(fs::exists(a.init_from), "--init-from: checkpoint '" + a.init_from + "' does not exist");
+  }
 
   trainer::TrainerOptions o;
   o.fabric.accelerator = a.accelerator;
@@ -263,6 +306,12 @@ int run_train(TrainArgs a) {
       return 0;
     }
   }
+  std::string init_prefix;
+  if (!a.init_from.empty()) {  // every weight of the model, with its shape, before anything is built
+    const checkpoint::CheckpointMetadata meta = checkpoint::open_checkpoint(a.init_from);
+    init_prefix = gpt::init_weights_prefix(meta);
+    gpt::check_init_weights(meta, gpt::Config{a.n_layer, a.n_head, a.d_model, a.seq_len, a.tie_weights}, init_prefix);
+  }
   const int threads = a.threads > 0 ? a.threads
                                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local);
   at::set_num_threads(threads);
@@ -277,6 +326,7 @@ int run_train(TrainArgs a) {
 
   const std::string metrics_path = (fs::path(a.out) / "metrics.csv").string();
   GptModule m(a, cfg);
+  m.init_prefix = init_prefix;
   const trainer::TensorData val{data.val.inputs, data.val.targets};
   const auto t0 = std::chrono::steady_clock::now();
   const trainer::Metrics fitted =
@@ -465,6 +515,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"sharded", "full"}));
   train->add_option("--resume", ta.resume, "'last' (OUT/checkpoints/last.ckpt) or a checkpoint path; model-shape flags left out "
                     "take the checkpoint's values, ones given must match it");
+  train->add_option("--init-from", ta.init_from,
+                    "start at step 0 from the model weights of a checkpoint (a sharded directory or a consolidated, "
+                    "safetensors or torch.save file; keys model.<fqn> or <fqn>); fresh optimizer; not with --resume");
   train->add_flag("--tie-weights", ta.tie_weights, "share the token embedding with the output head");
   train->add_option("--grad-clip", ta.grad_clip, "global gradient-norm clipping (0: off)")
       ->check(gpt::non_negative_float())->capture_default_str();

@@ -26,6 +26,7 @@
 
 #include "model.h"
 #include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/safetensors.h"
 
 namespace gpt {
 
@@ -197,6 +198,57 @@ inline void check_stored_weights(const tessera::checkpoint::CheckpointMetadata& 
   for (const auto& k : config_keys()) hp += (hp.empty() ? "" : ", ") + k + " " + config_value(c, k);
   throw std::runtime_error("checkpoint '" + m.location + "': its weights do not match its hparams (" + hp +
                            "): " + what);
+}
+
+// --init-from: where a checkpoint keeps gpt's weights. Under "model." in a checkpoint of
+// gpt train (or of any Fabric/Trainer state whose module is "model"), else at the top
+// level (a bare state dict from another writer: "tok.weight", "blocks.0.qkv.weight", ...).
+inline std::string init_weights_prefix(const tessera::checkpoint::CheckpointMetadata& m) {
+  for (const auto& [k, e] : m.entries)
+    if (e.is_tensor() && k.rfind("model.", 0) == 0) return "model.";
+  return "";
+}
+
+// Checks, from the metadata alone, that the checkpoint holds exactly the weights of
+// Gpt(c) under `prefix` (every one present, as a float32 tensor of its shape; no other
+// tensor under the prefix, or at all when the prefix is empty). The error names the file
+// and the first keys at fault, and the checkpoint's own hparams when it has some.
+inline void check_init_weights(const tessera::checkpoint::CheckpointMetadata& m, const Config& c,
+                               const std::string& prefix) {
+  const auto want = weight_shapes(c);
+  std::vector<std::string> problems;
+  for (const auto& [k, shape] : want) {
+    auto it = m.entries.find(prefix + k);
+    if (it == m.entries.end())
+      problems.push_back(prefix + k + " " + shape_text(shape) + " is missing");
+    else if (!it->second.is_tensor())
+      problems.push_back(prefix + k + " is a " + it->second.kind + " value, not a tensor");
+    else if (it->second.shape != shape)
+      problems.push_back(prefix + k + " is " + shape_text(it->second.shape) + ", not " + shape_text(shape));
+    else if (it->second.dtype != at::kFloat)
+      problems.push_back(prefix + k + " is " + tessera::checkpoint::dtype_name(it->second.dtype) +
+                         ", not F32 (gpt's weights are float32)");
+  }
+  for (const auto& [k, e] : m.entries)
+    if (e.is_tensor() && k.rfind(prefix, 0) == 0 && !want.count(k.substr(prefix.size())))
+      problems.push_back(k + " " + shape_text(e.shape) + " is not a weight of this model");
+  if (problems.empty()) return;
+  std::string what;
+  for (size_t i = 0; i < problems.size() && i < 4; ++i) what += (i ? "; " : "") + problems[i];
+  if (problems.size() > 4) what += "; and " + std::to_string(problems.size() - 4) + " more";
+  std::string hp;
+  for (const auto& k : config_keys()) hp += (hp.empty() ? "" : ", ") + k + " " + config_value(c, k);
+  std::string stored;
+  try {
+    const Config s = stored_config(m);
+    for (const auto& k : config_keys()) stored += (stored.empty() ? "" : ", ") + k + " " + config_value(s, k);
+  } catch (const std::exception&) {
+    // no (usable) hparams: a checkpoint of another writer
+  }
+  throw std::runtime_error("--init-from: '" + m.location + "' does not hold the weights of this model (" + hp +
+                           "; keys " + (prefix.empty() ? "<fqn>" : "model.<fqn>") + "): " + what +
+                           (stored.empty() ? std::string()
+                                           : " (the checkpoint's hparams: " + stored + "; give the same model flags)"));
 }
 
 }  // namespace gpt
