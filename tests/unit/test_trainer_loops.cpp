@@ -281,8 +281,11 @@ TEST(TrainerResume, SchedulerDropoutAndAccumulationResumeExactly) {
 
 namespace {
 
+// A Trainer with one ModelCheckpoint that monitors "score" and keeps the best k; `tweak`
+// changes the callback's options further (mode, file name, ...).
 trainer::TrainerOptions topk_options(const std::string& root, int64_t epochs, int64_t k, bool sharded,
-                                     bool async = false) {
+                                     bool async = false,
+                                     const std::function<void(trainer::ModelCheckpointOptions&)>& tweak = nullptr) {
   auto o = local_options(root);
   o.max_epochs = epochs;
   o.limit_train_batches = 1;
@@ -293,6 +296,7 @@ trainer::TrainerOptions topk_options(const std::string& root, int64_t epochs, in
   mo.save_last = true;
   mo.filename = "{epoch}-{step}-{score:.3f}";
   mo.async_save = async;
+  if (tweak) tweak(mo);
   o.callbacks.push_back(std::make_shared<trainer::ModelCheckpoint>(mo));
   return o;
 }
@@ -331,17 +335,11 @@ TEST(TrainerCheckpoint, TopKFilesMatchTheBookkeeping) {
   EXPECT_EQ(entries(all.path + "/checkpoints").size(), 4u);
   for (bool async : {false, true}) {
     TempDir mx;
-    auto o = local_options(mx.path);
-    o.max_epochs = 4;
-    o.limit_train_batches = 1;
-    trainer::ModelCheckpointOptions mo;
-    mo.monitor = "score";
-    mo.mode = "max";
-    mo.save_top_k = 1;
-    mo.filename = "best";
-    mo.async_save = async;
-    o.callbacks.push_back(std::make_shared<trainer::ModelCheckpoint>(mo));
-    trainer::Trainer t2(o);
+    trainer::Trainer t2(topk_options(mx.path, 4, 1, false, async, [](trainer::ModelCheckpointOptions& mo) {
+      mo.mode = "max";
+      mo.filename = "best";
+      mo.save_last = false;
+    }));
     Reg m2;
     m2.scores = {1, 7, 3, 7};
     t2.fit(m2, regression_data(8), regression_data(4));
