@@ -17,6 +17,13 @@ if [ -x build-torch2/bin/bench_collectives ]; then
 fi
 echo "== checkpoints: save/load ~1 GiB vs dd and torch.save/torch.load =="
 bash bench/checkpoint/run_checkpoint_bench.sh "$BUILD" "${CKPT_BENCH_MIB:-1024}"
+# Against PyTorch DCP (issue 17): the torch 2.x environment and build (make test-torch2).
+if [ -x .venv-torch2/bin/python ]; then
+  echo "== checkpoints vs PyTorch DCP: ~1 GiB model + AdamW state at 2 ranks =="
+  bash bench/peers/run_dcp_bench.sh "${DCP_BENCH_MIB:-1024}"
+else
+  echo "== checkpoints vs PyTorch DCP: skipped, no .venv-torch2 (make test-torch2 creates it) =="
+fi
 if [ -f bench/strategy/run.sh ]; then
   echo "== strategies: step time vs a plain loop and Python DDP =="
   bash bench/strategy/run.sh "$BUILD"
