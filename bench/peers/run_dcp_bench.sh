@@ -92,8 +92,19 @@ save_load() {  # save_load DIR SAVE_CMD... -- LOAD_CMD...
   l=$(ranks2 "${load[@]}")
   echo "{\"save\": $s, \"load\": $l, \"cached_after_save_mib\": $after, \"cached_before_load_mib\": $drop}"
 }
+# Wall time and peak RSS of one command -> {"wall_s", "kib"}.
+rss_of() {
+  /usr/bin/time -f '%e %M' -o "$WORK/rss" "$@" >/dev/null 2>>"$LOG"
+  tail -1 "$WORK/rss" | awk '{ printf "{\"wall_s\": %s, \"kib\": %s}", $1, $2 }'
+}
 measure() {
   case $1 in
+    startup)
+      # Each side's runtime doing nothing (the consolidations' floor, in wall time and
+      # peak RSS): the Tessera CLI printing its help, Python importing format_utils.
+      local c='{"wall_s": 0, "kib": 0}'
+      [ -z "$CPU_TESSERA" ] || c=$(rss_of "$CPU_TESSERA" --help)
+      echo "{\"tessera\": $(rss_of "$TESSERA" --help), \"dcp\": $(rss_of "$PY" -c "import torch.distributed.checkpoint.format_utils"), \"tessera_cpu\": $c}" ;;
     tessera)
       save_load "$RD/tessera" "$BENCH" gpt-save "$RD/tessera" "$MIB" -- "$BENCH" gpt-load "$RD/tessera" "$MIB" ;;
     dcp)
@@ -130,22 +141,8 @@ measure() {
   esac
 }
 
-# Start-up peak RSS of each side's runtime alone (the consolidations' floor): the
-# Tessera CLI printing its help, Python importing DCP's format_utils.
-# Also their wall time: what a consolidation command pays before it starts working.
-rss_of() {
-  /usr/bin/time -f '%e %M' -o "$WORK/rss" "$@" >/dev/null 2>>"$LOG"
-  tail -1 "$WORK/rss" | awk '{ printf "{\"wall_s\": %s, \"kib\": %s}", $1, $2 }'
-}
-BASE_T=$(rss_of "$TESSERA" --help)
-BASE_D=$(rss_of "$PY" -c "import torch.distributed.checkpoint.format_utils")
-BASE_C='{"wall_s": 0, "kib": 0}'
 CPU_CLI=()
-if [ -n "$CPU_TESSERA" ]; then
-  CPU_CLI=(consolidate_tessera_cpu)
-  BASE_C=$(rss_of "$CPU_TESSERA" --help)
-fi
-echo "{\"tessera\": $BASE_T, \"dcp\": $BASE_D, \"tessera_cpu\": $BASE_C}" > "$WORK/base.json"
+[ -z "$CPU_TESSERA" ] || CPU_CLI=(consolidate_tessera_cpu)
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 peers=(tessera dcp dcp_t2 tessera_async dcp_async)
 : > "$WORK/rounds.jsonl"
@@ -153,7 +150,7 @@ for ((r = 0; r < ROUNDS; r++)); do
   order=()
   for ((k = 0; k < ${#peers[@]}; k++)); do order+=("${peers[(k + r) % ${#peers[@]}]}"); done
   if ((r % 2 == 0)); then order+=(consolidate_tessera consolidate_dcp); else order+=(consolidate_dcp consolidate_tessera); fi
-  order+=("${CPU_CLI[@]}")
+  order+=("${CPU_CLI[@]}" startup)
   echo "-- dcp round $((r + 1))/$ROUNDS: ${order[*]}" >&2
   RD="$WORK/round$r"  # removed when the round ends (see run_checkpoint_bench.sh: TRIM)
   mkdir -p "$RD"
@@ -165,10 +162,9 @@ for ((r = 0; r < ROUNDS; r++)); do
 done
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 
-"$PY" - "$OUT" "$WORK/rounds.jsonl" "$BUILD_NOTE" "$LOAD_START" "$LOAD_END" "$WORK/base.json" "$MIB" <<'PYEOF'
+"$PY" - "$OUT" "$WORK/rounds.jsonl" "$BUILD_NOTE" "$LOAD_START" "$LOAD_END" "$MIB" <<'PYEOF'
 import json, math, os, statistics, sys, torch
-out, path, build, load_start, load_end, base_path, mib = sys.argv[1:8]
-base = json.load(open(base_path))
+out, path, build, load_start, load_end, mib = sys.argv[1:7]
 sys.path.insert(0, os.path.join(os.path.dirname(out), "..", "peers"))
 from dcp_bench import gpt_layout
 largest_mib = max(4 * math.prod(shape) for _, shape in gpt_layout(int(mib))) / (1 << 20)
@@ -209,11 +205,13 @@ rows = [
         [a["total_s"] for a in ta]),
     row("consolidate vs dcp_to_torch_save + fsync (wall of each process)", ">= 2", cd_wall, ct_wall),
     row("consolidate vs dcp_to_torch_save, no fsync (format_utils' CLI)", ">= 2", cd_nofsync, ct_wall),
-    row("consolidate vs dcp_to_torch_save's call alone (no start-up, no fsync)", "", cd_convert, ct_wall),
+    row("consolidate vs dcp_to_torch_save, work only (Tessera: wall - `tessera --help`'s, with fsync; DCP: "
+        "the call alone, no fsync)", "", cd_convert, [c["wall_s"] - r["startup"]["tessera"]["wall_s"] for c, r in zip(ct, R)]),
     row("consolidate peak RSS: dcp_to_torch_save's / Tessera's", ">= 4", [c["peak_rss_kib"] for c in cd],
         [c["peak_rss_kib"] for c in ct]),
-    row("consolidate peak RSS above each runtime's start-up RSS", "", [c["peak_rss_kib"] - base["dcp"]["kib"] for c in cd],
-        [c["peak_rss_kib"] - base["tessera"]["kib"] for c in ct]),
+    row("consolidate peak RSS above each runtime's start-up RSS", "",
+        [c["peak_rss_kib"] - r["startup"]["dcp"]["kib"] for c, r in zip(cd, R)],
+        [c["peak_rss_kib"] - r["startup"]["tessera"]["kib"] for c, r in zip(ct, R)]),
 ]
 cpu = [r["consolidate_tessera_cpu"] for r in R if "consolidate_tessera_cpu" in r]
 if cpu:
@@ -250,10 +248,12 @@ res = {
         **({"tessera, CPU libtorch 1.13 build": max(c["peak_rss_kib"] for c in cpu) / 1024} if cpu else {}),
     },
     # Peak RSS of each runtime doing nothing: `tessera --help`, Python importing format_utils.
-    "startup_peak_rss_mib": {"tessera (this build)": base["tessera"]["kib"] / 1024,
-                             "python + torch DCP": base["dcp"]["kib"] / 1024,
-                             **({"tessera, CPU libtorch 1.13 build": base["tessera_cpu"]["kib"] / 1024} if cpu else {})},
-    "startup_wall_s": {"tessera --help": base["tessera"]["wall_s"], "python import format_utils": base["dcp"]["wall_s"]},
+    "startup_peak_rss_mib (max over rounds)": {
+        "tessera (this build)": max(r["startup"]["tessera"]["kib"] for r in R) / 1024,
+        "python + torch DCP": max(r["startup"]["dcp"]["kib"] for r in R) / 1024,
+        **({"tessera, CPU libtorch 1.13 build": max(r["startup"]["tessera_cpu"]["kib"] for r in R) / 1024} if cpu else {})},
+    "startup_wall_s (median)": {"tessera --help": med([r["startup"]["tessera"]["wall_s"] for r in R]),
+                                "python import format_utils": med([r["startup"]["dcp"]["wall_s"] for r in R])},
     # How the loads started: MiB of the checkpoint's files in the page cache right after
     # the save and after dropping them (max over rounds).
     "page_cache_mib (max over rounds)": {
