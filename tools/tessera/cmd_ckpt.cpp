@@ -1,6 +1,7 @@
 // tessera ckpt: the offline checkpoint tool (no process group needed).
 //   inspect PATH | verify PATH | consolidate DIR -o FILE | reshard DIR --world-size M -o DIR2
 //   | export PATH --format torch|safetensors -o OUT
+//   | export PATH --format hf -o DIR [--max-shard-size S] [--dtype bf16|fp16|fp32] [--prefix P]
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -12,8 +13,10 @@
 #include <thread>
 
 #include "commands.h"
+#include "tessera/checkpoint/hf_export.h"
 #include "tessera/checkpoint/offline.h"
 #include "tessera/core/cli_checks.h"
+#include "tessera/core/error.h"
 
 namespace tessera::cli {
 
@@ -22,6 +25,7 @@ struct CkptArgs {
   std::string path, out, format = "torch";
   int world_size = 0;
   bool force = false;
+  std::string max_shard_size = "5GB", dtype, prefix;  // export --format hf
 };
 
 std::atomic<bool> g_interrupted{false};
@@ -93,12 +97,35 @@ Runner add_ckpt_command(CLI::App& app) {
   reshard->add_flag("-f,--force", a->force, "replace an existing output");
 
   CLI::App* exp = sub->add_subcommand(
-      "export", "Export the tensors for Python: torch (a dict torch.load reads) or safetensors");
+      "export", "Export the tensors for Python: torch (a dict torch.load reads), safetensors, or hf (a Hugging Face model directory)");
   exp->add_option("PATH", a->path, "checkpoint to read")->required();
-  exp->add_option("--format", a->format, "torch or safetensors")
-      ->default_val("torch")->check(CLI::IsMember({"torch", "safetensors"}));
-  exp->add_option("-o,--output", a->out, "file to write")->required();
+  exp->add_option("--format", a->format, "torch, safetensors or hf (a Hugging Face style directory of a model's weights)")
+      ->default_val("torch")->check(CLI::IsMember({"torch", "safetensors", "hf"}));
+  exp->add_option("-o,--output", a->out, "file to write (a directory for --format hf)")->required();
   exp->add_flag("-f,--force", a->force, "replace an existing output");
+  // --format hf only (checkpoint/hf_export.h).
+  exp->add_option("--max-shard-size", a->max_shard_size,
+                  "hf: the most bytes per file, e.g. 5GB (the default), 500MB, 2GiB or plain bytes; "
+                  "a larger tensor gets a file of its own")
+      ->check(CLI::Validator(
+          [](std::string& s) -> std::string {
+            try {
+              checkpoint::parse_hf_size(s);
+              return "";
+            } catch (const std::exception& e) {
+              return e.what();
+            }
+          },
+          "SIZE"));
+  exp->add_option("--dtype", a->dtype, "hf: convert floating tensors (round to nearest even, as torch's .to()); "
+                                       "default: as saved")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  exp->add_option("--prefix", a->prefix,
+                  "hf: export the tensors whose key starts with P, named without it (default: 'model.' when the "
+                  "checkpoint has such keys, else every tensor; '' for every tensor under its full key)");
+  exp->footer("--format hf writes DIR/model.safetensors, or DIR/model-0000i-of-0000N.safetensors and "
+              "DIR/model.safetensors.index.json as transformers does; plain values and optimizer state are not "
+              "exported.");
 
   return [=]() -> int {
     namespace ck = tessera::checkpoint;
@@ -128,7 +155,19 @@ Runner add_ckpt_command(CLI::App& app) {
       std::cout << "wrote " << a->out << " for " << a->world_size << " ranks\n";
       return 0;
     }
+    if (exp->parsed() && a->format == "hf") {
+      ck::HfExportOptions o;
+      o.max_shard_size = ck::parse_hf_size(a->max_shard_size);
+      if (!a->dtype.empty()) o.dtype = ck::parse_hf_dtype(a->dtype);
+      if (exp->count("--prefix")) o.prefix = a->prefix;
+      const ck::HfExportResult r = ck::export_hf(a->path, a->out, o, a->force);
+      std::cout << "wrote " << a->out << ": " << r.tensors << " tensors (prefix '" << r.prefix << "' removed), "
+                << r.total_size << " bytes in " << r.files.size() - (r.files.size() > 1) << " file(s)\n";
+      return 0;
+    }
     if (exp->parsed()) {
+      for (const char* hf_only : {"--max-shard-size", "--dtype", "--prefix"})
+        if (exp->count(hf_only)) throw Error(concat(hf_only, " applies to --format hf only"));
       ck::export_checkpoint(a->path, a->format == "torch" ? ck::ExportFormat::Torch : ck::ExportFormat::Safetensors,
                             a->out, a->force);
       std::cout << "wrote " << a->out << "\n";

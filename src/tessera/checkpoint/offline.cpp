@@ -15,6 +15,7 @@
 #include "tessera/checkpoint/crc32c.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/interop.h"
+#include "tessera/checkpoint/offline_publish.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/checkpoint/writer.h"
@@ -211,7 +212,8 @@ VerifyReport verify(const std::string& path) {
       }
     }
   }
-  rep.has_checksums = m.source_kind == "sharded" || m.source_kind == "consolidated";
+  // A plain safetensors file Tessera wrote (an `export --format hf` file) has them too.
+  rep.has_checksums = m.source_kind == "sharded" || m.source_kind == "consolidated" || m.crc_block > 0;
   for (const auto& k : m.keys) {
     const EntryInfo& e = m.entries.at(k);
     for (const auto& c : e.chunks) {
@@ -376,6 +378,14 @@ void export_checkpoint(const std::string& src, ExportFormat format, const std::s
     }
     File(tmp, "r").fsync();  // PyTorchStreamWriter does not fsync
   });
+}
+
+// For the other offline writers (offline_publish.h).
+void offline_check_not_source(const std::string& src, const CheckpointMetadata& m, const std::string& out) {
+  check_not_source(src, m, out);
+}
+void offline_publish(const std::string& out, bool dir, const std::function<void(const std::string& tmp)>& write) {
+  publish_via_temp(out, dir, write);
 }
 
 }  // namespace tessera::checkpoint
