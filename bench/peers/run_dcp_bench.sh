@@ -205,8 +205,7 @@ rows = [
         [a["total_s"] for a in ta]),
     row("consolidate vs dcp_to_torch_save + fsync (wall of each process)", ">= 2", cd_wall, ct_wall),
     row("consolidate vs dcp_to_torch_save, no fsync (format_utils' CLI)", ">= 2", cd_nofsync, ct_wall),
-    row("consolidate vs dcp_to_torch_save, work only (Tessera: wall - `tessera --help`'s, with fsync; DCP: "
-        "the call alone, no fsync)", "", cd_convert, [c["wall_s"] - r["startup"]["tessera"]["wall_s"] for c, r in zip(ct, R)]),
+    row("consolidate vs dcp_to_torch_save, work only (each minus its start-up; DCP without fsync)", "", cd_convert, [c["wall_s"] - r["startup"]["tessera"]["wall_s"] for c, r in zip(ct, R)]),
     row("consolidate peak RSS: dcp_to_torch_save's / Tessera's", ">= 4", [c["peak_rss_kib"] for c in cd],
         [c["peak_rss_kib"] for c in ct]),
     row("consolidate peak RSS above each runtime's start-up RSS", "",
@@ -235,8 +234,8 @@ res = {
         "dcp.async_save total (2nd)": med([a["total_s"] for a in da]),
         "tessera ckpt consolidate (wall)": med(ct_wall), "dcp_to_torch_save + fsync (wall)": med(cd_wall),
         "dcp_to_torch_save call alone": med(cd_convert),
-        "  of which reading the checkpoint into memory": med([c["in_process"]["read_s"] for c in cd]),
-        "  of which torch.save": med([c["in_process"]["torch_save_s"] for c in cd]),
+        "dcp_to_torch_save: reading into memory": med([c["in_process"]["read_s"] for c in cd]),
+        "dcp_to_torch_save: torch.save": med([c["in_process"]["torch_save_s"] for c in cd]),
         "dcp output fsync": med([c["in_process"]["fsync_s"] for c in cd]),
     },
     "median_gib_per_s": {
@@ -265,10 +264,12 @@ res = {
         "before consolidate (tessera, dcp)": [max(c["cached_before_mib"] for c in ct), max(c["cached_before_mib"] for c in cd)],
     },
     "load average (start, end)": [load_start, load_end],
-    "per_round": {
-        "tessera save/load": [[a, b] for a, b in zip(t_save, t_load)],
-        "dcp save/load": [[a, b] for a, b in zip(d_save, d_load)],
-        "dcp_t2 save/load": [[a, b] for a, b in zip(d2_save, d2_load)],
+    "per_round seconds": {
+        "tessera save": t_save, "dcp.save": d_save, "dcp.save thread_count=2": d2_save,
+        "tessera load": t_load, "dcp.load": d_load, "dcp.load (thread_count=2 save)": d2_load,
+        "tessera async blocking (2nd)": [a["blocking_s"] for a in ta],
+        "dcp async blocking (2nd)": [a["blocking_s"] for a in da],
+        "tessera consolidate": ct_wall, "dcp_to_torch_save + fsync": cd_wall,
     },
 }
 json.dump(res, open(out, "w"), indent=2)
