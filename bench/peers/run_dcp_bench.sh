@@ -37,6 +37,8 @@ if [ ! -x "$BUILD/bin/checkpoint_bench" ] && [ -z "${DCP_BENCH_BUILD:-}" ] && [ 
   BUILD="$ROOT/build"
   BUILD_NOTE="build (build-torch2 missing)"
 fi
+grep -q gpt-async "$BUILD/bin/checkpoint_bench" ||
+  { echo "run_dcp_bench: $BUILD/bin/checkpoint_bench predates its gpt-* modes; rebuild it (cmake --build $BUILD --target checkpoint_bench)" >&2; exit 1; }
 [ -x "$PY" ] || { echo "run_dcp_bench: $PY missing (make test-torch2 creates .venv-torch2)" >&2; exit 1; }
 mkdir -p "$(dirname "$OUT")" "$WORK/bin"
 trap 'rm -rf "$WORK"' EXIT
