@@ -72,6 +72,7 @@ def parse_args(argv):
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping (0: off)")
     p.add_argument("--seed", type=int, default=1234, help="initial weights and data order")
+    p.add_argument("--init-seed", type=int, help="initial weights only (default --seed)")
     p.add_argument("--data", action="append", default=[], help="text file(s) (default: gpt's license texts)")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
@@ -209,7 +210,8 @@ def main(argv):
     local_batch = a.batch_size // world
     batches = rank_batches(len(inputs), world, rank, local_batch, a.seed)
 
-    torch.manual_seed(a.seed)  # gpt: at::manual_seed(seed) before building the model
+    init_seed = a.seed if a.init_seed is None else a.init_seed
+    torch.manual_seed(init_seed)  # gpt: at::manual_seed(seed) before building the model
     meta = a.init == "meta" and mode in ("fsdp2", "fabric-mp")
     if meta:
         with torch.device("meta"):
@@ -236,7 +238,7 @@ def main(argv):
         fully_shard(model, mesh=mesh)
         if meta:
             model.to_empty(device="cpu")
-            init_shards(model, a.seed, rank)
+            init_shards(model, init_seed, rank)
         net, opt = model, make_opt(model.parameters())
     elif mode == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -253,7 +255,7 @@ def main(argv):
             # Sharding replaces the parameters: the optimizer is made after setup_module.
             net = fabric.setup_module(model)
             if meta:
-                init_shards(model, a.seed, rank)  # Lightning materialised the meta model on the CPU
+                init_shards(model, init_seed, rank)  # Lightning materialised the meta model on the CPU
             opt = fabric.setup_optimizers(make_opt(model.parameters()))
 
     if a.save_dcp:
