@@ -2,6 +2,7 @@
 //   inspect PATH | verify PATH | consolidate DIR -o FILE | reshard DIR --world-size M -o DIR2
 //   | export PATH --format torch|safetensors -o OUT
 //   | export PATH --format hf -o DIR [--max-shard-size S] [--dtype bf16|fp16|fp32] [--prefix P]
+//   | import-dcp DIR -o OUT [--skip-non-tensors]
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "commands.h"
+#include "tessera/checkpoint/dcp_import.h"
 #include "tessera/checkpoint/hf_export.h"
 #include "tessera/checkpoint/offline.h"
 #include "tessera/core/cli_checks.h"
@@ -26,6 +28,7 @@ struct CkptArgs {
   int world_size = 0;
   bool force = false;
   std::string max_shard_size = "5GB", dtype, prefix;  // export --format hf
+  bool skip_non_tensors = false;                       // import-dcp
 };
 
 std::atomic<bool> g_interrupted{false};
@@ -127,6 +130,19 @@ Runner add_ckpt_command(CLI::App& app) {
               "DIR/model.safetensors.index.json as transformers does; plain values and optimizer state are not "
               "exported.");
 
+  // import-dcp (checkpoint/dcp_import.h)
+  CLI::App* import_dcp = sub->add_subcommand(
+      "import-dcp", "Import a PyTorch Distributed Checkpoint directory (torch 2.x dcp.save) as a sharded checkpoint");
+  import_dcp->add_option("DIR", a->path, "DCP directory: .metadata and __<rank>_<n>.distcp files")->required();
+  import_dcp->add_option("-o,--output", a->out, "directory to write")->required();
+  import_dcp->add_flag("-f,--force", a->force, "replace an existing output");
+  import_dcp->add_flag("--skip-non-tensors", a->skip_non_tensors,
+                       "leave out values that are not plain Python data (objects of other classes) instead of failing");
+  import_dcp->footer("Nothing in DIR runs: .metadata and every item are read by a restricted unpickler that refuses "
+                     "any global but DCP's metadata types, torch.Size, dtypes and tensor storages. Tensors keep DCP's "
+                     "chunks and bytes (one data file per DCP writer rank); ints, floats, bools, strings, bytes and "
+                     "lists/dicts of them become plain values (flattened to KEY.0, KEY.name; None is left out).");
+
   return [=]() -> int {
     namespace ck = tessera::checkpoint;
     if (inspect->parsed()) {
@@ -144,7 +160,7 @@ Runner add_ckpt_command(CLI::App& app) {
       for (const auto& p : r.problems) std::cerr << "  " << p << "\n";
       return 1;
     }
-    if (consolidate->parsed() || reshard->parsed() || exp->parsed()) remove_output_on_interrupt();
+    if (consolidate->parsed() || reshard->parsed() || exp->parsed() || import_dcp->parsed()) remove_output_on_interrupt();
     if (consolidate->parsed()) {
       ck::consolidate(a->path, a->out, a->force);
       std::cout << "wrote " << a->out << "\n";
@@ -171,6 +187,15 @@ Runner add_ckpt_command(CLI::App& app) {
       ck::export_checkpoint(a->path, a->format == "torch" ? ck::ExportFormat::Torch : ck::ExportFormat::Safetensors,
                             a->out, a->force);
       std::cout << "wrote " << a->out << "\n";
+      return 0;
+    }
+    if (import_dcp->parsed()) {
+      ck::DcpImportOptions o;
+      o.skip_non_tensors = a->skip_non_tensors;
+      const ck::DcpImportResult r = ck::import_dcp(a->path, a->out, a->force, o);
+      for (const auto& [key, why] : r.skipped) std::cerr << "tessera: skipped '" << key << "' (" << why << ")\n";
+      std::cout << "wrote " << a->out << ": " << r.tensors << " tensors in " << r.chunks << " chunks (" << r.bytes
+                << " bytes), " << r.values << " plain values, from " << r.world_size << " DCP writer(s)\n";
       return 0;
     }
     return 2;

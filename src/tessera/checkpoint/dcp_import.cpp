@@ -1,0 +1,854 @@
+// tessera ckpt import-dcp: a PyTorch Distributed Checkpoint directory (torch 2.x,
+// FileSystemWriter) as a Tessera sharded checkpoint. Format notes, from torch 2.x's
+// torch/distributed/checkpoint (metadata.py, filesystem.py, default_planner.py):
+//  - DIR/.metadata: pickle.dump(Metadata) (protocol 4): state_dict_metadata {fqn:
+//    TensorStorageMetadata(properties=TensorProperties (pickled as a tuple: dtype,
+//    layout, requires_grad, memory-format enum, pin_memory[, strides]), size=torch.Size,
+//    chunks=[ChunkStorageMetadata(offsets, sizes)]) | BytesStorageMetadata()},
+//    storage_data {MetadataIndex(fqn, offset, index): _StorageInfo(relative_path,
+//    offset, length[, transform_descriptors])}, planner_data, storage_meta, version.
+//  - DIR/__<rank>_<i>.distcp: written by rank <rank> (thread <i>); each item at
+//    [offset, offset + length) is, with the default serialization (torch_save) and no
+//    stream transforms (the default), the torch.save archive (zip, pickle protocol 2) of
+//    one tensor chunk or of one non-tensor value.
+#include "tessera/checkpoint/dcp_import.h"
+
+#include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/offline_publish.h"
+#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/writer.h"
+#include "tessera/core/error.h"
+
+namespace tessera::checkpoint {
+namespace {
+
+// ------------------------------------------------------------ restricted unpickler
+//
+// Builds a tree of Python values. Classes are only recorded (name, constructor
+// arguments, BUILD state), never called: the tree is then read as DCP's dataclasses.
+// A global outside the caller's allow-list is refused where it appears.
+
+struct Py;
+using PyPtr = std::shared_ptr<Py>;
+struct Py {
+  enum Kind { None, Bool, Int, Float, Str, Bytes, Tuple, List, Dict, Set, Global, Object, Tensor, Storage };
+  Kind kind = None;
+  bool b = false;
+  int64_t i = 0;
+  double f = 0;
+  std::string s;                              // Str, Bytes; Global and Object: "module.name"
+  std::vector<PyPtr> items;                   // Tuple, List, Set; Object: constructor arguments
+  std::vector<std::pair<PyPtr, PyPtr>> dict;  // Dict, in order
+  PyPtr state;                                // Object: what BUILD gave it
+  at::Tensor t;                               // Tensor; Storage: its elements, 1-D
+};
+
+PyPtr make(Py::Kind k) {
+  auto o = std::make_shared<Py>();
+  o->kind = k;
+  return o;
+}
+
+const char* kind_text(const Py& o) {
+  static const char* names[] = {"None",  "bool", "int",    "float",  "str",    "bytes",  "tuple",
+                                "list",  "dict", "set",    "global", "object", "tensor", "storage"};
+  return names[o.kind];
+}
+
+// A global outside the allow-list (kept apart from other errors: --skip-non-tensors
+// skips a value that needs one, never a damaged file).
+struct ForbiddenGlobal : Error {
+  using Error::Error;
+};
+
+const std::vector<std::pair<const char*, at::ScalarType>>& storage_types() {
+  static const std::vector<std::pair<const char*, at::ScalarType>> t = {
+      {"torch.FloatStorage", at::kFloat}, {"torch.DoubleStorage", at::kDouble}, {"torch.HalfStorage", at::kHalf},
+      {"torch.BFloat16Storage", at::kBFloat16}, {"torch.LongStorage", at::kLong}, {"torch.IntStorage", at::kInt},
+      {"torch.ShortStorage", at::kShort}, {"torch.CharStorage", at::kChar}, {"torch.ByteStorage", at::kByte},
+      {"torch.BoolStorage", at::kBool}};
+  return t;
+}
+
+const std::vector<std::pair<const char*, at::ScalarType>>& dtypes() {
+  static const std::vector<std::pair<const char*, at::ScalarType>> t = {
+      {"torch.float32", at::kFloat}, {"torch.float64", at::kDouble}, {"torch.float16", at::kHalf},
+      {"torch.bfloat16", at::kBFloat16}, {"torch.int64", at::kLong}, {"torch.int32", at::kInt},
+      {"torch.int16", at::kShort}, {"torch.int8", at::kChar}, {"torch.uint8", at::kByte}, {"torch.bool", at::kBool}};
+  return t;
+}
+
+// What .metadata may name: DCP's metadata classes and what they hold.
+const std::set<std::string>& metadata_globals() {
+  static const std::set<std::string> g = [] {
+    std::set<std::string> s;
+    for (const char* n : {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                          "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"})
+      s.insert(std::string("torch.distributed.checkpoint.metadata.") + n);
+    s.insert("torch.distributed.checkpoint.filesystem._StorageInfo");
+    s.insert("torch.Size");
+    for (const auto& [n, t] : dtypes()) s.insert(n);
+    // dtypes Tessera cannot hold: named, so the error says which tensor has one
+    for (const char* n : {"torch.complex64", "torch.complex128", "torch.uint16", "torch.uint32", "torch.uint64",
+                          "torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float8_e4m3fnuz", "torch.float8_e5m2fnuz"})
+      s.insert(n);
+    for (const char* n : {"torch.strided", "torch.sparse_coo", "torch.contiguous_format", "torch.channels_last",
+                          "torch.preserve_format"})
+      s.insert(n);
+    // StorageMeta.checkpoint_id: the path the writer was given (recorded, never used)
+    for (const char* n : {"pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib._local.PosixPath",
+                          "pathlib._local.PurePosixPath"})
+      s.insert(n);
+    for (const char* n : {"collections.OrderedDict", "builtins.set", "builtins.frozenset"}) s.insert(n);
+    // How torch and Python 3.11 pickle a layout (_get_layout("torch.strided")) and an enum
+    // member (getattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")): both are read
+    // as names of constants, and only with those arguments (see Unpickler::reduce).
+    s.insert("torch.serialization._get_layout");
+    s.insert("builtins.getattr");
+    return s;
+  }();
+  return g;
+}
+
+// What a torch.save'd item may name: tensor rebuilding, storages, plain containers.
+const std::set<std::string>& item_globals() {
+  static const std::set<std::string> g = [] {
+    std::set<std::string> s = {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor",
+                               "torch._utils._rebuild_parameter", "collections.OrderedDict", "builtins.set",
+                               "builtins.frozenset", "_codecs.encode", "torch.Size"};
+    for (const auto& [n, t] : storage_types()) s.insert(n);
+    return s;
+  }();
+  return g;
+}
+
+class Unpickler {
+ public:
+  using Persistent = std::function<PyPtr(const PyPtr&)>;
+  // `where` names the file (and item) in errors.
+  Unpickler(std::string where, const std::string& data, const std::set<std::string>& allowed,
+            Persistent persistent = nullptr)
+      : where_(std::move(where)), d_(data), allowed_(allowed), persistent_(std::move(persistent)) {}
+
+  PyPtr run() {
+    for (;;) {
+      const uint8_t op = u8();
+      switch (op) {
+        case 0x80: u8(); break;      // PROTO
+        case 0x95: le(8); break;     // FRAME (frames are only a read-ahead hint)
+        case '.': {                  // STOP
+          PyPtr r = pop();
+          TESSERA_CHECK(stack_.empty() && marks_.empty(), at(), ": values left on the stack at STOP");
+          return r;
+        }
+        case '(': marks_.push_back(stack_.size()); break;
+        case '0': pop(); break;
+        case '1': pop_mark(); break;
+        case '2': push(top()); break;
+        case 'N': push(make(Py::None)); break;
+        case 0x88: push_bool(true); break;
+        case 0x89: push_bool(false); break;
+        case 'J': push_int(static_cast<int32_t>(le(4))); break;
+        case 'K': push_int(u8()); break;
+        case 'M': push_int(static_cast<int64_t>(le(2))); break;
+        case 0x8a: push_int(long_int(u8())); break;
+        case 0x8b: push_int(long_int(le(4))); break;
+        case 'G': {
+          uint64_t v = 0;
+          for (int k = 0; k < 8; ++k) v = (v << 8) | u8();  // big-endian
+          auto o = make(Py::Float);
+          std::memcpy(&o->f, &v, 8);
+          push(o);
+          break;
+        }
+        case 'X': push_str(Py::Str, bytes(le(4))); break;
+        case 0x8c: push_str(Py::Str, bytes(u8())); break;
+        case 0x8d: push_str(Py::Str, bytes(le(8))); break;
+        case 'B': push_str(Py::Bytes, bytes(le(4))); break;
+        case 'C': push_str(Py::Bytes, bytes(u8())); break;
+        case 0x8e: push_str(Py::Bytes, bytes(le(8))); break;
+        case 0x96: push_str(Py::Bytes, bytes(le(8))); break;  // BYTEARRAY8
+        case ')': push(make(Py::Tuple)); break;
+        case 't': push(tuple_of(pop_mark())); break;
+        case 0x85: { auto a = pop(); push(tuple_of({a})); break; }
+        case 0x86: { auto b = pop(), a = pop(); push(tuple_of({a, b})); break; }
+        case 0x87: { auto c = pop(), b = pop(), a = pop(); push(tuple_of({a, b, c})); break; }
+        case ']': push(make(Py::List)); break;
+        case 'l': { auto l = make(Py::List); l->items = pop_mark(); push(l); break; }
+        case 'a': { auto v = pop(); want(top(), Py::List, "APPEND")->items.push_back(v); break; }
+        case 'e': {
+          auto v = pop_mark();
+          auto l = want(top(), Py::List, "APPENDS");
+          l->items.insert(l->items.end(), v.begin(), v.end());
+          break;
+        }
+        case '}': push(make(Py::Dict)); break;
+        case 'd': { auto d = make(Py::Dict); add_pairs(d, pop_mark()); push(d); break; }
+        case 's': { auto v = pop(), k = pop(); want(top(), Py::Dict, "SETITEM")->dict.emplace_back(k, v); break; }
+        case 'u': { auto v = pop_mark(); add_pairs(want(top(), Py::Dict, "SETITEMS"), v); break; }
+        case 0x8f: push(make(Py::Set)); break;
+        case 0x90: {
+          auto v = pop_mark();
+          auto s = want(top(), Py::Set, "ADDITEMS");
+          s->items.insert(s->items.end(), v.begin(), v.end());
+          break;
+        }
+        case 0x91: { auto s = make(Py::Set); s->items = pop_mark(); push(s); break; }
+        case 'c': {
+          std::string mod = line(), name = line();
+          push(global(mod, name));
+          break;
+        }
+        case 0x93: {
+          auto name = pop(), mod = pop();
+          push(global(str_of(mod), str_of(name)));
+          break;
+        }
+        case 'R': { auto args = pop(), fn = pop(); push(reduce(fn, args)); break; }
+        case 0x81: { auto args = pop(), cls = pop(); push(object(cls, args)); break; }
+        case 0x92: { pop(); auto args = pop(), cls = pop(); push(object(cls, args)); break; }  // NEWOBJ_EX
+        case 'b': {
+          auto st = pop();
+          auto o = top();
+          if (o->kind == Py::Object) o->state = st;
+          else TESSERA_CHECK(o->kind == Py::Dict || o->kind == Py::Tensor, at(), ": BUILD of a ", kind_text(*o));
+          break;  // an OrderedDict's or a tensor's attributes carry nothing needed
+        }
+        case 'Q': {
+          auto pid = pop();
+          TESSERA_CHECK(persistent_ != nullptr, at(), ": a persistent id where none may appear");
+          push(persistent_(pid));
+          break;
+        }
+        case 'q': memo_[u8()] = top(); break;
+        case 'r': memo_[le(4)] = top(); break;
+        case 0x94: memo_[memo_.size()] = top(); break;
+        case 'h': push(memo(u8())); break;
+        case 'j': push(memo(le(4))); break;
+        default:
+          throw Error(concat(at(), ": unsupported pickle opcode 0x", std::hex, static_cast<int>(op)));
+      }
+    }
+  }
+
+  std::string at() const { return concat(where_, " (byte ", pos_, ")"); }
+
+ private:
+  uint8_t u8() {
+    TESSERA_CHECK(pos_ < d_.size(), where_, ": truncated pickle");
+    return static_cast<uint8_t>(d_[pos_++]);
+  }
+  uint64_t le(int n) {
+    uint64_t v = 0;
+    for (int k = 0; k < n; ++k) v |= static_cast<uint64_t>(u8()) << (8 * k);
+    return v;
+  }
+  std::string bytes(uint64_t n) {
+    TESSERA_CHECK(n <= d_.size() - pos_, where_, ": truncated pickle");
+    std::string s = d_.substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  std::string line() {
+    const size_t e = d_.find('\n', pos_);
+    TESSERA_CHECK(e != std::string::npos, where_, ": truncated GLOBAL");
+    std::string s = d_.substr(pos_, e - pos_);
+    pos_ = e + 1;
+    return s;
+  }
+  int64_t long_int(uint64_t n) {
+    TESSERA_CHECK(n <= 8, at(), ": an integer of ", n, " bytes does not fit in 64 bits");
+    const std::string b = bytes(n);
+    uint64_t v = 0;
+    for (size_t k = 0; k < n; ++k) v |= static_cast<uint64_t>(static_cast<uint8_t>(b[k])) << (8 * k);
+    if (n > 0 && n < 8 && (static_cast<uint8_t>(b[n - 1]) & 0x80)) v |= ~0ull << (8 * n);
+    return static_cast<int64_t>(v);
+  }
+  void push(PyPtr o) { stack_.push_back(std::move(o)); }
+  void push_bool(bool v) { auto o = make(Py::Bool); o->b = v; push(o); }
+  void push_int(int64_t v) { auto o = make(Py::Int); o->i = v; push(o); }
+  void push_str(Py::Kind k, std::string s) { auto o = make(k); o->s = std::move(s); push(o); }
+  PyPtr top() {
+    TESSERA_CHECK(stack_.size() > (marks_.empty() ? 0 : marks_.back()), at(), ": pickle stack underflow");
+    return stack_.back();
+  }
+  PyPtr pop() {
+    PyPtr o = top();
+    stack_.pop_back();
+    return o;
+  }
+  std::vector<PyPtr> pop_mark() {
+    TESSERA_CHECK(!marks_.empty(), at(), ": pickle MARK missing");
+    const size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<PyPtr> v(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
+    stack_.resize(m);
+    return v;
+  }
+  PyPtr memo(uint64_t k) {
+    auto it = memo_.find(k);
+    TESSERA_CHECK(it != memo_.end(), at(), ": pickle memo ", k, " missing");
+    return it->second;
+  }
+  PyPtr want(const PyPtr& o, Py::Kind k, const char* op) {
+    TESSERA_CHECK(o->kind == k, at(), ": ", op, " on a ", kind_text(*o));
+    return o;
+  }
+  std::string str_of(const PyPtr& o) {
+    TESSERA_CHECK(o->kind == Py::Str, at(), ": expected a string, got a ", kind_text(*o));
+    return o->s;
+  }
+  static PyPtr tuple_of(std::vector<PyPtr> v) {
+    auto o = make(Py::Tuple);
+    o->items = std::move(v);
+    return o;
+  }
+  void add_pairs(const PyPtr& d, const std::vector<PyPtr>& v) {
+    TESSERA_CHECK(v.size() % 2 == 0, at(), ": dict items of odd length");
+    for (size_t k = 0; k < v.size(); k += 2) d->dict.emplace_back(v[k], v[k + 1]);
+  }
+  PyPtr global(const std::string& mod, const std::string& name) {
+    const std::string full = mod + "." + name;
+    if (!allowed_.count(full))
+      throw ForbiddenGlobal(concat(where_, ": refusing the global '", full,
+                                   "' (not one of the types this file may hold; nothing in it is run)"));
+    auto o = make(Py::Global);
+    o->s = full;
+    return o;
+  }
+  PyPtr object(const PyPtr& cls, const PyPtr& args) {
+    TESSERA_CHECK(cls->kind == Py::Global, at(), ": NEWOBJ of a ", kind_text(*cls));
+    TESSERA_CHECK(args->kind == Py::Tuple, at(), ": NEWOBJ arguments are a ", kind_text(*args));
+    auto o = make(Py::Object);
+    o->s = cls->s;
+    o->items = args->items;
+    return o;
+  }
+  int64_t int_of(const PyPtr& o) {
+    TESSERA_CHECK(o->kind == Py::Int, at(), ": expected an integer, got a ", kind_text(*o));
+    return o->i;
+  }
+  std::vector<int64_t> ints_of(const PyPtr& o) {
+    TESSERA_CHECK(o->kind == Py::Tuple || o->kind == Py::List, at(), ": expected a tuple of integers");
+    std::vector<int64_t> v;
+    for (const auto& x : o->items) v.push_back(int_of(x));
+    return v;
+  }
+  PyPtr reduce(const PyPtr& fn, const PyPtr& args) {
+    TESSERA_CHECK(fn->kind == Py::Global, at(), ": REDUCE of a ", kind_text(*fn));
+    TESSERA_CHECK(args->kind == Py::Tuple, at(), ": REDUCE arguments are a ", kind_text(*args));
+    const std::string& name = fn->s;
+    const auto& a = args->items;
+    if (name == "torch.Size") {
+      auto o = make(Py::Tuple);
+      if (!a.empty()) {
+        for (int64_t v : ints_of(a[0])) {
+          auto x = make(Py::Int);
+          x->i = v;
+          o->items.push_back(x);
+        }
+      }
+      return o;
+    }
+    if (name == "collections.OrderedDict") {
+      auto d = make(Py::Dict);
+      if (!a.empty()) {
+        TESSERA_CHECK(a[0]->kind == Py::List || a[0]->kind == Py::Tuple, at(), ": OrderedDict of a ", kind_text(*a[0]));
+        for (const auto& p : a[0]->items) {
+          TESSERA_CHECK(p->kind == Py::Tuple && p->items.size() == 2, at(), ": OrderedDict item is not a pair");
+          d->dict.emplace_back(p->items[0], p->items[1]);
+        }
+      }
+      return d;
+    }
+    if (name == "builtins.set" || name == "builtins.frozenset") {
+      auto s = make(Py::Set);
+      if (!a.empty()) {
+        TESSERA_CHECK(a[0]->kind == Py::List || a[0]->kind == Py::Tuple, at(), ": set of a ", kind_text(*a[0]));
+        s->items = a[0]->items;
+      }
+      return s;
+    }
+    if (name == "_codecs.encode") {  // bytes under pickle protocol 2: encode(str, 'latin1')
+      TESSERA_CHECK(a.size() == 2 && a[0]->kind == Py::Str && a[1]->kind == Py::Str &&
+                        (a[1]->s == "latin1" || a[1]->s == "latin-1"),
+                    at(), ": _codecs.encode other than of a str to latin1");
+      auto o = make(Py::Bytes);
+      const std::string& u = a[0]->s;  // UTF-8 of code points 0-255
+      for (size_t k = 0; k < u.size(); ++k) {
+        const auto c = static_cast<uint8_t>(u[k]);
+        if (c < 0x80) {
+          o->s.push_back(static_cast<char>(c));
+        } else {
+          TESSERA_CHECK((c == 0xc2 || c == 0xc3) && k + 1 < u.size(), at(), ": _codecs.encode of a non-latin1 text");
+          o->s.push_back(static_cast<char>(((c & 0x03) << 6) | (static_cast<uint8_t>(u[++k]) & 0x3f)));
+        }
+      }
+      return o;
+    }
+    if (name == "torch._utils._rebuild_tensor_v2" || name == "torch._utils._rebuild_tensor") {
+      TESSERA_CHECK(a.size() >= 4 && a[0]->kind == Py::Storage, at(), ": bad ", name, " arguments");
+      const at::Tensor& flat = a[0]->t;
+      const int64_t offset = int_of(a[1]);
+      const auto size = ints_of(a[2]), stride = ints_of(a[3]);
+      TESSERA_CHECK(size.size() == stride.size() && offset >= 0, at(), ": bad tensor geometry");
+      int64_t extent = 0;
+      bool empty = false;
+      for (size_t d = 0; d < size.size(); ++d) {
+        TESSERA_CHECK(size[d] >= 0 && stride[d] >= 0, at(), ": negative size or stride");
+        empty |= size[d] == 0;
+        extent += (size[d] - 1) * stride[d];
+      }
+      TESSERA_CHECK(empty || offset + extent < flat.numel(), at(), ": the tensor reaches past its storage");
+      auto o = make(Py::Tensor);
+      o->t = empty ? at::empty(size, flat.options()) : flat.as_strided(size, stride, offset);
+      return o;
+    }
+    if (name == "torch.serialization._get_layout") {
+      TESSERA_CHECK(a.size() == 1 && a[0]->kind == Py::Str && allowed_.count(a[0]->s), at(),
+                    ": _get_layout of an unknown layout");
+      auto o = make(Py::Global);
+      o->s = a[0]->s;
+      return o;
+    }
+    if (name == "builtins.getattr") {  // an enum member by name: only of DCP's memory-format enum
+      TESSERA_CHECK(a.size() == 2 && a[0]->kind == Py::Global &&
+                        a[0]->s == "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING" &&
+                        a[1]->kind == Py::Str,
+                    at(), ": getattr other than of a member of DCP's _MEM_FORMAT_ENCODING");
+      auto o = make(Py::Global);
+      o->s = a[0]->s + "." + a[1]->s;
+      return o;
+    }
+    if (name == "torch._utils._rebuild_parameter") {
+      TESSERA_CHECK(!a.empty() && a[0]->kind == Py::Tensor, at(), ": bad _rebuild_parameter arguments");
+      return a[0];
+    }
+    return object(fn, args);  // an allowed class (an enum member, a path): recorded
+  }
+
+  std::string where_;
+  const std::string& d_;
+  const std::set<std::string>& allowed_;
+  Persistent persistent_;
+  size_t pos_ = 0;
+  std::vector<PyPtr> stack_;
+  std::vector<size_t> marks_;
+  std::map<uint64_t, PyPtr> memo_;
+};
+
+// ------------------------------------------------------------ reading DCP's objects
+
+// The BUILD state of an object of class `cls` (a dict of attributes).
+const Py& attrs(const PyPtr& o, const std::string& cls, const std::string& where) {
+  TESSERA_CHECK(o && o->kind == Py::Object && o->s == cls, where, ": expected a ", cls, ", found a ",
+                o ? (o->kind == Py::Object ? o->s : std::string(kind_text(*o))) : "nothing");
+  TESSERA_CHECK(o->state && o->state->kind == Py::Dict, where, ": ", cls, " without its attributes");
+  return *o->state;
+}
+
+PyPtr attr(const Py& d, const std::string& name, const std::string& where, bool required = true) {
+  for (const auto& [k, v] : d.dict)
+    if (k->kind == Py::Str && k->s == name) return v;
+  TESSERA_CHECK(!required, where, ": attribute '", name, "' is missing");
+  return nullptr;
+}
+
+std::vector<int64_t> int_list(const PyPtr& o, const std::string& where) {
+  TESSERA_CHECK(o && (o->kind == Py::Tuple || o->kind == Py::List), where, ": expected a tuple of integers");
+  std::vector<int64_t> v;
+  for (const auto& x : o->items) {
+    TESSERA_CHECK(x->kind == Py::Int, where, ": expected a tuple of integers");
+    v.push_back(x->i);
+  }
+  return v;
+}
+
+int64_t int_value(const PyPtr& o, const std::string& where) {
+  TESSERA_CHECK(o && o->kind == Py::Int, where, ": expected an integer");
+  return o->i;
+}
+
+const std::string kMeta = "torch.distributed.checkpoint.metadata.";
+
+// Where one item of the checkpoint lies.
+struct ItemLoc {
+  std::string file;  // relative to the DCP directory
+  uint64_t offset = 0, length = 0;
+  int writer = 0;    // the rank that wrote the file
+};
+
+// "__<rank>_<i>.distcp" -> rank; -1 for any other name.
+int writer_of(const std::string& name) {
+  const std::string suffix = ".distcp";
+  if (name.size() <= 2 + suffix.size() || name.compare(0, 2, "__") != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return -1;
+  const std::string mid = name.substr(2, name.size() - 2 - suffix.size());
+  const size_t us = mid.find('_');
+  if (us == std::string::npos || us == 0 || us > 7 || us + 1 == mid.size()) return -1;
+  for (size_t k = 0; k < mid.size(); ++k)
+    if (k != us && (mid[k] < '0' || mid[k] > '9')) return -1;
+  return std::stoi(mid.substr(0, us));
+}
+
+// Reads a range of a file as a zip archive, for PyTorchStreamReader.
+class RangeAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  RangeAdapter(const File& f, uint64_t offset, uint64_t length) : f_(f), offset_(offset), length_(length) {}
+  size_t size() const override { return length_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* = "") const override {
+    if (pos >= length_) return 0;
+    n = static_cast<size_t>(std::min<uint64_t>(n, length_ - pos));
+    f_.pread_exact(offset_ + pos, buf, n);
+    return n;
+  }
+
+ private:
+  const File& f_;
+  uint64_t offset_, length_;
+};
+
+class ItemReader {
+ public:
+  explicit ItemReader(std::string dir) : dir_(std::move(dir)) {}
+
+  // The object torch.save wrote as item `key` (`what` describes it in errors).
+  PyPtr read(const ItemLoc& loc, const std::string& key) {
+    const std::string path = join_path(dir_, loc.file);
+    const File& f = file(loc.file);
+    const uint64_t size = f.size();
+    TESSERA_CHECK(loc.offset <= size && loc.length <= size - loc.offset, "'", path, "' is truncated: it has ", size,
+                  " bytes, and the item of '", key, "' lies at bytes [", loc.offset, ", ", loc.offset + loc.length, ")");
+    const std::string where = concat("'", path, "' (item of '", key, "' at byte ", loc.offset, ")");
+    std::unique_ptr<caffe2::serialize::PyTorchStreamReader> zip;
+    std::string pickle;
+    try {
+      zip = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
+          std::make_shared<RangeAdapter>(f, loc.offset, loc.length));
+      if (zip->hasRecord("byteorder")) {
+        at::DataPtr p;
+        size_t n = 0;
+        std::tie(p, n) = zip->getRecord("byteorder");
+        const std::string order(static_cast<const char*>(p.get()), n);
+        TESSERA_CHECK(order == "little", where, ": byte order '", order, "' (only little-endian data is read)");
+      }
+      at::DataPtr p;
+      size_t n = 0;
+      std::tie(p, n) = zip->getRecord("data.pkl");
+      pickle.assign(static_cast<const char*>(p.get()), n);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(concat(where, " is not a torch.save archive (DCP's default torch_save serialization): ",
+                         first_line(e.what())));
+    }
+    auto* z = zip.get();
+    std::map<std::string, PyPtr> storages;
+    Unpickler u(where, pickle, item_globals(), [&](const PyPtr& pid) { return storage(*z, where, pid, storages); });
+    return u.run();
+  }
+
+ private:
+  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+  const File& file(const std::string& name) {
+    auto it = files_.find(name);
+    if (it == files_.end()) {
+      const std::string path = join_path(dir_, name);
+      const std::string why = not_regular_file_reason(path);
+      TESSERA_CHECK(why.empty(), "DCP data file '", path, "' ", why);
+      it = files_.emplace(name, std::make_unique<File>(path, "r")).first;
+    }
+    return *it->second;
+  }
+
+  static PyPtr storage(caffe2::serialize::PyTorchStreamReader& zip, const std::string& where, const PyPtr& pid,
+                       std::map<std::string, PyPtr>& cache) {
+    TESSERA_CHECK(pid->kind == Py::Tuple && pid->items.size() == 5 && pid->items[0]->kind == Py::Str &&
+                      pid->items[0]->s == "storage" && pid->items[1]->kind == Py::Global &&
+                      pid->items[2]->kind == Py::Str && pid->items[4]->kind == Py::Int,
+                  where, ": unsupported persistent id");
+    at::ScalarType dt = at::kFloat;
+    bool found = false;
+    for (const auto& [n, t] : storage_types())
+      if (pid->items[1]->s == n) dt = t, found = true;
+    TESSERA_CHECK(found, where, ": unsupported storage type ", pid->items[1]->s);
+    const std::string key = pid->items[2]->s;
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    const int64_t numel = pid->items[4]->i;
+    TESSERA_CHECK(numel >= 0, where, ": negative storage size");
+    const std::string rec = "data/" + key;
+    TESSERA_CHECK(zip.hasRecord(rec), where, ": storage record '", rec, "' is missing");
+    at::DataPtr ptr;
+    size_t size = 0;
+    std::tie(ptr, size) = zip.getRecord(rec);
+    const uint64_t want = static_cast<uint64_t>(numel) * c10::elementSize(dt);
+    TESSERA_CHECK(size >= want, where, ": storage record '", rec, "' holds ", size, " bytes, needs ", want);
+    auto o = make(Py::Storage);
+    o->t = at::empty({numel}, at::TensorOptions().dtype(dt));
+    if (want) std::memcpy(o->t.data_ptr(), ptr.get(), want);
+    return cache.emplace(key, o).first->second;
+  }
+
+  std::string dir_;
+  std::map<std::string, std::unique_ptr<File>> files_;
+};
+
+// A non-tensor value as Tessera plain values: scalars as they are, lists, tuples and
+// dicts flattened below `key` ("key.0", "key.name"), None skipped. Returns "" or why
+// the value is not plain.
+std::string flatten_plain(const std::string& key, const Py& v, std::vector<std::pair<std::string, state::Value>>& out,
+                          int depth = 0) {
+  if (depth > 64) return "nested too deeply";
+  switch (v.kind) {
+    case Py::None: return "";
+    case Py::Bool: out.emplace_back(key, v.b); return "";
+    case Py::Int: out.emplace_back(key, v.i); return "";
+    case Py::Float: out.emplace_back(key, v.f); return "";
+    case Py::Str: out.emplace_back(key, v.s); return "";
+    case Py::Bytes: out.emplace_back(key, state::Bytes{v.s}); return "";
+    case Py::List:
+    case Py::Tuple:
+      if (v.items.empty()) out.emplace_back(key, std::make_shared<state::StateDict>());
+      for (size_t k = 0; k < v.items.size(); ++k) {
+        const std::string why = flatten_plain(key + "." + std::to_string(k), *v.items[k], out, depth + 1);
+        if (!why.empty()) return why;
+      }
+      return "";
+    case Py::Dict:
+      if (v.dict.empty()) out.emplace_back(key, std::make_shared<state::StateDict>());
+      for (const auto& [k, x] : v.dict) {
+        std::string name;
+        if (k->kind == Py::Str) name = k->s;
+        else if (k->kind == Py::Int) name = std::to_string(k->i);
+        else return concat("a dict key is a ", kind_text(*k));
+        const std::string why = flatten_plain(key + "." + name, *x, out, depth + 1);
+        if (!why.empty()) return why;
+      }
+      return "";
+    case Py::Object: return concat("a ", v.s, " object");
+    default: return concat("a ", kind_text(v));
+  }
+}
+
+// An output path may be written: absent (in an existing directory), or replaceable
+// with `force` (a Tessera checkpoint or an empty directory; checked by check_replaceable).
+void check_output(const std::string& out, bool force) {
+  if (!path_exists(out)) {
+    TESSERA_CHECK(is_directory(parent_dir(out)), "output '", out, "': directory '", parent_dir(out), "' does not exist");
+    return;
+  }
+  TESSERA_CHECK(force, "output '", out, "' exists; pass --force to replace it");
+  check_replaceable(out);
+}
+
+struct TensorPlan {
+  std::string fqn;
+  EntryInfo entry;                                    // kind, dtype, shape
+  std::vector<std::pair<sharding::Box, ItemLoc>> chunks;  // non-empty, as DCP wrote them
+};
+
+}  // namespace
+
+DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool force,
+                           const DcpImportOptions& options) {
+  TESSERA_CHECK(is_directory(dir), "'", dir, "' is not a directory (a DCP checkpoint is one)");
+  const std::string meta_path = join_path(dir, ".metadata");
+  TESSERA_CHECK(path_exists(meta_path), "'", dir, "' is not a DCP checkpoint: it has no .metadata");
+  const std::string text = read_small_file(meta_path, 1ull << 30);
+  const std::string mw = "'" + meta_path + "'";
+  const PyPtr root = Unpickler(mw, text, metadata_globals()).run();
+  const Py& md = attrs(root, kMeta + "Metadata", mw);
+
+  // storage_data: (fqn, chunk offsets) -> where the item lies.
+  std::map<std::pair<std::string, std::vector<int64_t>>, ItemLoc> locs;
+  std::set<int> writers;
+  const PyPtr storage = attr(md, "storage_data", mw);
+  TESSERA_CHECK(storage->kind == Py::Dict, mw, ": storage_data is a ", kind_text(*storage), ", not a dict");
+  for (const auto& [k, v] : storage->dict) {
+    const Py& idx = attrs(k, kMeta + "MetadataIndex", mw + " storage_data key");
+    const PyPtr fqn = attr(idx, "fqn", mw);
+    TESSERA_CHECK(fqn->kind == Py::Str, mw, ": a MetadataIndex fqn is a ", kind_text(*fqn));
+    const std::string where = concat(mw, " storage_data['", fqn->s, "']");
+    const PyPtr off = attr(idx, "offset", where, false);
+    std::vector<int64_t> offsets;
+    if (off && off->kind != Py::None) offsets = int_list(off, where);
+    const Py& info = attrs(v, "torch.distributed.checkpoint.filesystem._StorageInfo", where);
+    const PyPtr rel = attr(info, "relative_path", where);
+    TESSERA_CHECK(rel->kind == Py::Str, where, ": relative_path is a ", kind_text(*rel));
+    const PyPtr transforms = attr(info, "transform_descriptors", where, false);
+    TESSERA_CHECK(!transforms || transforms->kind == Py::None ||
+                      ((transforms->kind == Py::List || transforms->kind == Py::Tuple) && transforms->items.empty()),
+                  where, ": stored through stream transforms (transform_descriptors), which this importer does not "
+                         "decode; save without storage extensions");
+    ItemLoc loc;
+    loc.file = rel->s;
+    check_plain_name(loc.file, where);
+    loc.writer = writer_of(loc.file);
+    TESSERA_CHECK(loc.writer >= 0 && loc.writer < (1 << 20), where, ": data file '", loc.file,
+                  "' is not named __<rank>_<n>.distcp as FileSystemWriter names them");
+    const int64_t o = int_value(attr(info, "offset", where), where), n = int_value(attr(info, "length", where), where);
+    TESSERA_CHECK(o >= 0 && n >= 0, where, ": negative offset or length");
+    loc.offset = static_cast<uint64_t>(o);
+    loc.length = static_cast<uint64_t>(n);
+    writers.insert(loc.writer);
+    TESSERA_CHECK(locs.emplace(std::make_pair(fqn->s, offsets), loc).second, where, ": listed twice");
+  }
+  // Every writer made its files, also one that holds nothing after deduplication.
+  for (const auto& name : list_dir(dir)) {
+    const int w = writer_of(name);
+    if (w >= 0 && w < (1 << 20)) writers.insert(w);
+  }
+  TESSERA_CHECK(!writers.empty(), "'", dir, "': no __<rank>_<n>.distcp data files");
+  const int world_size = *writers.rbegin() + 1;
+
+  // state_dict_metadata: tensors (their chunks) and non-tensor values, in DCP's order.
+  const PyPtr sdm = attr(md, "state_dict_metadata", mw);
+  TESSERA_CHECK(sdm->kind == Py::Dict, mw, ": state_dict_metadata is a ", kind_text(*sdm), ", not a dict");
+  ItemReader items(dir);
+  DcpImportResult res;
+  res.world_size = world_size;
+  std::vector<TensorPlan> tensors;
+  CheckpointMetadata o;
+  o.world_size = world_size;
+  o.crc_block = kCrcBlock;
+  auto add_key = [&](const std::string& key, EntryInfo e) {
+    TESSERA_CHECK(o.entries.emplace(key, std::move(e)).second, mw, ": key '", key,
+                  "' appears twice (a value flattened onto another key)");
+    o.keys.push_back(key);
+  };
+  for (const auto& [k, v] : sdm->dict) {
+    TESSERA_CHECK(k->kind == Py::Str, mw, ": a state_dict_metadata key is a ", kind_text(*k));
+    const std::string& fqn = k->s;
+    const std::string where = concat(mw, " key '", fqn, "'");
+    TESSERA_CHECK(!fqn.empty(), mw, ": an empty key");
+    if (v->kind == Py::Object && v->s == kMeta + "BytesStorageMetadata") {
+      auto it = locs.find({fqn, {}});
+      TESSERA_CHECK(it != locs.end(), where, ": no storage_data entry for this value");
+      PyPtr value;
+      std::vector<std::pair<std::string, state::Value>> flat;
+      std::string why;
+      try {
+        value = items.read(it->second, fqn);
+        why = flatten_plain(fqn, *value, flat);
+      } catch (const ForbiddenGlobal& e) {
+        why = e.what();
+      }
+      if (!why.empty()) {
+        TESSERA_CHECK(options.skip_non_tensors, "'", join_path(dir, it->second.file), "': the value of '", fqn,
+                      "' is not a plain Python value (", why,
+                      "); pass --skip-non-tensors to import the checkpoint without it");
+        res.skipped.emplace_back(fqn, why);
+        continue;
+      }
+      for (auto& [key, val] : flat) {
+        EntryInfo e;
+        e.kind = state::kind_name(val);
+        e.value = std::move(val);
+        add_key(key, std::move(e));
+        ++res.values;
+      }
+      continue;
+    }
+    const Py& tsm = attrs(v, kMeta + "TensorStorageMetadata", where);
+    TensorPlan p;
+    p.fqn = fqn;
+    p.entry.shape = int_list(attr(tsm, "size", where), where);
+    for (int64_t d : p.entry.shape) TESSERA_CHECK(d >= 0, where, ": negative size");
+    // TensorProperties, pickled as (dtype, layout, requires_grad, memory format, pin_memory[, strides]).
+    const PyPtr props = attr(tsm, "properties", where);
+    TESSERA_CHECK(props->kind == Py::Object && props->s == kMeta + "TensorProperties" && props->state &&
+                      props->state->kind == Py::Tuple && props->state->items.size() >= 2,
+                  where, ": unreadable TensorProperties");
+    const PyPtr dt = props->state->items[0], layout = props->state->items[1];
+    TESSERA_CHECK(dt->kind == Py::Global, where, ": the dtype is a ", kind_text(*dt));
+    TESSERA_CHECK(layout->kind == Py::Global && layout->s == "torch.strided", where, ": layout ",
+                  layout->kind == Py::Global ? layout->s : kind_text(*layout), " (only strided tensors are imported)");
+    bool known = false;
+    for (const auto& [n, t] : dtypes())
+      if (dt->s == n) p.entry.dtype = t, known = true;
+    TESSERA_CHECK(known, where, ": dtype ", dt->s, " has no Tessera (safetensors) counterpart");
+    const PyPtr chunks = attr(tsm, "chunks", where);
+    TESSERA_CHECK(chunks->kind == Py::List || chunks->kind == Py::Tuple, where, ": chunks is a ", kind_text(*chunks));
+    EntryInfo tiling = p.entry;
+    for (const auto& c : chunks->items) {
+      const Py& cm = attrs(c, kMeta + "ChunkStorageMetadata", where);
+      sharding::Box box{int_list(attr(cm, "offsets", where), where), int_list(attr(cm, "sizes", where), where)};
+      TESSERA_CHECK(box.offsets.size() == p.entry.shape.size() && box.sizes.size() == p.entry.shape.size(), where,
+                    ": chunk ", box.to_string(), " does not have the tensor's ", p.entry.shape.size(), " dimensions");
+      for (size_t d = 0; d < box.sizes.size(); ++d)
+        TESSERA_CHECK(box.offsets[d] >= 0 && box.sizes[d] >= 0 && box.offsets[d] <= p.entry.shape[d] &&
+                          box.sizes[d] <= p.entry.shape[d] - box.offsets[d],
+                      where, ": chunk ", box.to_string(), " lies outside the shape");
+      if (box.empty()) continue;
+      auto it = locs.find({fqn, box.offsets});
+      TESSERA_CHECK(it != locs.end(), where, ": no storage_data entry for chunk ", box.to_string());
+      ChunkInfo ci;
+      ci.box = box;
+      tiling.chunks.push_back(ci);
+      p.chunks.emplace_back(box, it->second);
+    }
+    try {
+      check_tiling(fqn, tiling);
+    } catch (const Error& e) {
+      throw Error(concat(mw, ": ", e.what()));
+    }
+    p.entry.kind = p.chunks.size() == 1 && p.chunks[0].first == sharding::full_box(p.entry.shape) ? "tensor" : "sharded";
+    add_key(fqn, p.entry);
+    ++res.tensors;
+    tensors.push_back(std::move(p));
+  }
+
+  CheckpointMetadata src;
+  src.location = dir;
+  offline_check_not_source(dir, src, out);
+  check_output(out, force);
+  offline_publish(out, true, [&](const std::string& tmp) {
+    for (int r = 0; r < world_size; ++r) {
+      std::vector<Piece> pieces;
+      for (const auto& p : tensors) {
+        for (const auto& [box, loc] : p.chunks) {
+          if (loc.writer != r) continue;
+          const TensorPlan* plan = &p;
+          const sharding::Box b = box;
+          const ItemLoc l = loc;
+          pieces.push_back({p.fqn, p.entry.dtype, box, [&items, plan, b, l, &dir] {
+                              const PyPtr v = items.read(l, plan->fqn);
+                              const std::string where = concat("'", join_path(dir, l.file), "' (chunk ", b.to_string(),
+                                                               " of '", plan->fqn, "')");
+                              TESSERA_CHECK(v->kind == Py::Tensor, where, ": holds a ", kind_text(*v), ", not a tensor");
+                              TESSERA_CHECK(v->t.scalar_type() == plan->entry.dtype, where, ": dtype ",
+                                            v->t.scalar_type(), ", the metadata says ", plan->entry.dtype);
+                              TESSERA_CHECK(v->t.sizes().vec() == b.sizes, where, ": shape ", v->t.sizes(),
+                                            ", the metadata says ", b.to_string());
+                              return v->t.contiguous();
+                            }});
+          ++res.chunks;
+          res.bytes += byte_size(box.sizes, p.entry.dtype, p.fqn);
+        }
+      }
+      DataFileResult d = write_data_file(tmp, data_file_name(r), pieces);
+      o.files.emplace_back(d.file, d.size);
+      for (auto& [fqn, c] : d.chunks) o.entries.at(fqn).chunks.push_back(std::move(c));
+    }
+    write_metadata_file(tmp, o);
+  });
+  return res;
+}
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,94 @@
+"""A minimal PyTorch 2.x version of examples/gpt (same architecture and parameter names),
+for test_dcp_import.cpp: random weights, the loss of a batch under them, and those weights
+saved with dcp.save from a model sharded by FSDP2 (fully_shard per block and at the root).
+
+usage (2 ranks: tessera run -n 2 -- python gpt_dcp_peer.py TEXT OUTDIR N_LAYER N_HEAD D_MODEL SEQ_LEN)
+  OUTDIR/dcp/        dcp.save({"model": get_model_state_dict(model)})
+  OUTDIR/loss.txt    rank 0: the loss (repr of a float) of gpt's first training window, which
+                     for a TEXT repeating one SEQ_LEN-byte pattern is every window
+"""
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, n_head, d):
+        super().__init__()
+        self.n_head, self.d = n_head, d
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc_out = nn.Linear(4 * d, d)
+
+    def attention(self, x):
+        B, T, _ = x.shape
+        hd = self.d // self.n_head
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        att = torch.softmax(att.masked_fill(future, float("-inf")), -1)
+        return self.proj((att @ v).transpose(1, 2).reshape(B, T, self.d))
+
+    def forward(self, x):
+        h = x + self.attention(self.ln1(x))
+        return h + self.fc_out(F.gelu(self.fc(self.ln2(h))))
+
+
+class Gpt(nn.Module):
+    def __init__(self, n_layer, n_head, d, seq_len):
+        super().__init__()
+        self.tok = nn.Embedding(256, d)
+        self.pos = nn.Embedding(seq_len, d)
+        self.blocks = nn.Sequential(*[Block(n_head, d) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 256, bias=False)
+
+    def forward(self, tokens):
+        T = tokens.shape[1]
+        x = self.tok(tokens) + self.pos(torch.arange(T))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+def main(text_path, out, n_layer, n_head, d, seq_len):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(11)  # the same weights on every rank, none of them gpt's own init
+    model = Gpt(n_layer, n_head, d, seq_len)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")) else 0))
+    # gpt's first training window: bytes [0, seq_len] of the text.
+    data = open(text_path, "rb").read()[: seq_len + 1]
+    window = torch.tensor(list(data), dtype=torch.long).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(window[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 256).float(), window[:, 1:].reshape(-1)).item()
+
+    mesh = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(out, "dcp"))
+    if rank == 0:
+        with open(os.path.join(out, "loss.txt"), "w") as f:
+            f.write(repr(loss) + "\n")
+        print(f"gpt_dcp_peer: loss {loss!r}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]))
