@@ -32,4 +32,12 @@ echo "== GPT: tokens/s of single/DDP/FSDP at 1 and 2 ranks vs Python DDP, make d
 bash bench/gpt/run.sh "$BUILD"
 echo "== GPT memory: FSDP peak RSS at 1/2/4 ranks, Full vs Sharded saves, async checkpoint blocking, ~400M model =="
 bash bench/gpt/memory.sh "$BUILD"
+# Side by side with PyTorch FSDP2, DDP and Lightning Fabric on torch 2.x (issue 17): Tessera
+# from the torch 2.x build, so that both sides run the same libtorch kernels.
+if [ -x build-torch2/bin/gpt ] && [ -x .venv-torch2/bin/python ]; then
+  echo "== GPT vs FSDP2 / DDP / Lightning Fabric (torch 2.x) at 2 and 4 ranks, 3 sizes =="
+  bash bench/peers/run.sh build-torch2
+else
+  echo "== GPT vs FSDP2 / DDP / Lightning Fabric: skipped, no build-torch2 or .venv-torch2 (make build-torch2 creates both) =="
+fi
 /usr/bin/python3 bench/report.py
