@@ -22,7 +22,7 @@
 #   bench/peers/run.sh [BUILD]          (default build-torch2)
 #     PEERS_ROUNDS   rounds (default 3; the median is reported)
 #     PEERS_RANKS    "2 4" (default)
-#     PEERS_SIZES    "L:H:D:T:STEPS ..." (default "4:4:256:128:40 8:8:512:64:20 12:12:768:64:10")
+#     PEERS_SIZES    "L:H:D:T:STEPS ..." (default "4:4:256:128:40 8:8:512:64:20 12:12:768:32:6")
 #     PEERS_IMPLS    subset of "tessera-fsdp fsdp2 tessera-ddp torch-ddp fabric-ddp fabric-mp fabric-fsdp"
 #     PEERS_BATCH    global batch (default 16, gpt's)
 #     PEERS_PY       the peers' python (default .venv-torch2/bin/python)
@@ -35,7 +35,7 @@ OUT=${PEERS_OUT:-$ROOT/bench/results/peers.json}
 PY=${PEERS_PY:-$ROOT/.venv-torch2/bin/python}
 ROUNDS=${PEERS_ROUNDS:-3}
 RANKS=${PEERS_RANKS:-"2 4"}
-SIZES=${PEERS_SIZES:-"4:4:256:128:40 8:8:512:64:20 12:12:768:64:10"}
+SIZES=${PEERS_SIZES:-"4:4:256:128:40 8:8:512:64:20 12:12:768:32:6"}
 IMPLS=${PEERS_IMPLS:-"tessera-fsdp fsdp2 tessera-ddp torch-ddp fabric-ddp fabric-mp fabric-fsdp"}
 BATCH=${PEERS_BATCH:-16}
 GPT="$BUILD/bin/gpt"
