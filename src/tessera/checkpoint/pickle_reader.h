@@ -1,0 +1,60 @@
+// A restricted Python unpickler (pickle protocols 2-5) for files Tessera reads but never
+// trusts: PyTorch DCP metadata and the torch.save archives inside .distcp files
+// (dcp_import.cpp). It builds a tree of Python values; classes are only recorded (name,
+// constructor arguments, BUILD state), never called. A global outside the caller's
+// allow-list is refused where it appears (ForbiddenGlobal, naming it). For allowed
+// globals it knows what torch's pickles mean: torch.Size(tuple) -> a tuple,
+// collections.OrderedDict / builtins.set -> dict / set, _codecs.encode(str, 'latin1') ->
+// bytes (protocol 2), torch._utils._rebuild_tensor_v2(storage, ...) -> a tensor view of
+// the storage the persistent-id callback returned, torch.serialization._get_layout(name)
+// and builtins.getattr(global, name) -> the named constant (a Global).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tessera/core/error.h"
+
+namespace tessera::checkpoint::pickle {
+
+struct Py;
+using PyPtr = std::shared_ptr<Py>;
+struct Py {
+  enum Kind { None, Bool, Int, Float, Str, Bytes, Tuple, List, Dict, Set, Global, Object, Tensor, Storage };
+  Kind kind = None;
+  bool b = false;
+  int64_t i = 0;
+  double f = 0;
+  std::string s;                              // Str, Bytes; Global and Object: "module.name"
+  std::vector<PyPtr> items;                   // Tuple, List, Set; Object: constructor arguments
+  std::vector<std::pair<PyPtr, PyPtr>> dict;  // Dict, in order
+  PyPtr state;                                // Object: what BUILD gave it
+  at::Tensor t;                               // Tensor; Storage: its elements, 1-D
+};
+
+PyPtr make(Py::Kind k);
+// "None", "int", "dict", ... for messages.
+const char* kind_text(const Py& o);
+
+// A global outside the allow-list (apart from other errors, so that a caller can skip a
+// value that needs one, never a damaged file).
+struct ForbiddenGlobal : Error {
+  using Error::Error;
+};
+
+// Turns a persistent id (torch.save: ('storage', storage type, key, location, numel)) into
+// a Storage object.
+using Persistent = std::function<PyPtr(const PyPtr&)>;
+
+// Unpickles `data`. `where` names it in errors (with the byte offset); `allowed` holds the
+// "module.name" globals that may appear; without `persistent` a persistent id is an error.
+PyPtr unpickle(const std::string& where, const std::string& data, const std::set<std::string>& allowed,
+               const Persistent& persistent = nullptr);
+
+}  // namespace tessera::checkpoint::pickle
