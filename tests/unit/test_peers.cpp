@@ -8,7 +8,9 @@
 //  - the comparison can fail: the same peer with another --seed (another data order from
 //    the same weights) is far outside that tolerance;
 //  - the parameter names agree: every key of the peer's state dict is a model.<fqn> of the
-//    checkpoint gpt writes (`tessera ckpt inspect`), and nothing else is.
+//    checkpoint gpt writes (`tessera ckpt inspect`), and nothing else is;
+//  - the same weights through DCP: the peer's dcp.save of its sharded model, imported by
+//    `tessera ckpt import-dcp`, starts gpt on the same first 3 losses.
 // Compiled only where the configured Python has torch 2.x's distributed checkpoint
 // (TESSERA_PYTHON_HAS_DCP: the build-torch2 suite, `make test-torch2`), which FSDP2 comes with.
 #include <gtest/gtest.h>
@@ -112,7 +114,8 @@ TEST(Peers, GptFsdpMatchesFsdp2LossesFromTheSameWeights) {
 
   // 1. FSDP2: initial weights (from seed 7; gpt's --seed 1234 orders the data on both
   //    sides) to a file, then 20 steps.
-  auto [rc1, out1] = run_command(peer_command(" --init-seed 7 --save-init " + init + " --losses-out " + peer_losses));
+  auto [rc1, out1] = run_command(peer_command(" --init-seed 7 --save-init " + init + " --save-dcp " + dir + "/dcp" +
+                                              " --losses-out " + peer_losses));
   ASSERT_EQ(rc1, 0) << out1;
   EXPECT_NE(out1.find("\"impl\": \"fsdp2\""), std::string::npos) << out1;
   EXPECT_NE(out1.find("\"world\": 2"), std::string::npos) << out1;
@@ -163,6 +166,20 @@ TEST(Peers, GptFsdpMatchesFsdp2LossesFromTheSameWeights) {
   }
   EXPECT_EQ(peer_keys.size(), 2u + 2u * 12u + 3u) << keys;  // tok, pos; 12 per block; ln_f (2), head
   EXPECT_EQ(peer_keys, gpt_keys) << table;
+
+  // 5. The same initial weights as FSDP2's DTensor shards through DCP and import-dcp: gpt's
+  //    first 3 steps (same schedule: --lr-decay-steps 20) match the peer's.
+  auto [rc6, out6] = run_command(kCli + " ckpt import-dcp " + dir + "/dcp -o " + dir + "/from-dcp.ckpt");
+  ASSERT_EQ(rc6, 0) << out6;
+  auto [rc7, out7] = run_command(kEnv + kCli + " run -n 2 -- " + kGpt + " train --strategy fsdp --max-steps 3" +
+                                 " --lr-decay-steps " + std::to_string(kSteps) + kShape + " --init-from " + dir +
+                                 "/from-dcp.ckpt --log-every 1 --val-every 0 --no-progress-bar --out " + dir + "/gpt-dcp");
+  ASSERT_EQ(rc7, 0) << out7;
+  const auto via_dcp = train_losses(dir + "/gpt-dcp/metrics.csv");
+  ASSERT_EQ(via_dcp.size(), 3u) << read_bytes(dir + "/gpt-dcp/metrics.csv");
+  const double dcp_diff = max_relative_diff(std::vector<double>(fsdp2.begin(), fsdp2.begin() + 3), via_dcp, &detail);
+  std::printf("[ peers    ] gpt from the peer's DCP checkpoint, 3 losses: max relative difference %.3g\n", dcp_diff);
+  EXPECT_LE(dcp_diff, 1e-4) << detail;
 }
 
 #endif  // TESSERA_PYTHON_HAS_DCP
