@@ -6,11 +6,14 @@
                                    f32/f64/f16/bf16/i64/i32/u8/bool, NaN/inf/-0/denormals,
                                    plain values, and a small model's AdamW state
       OUTDIR/dcp_object/           a small one holding a datetime.date value
+      OUTDIR/dcp_threads/          some of the tensors, saved with FileSystemWriter(thread_count=2)
       OUTDIR/expected.pt           rank 0: {flattened key: full tensor}
       OUTDIR/expected_values.json  rank 0: {flattened key: [kind, value]} of the plain values
   evil SRC DST MARKER
       copies the DCP directory SRC to DST with a .metadata whose pickle calls os.system
       (it would create MARKER if anything ran it)
+  check-threads OUTDIR EXPORT.pt
+      the same for an export of the import of dcp_threads (tensors only)
   check OUTDIR EXPORT.pt CONSOLIDATED.safetensors
       compares a `tessera ckpt export --format torch` of the import (torch.load) and its
       `tessera ckpt consolidate` (safetensors' own reader, plain values from its header)
@@ -25,6 +28,9 @@ import struct
 import sys
 
 import torch
+
+
+THREADED = ("sharded.f32", "sharded.bf16", "sharded.i64", "sharded.cols", "repl.f32", "plain.tensor")
 
 
 def plain_items(key, v, out):
@@ -109,6 +115,9 @@ def write(outdir):
     # The same with a value that is no plain Python data (a datetime.date object).
     dcp.save({"w": sd["plain.tensor"], "step": 7, "when": datetime.date(2026, 12, 2)},
              checkpoint_id=os.path.join(outdir, "dcp_object"))
+    # Some of the same tensors written by 2 threads per rank (__<rank>_0 and __<rank>_1.distcp).
+    dcp.save({k: sd[k] for k in THREADED}, storage_writer=dcp.FileSystemWriter(os.path.join(outdir, "dcp_threads"),
+                                                                                thread_count=2))
 
     flat, _ = flatten_state_dict(sd)
     tensors, values = {}, {}
@@ -189,6 +198,13 @@ if __name__ == "__main__":
         write(sys.argv[2])
     elif cmd == "evil":
         evil(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif cmd == "check-threads":
+        want = torch.load(os.path.join(sys.argv[2], "expected.pt"))
+        got = torch.load(sys.argv[3], weights_only=True)
+        assert sorted(got) == sorted(THREADED), f"keys {sorted(got)}"
+        for k in THREADED:
+            assert same_bits(got[k], want[k]), f"{k} differs"
+        print(f"dcp check: {len(got)} tensors bit-exact")
     elif cmd == "check":
         check(sys.argv[2], sys.argv[3], sys.argv[4])
     else:

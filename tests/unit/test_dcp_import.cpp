@@ -112,6 +112,19 @@ TEST_F(DcpImport, EveryTensorAndValueArrivesBitExact) {
   EXPECT_EQ(rcp3, 0) << py3;
 }
 
+// FileSystemWriter(thread_count=2): each rank writes two files (__<rank>_0, __<rank>_1);
+// their chunks go to the data file of that rank.
+TEST_F(DcpImport, TwoFilesPerRankImportBitExact) {
+  ASSERT_TRUE(fs::exists(src() + "/dcp_threads/__1_1.distcp"));
+  auto [rc, text] = run_command(kCli + " ckpt import-dcp " + src() + "/dcp_threads -o " + dir() + "/imported");
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("from 2 DCP writer(s)"), std::string::npos) << text;
+  auto [rce, exp] = run_command(kCli + " ckpt export " + dir() + "/imported --format torch -o " + dir() + "/t.pt");
+  ASSERT_EQ(rce, 0) << exp;
+  auto [rcp, py] = run_command(kPython + " " + kScript + " check-threads " + src() + " " + dir() + "/t.pt");
+  EXPECT_EQ(rcp, 0) << py;
+}
+
 // No code in a DCP directory runs: a .metadata whose pickle would call os.system is
 // refused naming the file and the global, and the command it carries never ran.
 TEST_F(DcpImport, ForbiddenGlobalIsRefusedNamingFileAndGlobal) {
