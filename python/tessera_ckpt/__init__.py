@@ -36,6 +36,20 @@ def torch_dtype(name):
     return getattr(_torch(), DTYPES[name][0])
 
 
+PIPELINE_PIECE = 16 << 20  # bytes read before their checksums are handed to another thread
+_pipe = []
+
+
+def _pipeline():
+    """One thread that checksums the pieces already read (separate from the CRC module's
+    pool, which its tasks may use)."""
+    if not _pipe:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pipe.append(ThreadPoolExecutor(1, thread_name_prefix="tessera-ckpt-verify"))
+    return _pipe[0]
+
+
 def _tensor_view(t):
     """A writable byte memoryview of a contiguous CPU tensor (bf16 included: no numpy)."""
     n = t.numel() * t.element_size()
@@ -154,19 +168,37 @@ class Checkpoint:
                                   "metadata (dtype, shape or byte range)")
 
     def _read_chunk_into(self, key, e, c, view, verify):
-        """Reads chunk ``c``'s bytes into ``view`` and checks its block checksums."""
+        """Reads chunk ``c``'s bytes into ``view`` and checks its block checksums. A large chunk
+        is read in pieces, each checksummed on another thread while the next is read."""
         self._check_chunk(key, e, c)
         path = self._layout.file_path(c.file)
-        pread_into(self._fd(c.file), view, c.begin, path)
-        if verify and c.crcs:
-            block = self._layout.crc_block
-            got = _crc32c.block_crcs(view, block)
-            for i, (g, w) in enumerate(zip(got, c.crcs)):
-                if g != w:
-                    lo = c.begin + i * block
+        fd = self._fd(c.file)
+        if not (verify and c.crcs):
+            pread_into(fd, view, c.begin, path)
+            return
+        block = self._layout.crc_block
+        piece = max(1, PIPELINE_PIECE // block) * block
+        n = len(view)
+        pending = []
+        try:
+            for off in range(0, n, piece):
+                part = view[off : off + piece]
+                pread_into(fd, part, c.begin + off, path)
+                if n <= piece:
+                    pending.append((off, None, _crc32c.block_crcs(part, block)))
+                else:
+                    pending.append((off, _pipeline().submit(_crc32c.block_crcs, part, block), None))
+        finally:
+            # every checksum task is done before the caller may free the buffer
+            results = [(off, f.result() if f is not None else got) for off, f, got in pending]
+        for off, got in results:
+            first = off // block
+            for i, g in enumerate(got):
+                if g != c.crcs[first + i]:
+                    lo = c.begin + (first + i) * block
                     hi = min(c.end, lo + block)
-                    raise CheckpointError(f"'{path}' key '{key}' chunk {c.box()}: checksum mismatch in block {i} "
-                                          f"(bytes {lo}..{hi}) -- the checkpoint is corrupt")
+                    raise CheckpointError(f"'{path}' key '{key}' chunk {c.box()}: checksum mismatch in block "
+                                          f"{first + i} (bytes {lo}..{hi}) -- the checkpoint is corrupt")
 
     def _read_tensor(self, key, e, verify):
         torch = _torch()

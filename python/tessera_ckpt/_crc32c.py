@@ -261,12 +261,19 @@ class _TorchCrc:
             self._tables[key] = t
         return t
 
-    def _fold(self, v):
-        n = v.shape[-1]
+    def _fold0(self, v):
+        # xor-reduce the first axis (a power of two long) by halving: contiguous halves, which
+        # torch's elementwise kernels handle far faster than strided ones
+        n = v.shape[0]
         while n > 1:
             n //= 2
-            v = v[..., :n] ^ v[..., n : 2 * n]
-        return v[..., 0]
+            v = v[:n] ^ v[n : 2 * n]
+        return v[0]
+
+    def _gather_fold(self, table, off, places):
+        """places: (P, K) int64 byte values, place-major; the xor over P of table[p, value]."""
+        idx = places + off[:, None]
+        return self._fold0(table.index_select(0, idx.reshape(-1)).reshape(idx.shape))
 
     def raw_blocks(self, blocks):
         torch = self.torch
@@ -276,8 +283,7 @@ class _TorchCrc:
         out = torch.empty(lanes.shape[0], dtype=torch.int64)
         for s in range(0, lanes.shape[0], TORCH_BATCH_LANES):
             part = lanes[s : s + TORCH_BATCH_LANES]
-            idx = part.to(torch.int64) + off
-            out[s : s + part.shape[0]] = self._fold(table.index_select(0, idx.reshape(-1)).reshape(idx.shape))
+            out[s : s + part.shape[0]] = self._gather_fold(table, off, part.t().contiguous().to(torch.int64))
         crcs = out.reshape(rows, n // LANE)
         seg = LANE
         shifts = torch.arange(4, dtype=torch.int64) * 8
@@ -290,8 +296,8 @@ class _TorchCrc:
                 crcs = torch.cat([torch.zeros((rows, pad), dtype=torch.int64), crcs], dim=1)
             groups = crcs.reshape(rows, -1, g)
             table, off = self._table(seg, g, False)
-            by = ((groups.unsqueeze(-1) >> shifts) & 255).reshape(rows, groups.shape[1], g * 4)
-            crcs = self._fold(table.index_select(0, (by + off).reshape(-1)).reshape(by.shape))
+            by = ((groups.unsqueeze(-1) >> shifts) & 255).reshape(rows * groups.shape[1], g * 4)
+            crcs = self._gather_fold(table, off, by.t().contiguous()).reshape(rows, groups.shape[1])
             seg *= g
         return crcs[:, 0]
 

@@ -216,6 +216,18 @@ TEST(PythonPackage, DtypesPlainValuesAndMultiBlockTensorsLoadBitExact) {
                                  py("tessera_ckpt_check.py " + dir + "/ckpt --state special --world-size 1"));
   EXPECT_EQ(rc3, 0) << out3;
   EXPECT_NE(out3.find("ok 29 crc numpy"), std::string::npos) << out3;
+  // A flipped byte in the last block of the 24 MB tensor (read in 16 MiB pieces, each
+  // checksummed on another thread while the next is read): the error names that block.
+  const std::string damaged = dir + "/damaged.safetensors";
+  fs::copy_file(dir + "/full.safetensors", damaged);
+  {
+    ck::SafetensorsReader reader(damaged);
+    flip_byte(damaged, reader.find("model.whole")->begin + 21000000);
+  }
+  auto [rc4, out4] = run_command(py("tessera_ckpt_expect_error.py " + damaged +
+                                    " --also-verify --loads-unverified \"'model.whole'\" 'checksum mismatch in block 5 '"));
+  EXPECT_EQ(rc4, 0) << out4;
+  EXPECT_NE(out4.find("refused:"), std::string::npos) << out4;
 }
 
 TEST(PythonPackage, Crc32cImplementationsAgreeWithTheStandardAndEachOther) {
