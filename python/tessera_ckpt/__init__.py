@@ -307,7 +307,8 @@ class Summary(dict):
             if "dtype" in v:
                 rows.append((k, v["kind"], v["dtype"], str(v["shape"]), str(v["chunks"]), str(v["bytes"])))
             else:
-                rows.append((k, v["kind"], "-", repr(v["value"]), "-", "-"))
+                text = repr(v["value"])
+                rows.append((k, v["kind"], "-", text if len(text) <= 60 else text[:57] + "...", "-", "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(6)]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
