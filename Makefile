@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
 .PHONY: all setup configure build test demo bench fuzz test-asan soak test-tsan clean \
-        python-base python-torch2 build-torch2 test-torch2
+        python-base python-torch2 build-torch2 test-torch2 bench-torch2
 
 all: build
 
@@ -56,7 +56,12 @@ demo: setup configure
 	cmake --build $(BUILD) -j $(JOBS) --target tessera_cli gpt
 	bash scripts/demo.sh $(BUILD)
 
-bench: build
+# The torch 2.x side of make bench: .venv-torch2 (torch, Lightning) and the programs the
+# peers' benchmarks run against that wheel's libtorch (bench/peers/).
+bench-torch2: setup python-torch2 $(TORCH2_BUILD)/build.ninja
+	cmake --build $(TORCH2_BUILD) -j $(JOBS) --target tessera_cli gpt checkpoint_bench bench_collectives
+
+bench: build bench-torch2
 	bash bench/run.sh $(BUILD)
 
 # libFuzzer targets (clang, ASan+UBSan), FUZZ_SECONDS each (default 60).
