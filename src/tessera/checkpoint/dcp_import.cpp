@@ -253,8 +253,12 @@ class ItemReader {
     const uint64_t want = static_cast<uint64_t>(numel) * c10::elementSize(dt);
     TESSERA_CHECK(size >= want, where, ": storage record '", rec, "' holds ", size, " bytes, needs ", want);
     auto o = make(Py::Storage);
-    o->t = at::empty({numel}, at::TensorOptions().dtype(dt));
-    if (want) std::memcpy(o->t.data_ptr(), ptr.get(), want);
+    if (numel == 0) {
+      o->t = at::empty({0}, at::TensorOptions().dtype(dt));
+    } else {  // the record's own buffer, no copy: a chunk is in memory once
+      auto holder = std::make_shared<at::DataPtr>(std::move(ptr));
+      o->t = at::from_blob(holder->get(), {numel}, [holder](void*) {}, at::TensorOptions().dtype(dt));
+    }
     return cache.emplace(key, o).first->second;
   }
 
