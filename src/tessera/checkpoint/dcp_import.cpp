@@ -42,15 +42,6 @@ using pickle::make;
 using pickle::Py;
 using pickle::PyPtr;
 
-const std::vector<std::pair<const char*, at::ScalarType>>& storage_types() {
-  static const std::vector<std::pair<const char*, at::ScalarType>> t = {
-      {"torch.FloatStorage", at::kFloat}, {"torch.DoubleStorage", at::kDouble}, {"torch.HalfStorage", at::kHalf},
-      {"torch.BFloat16Storage", at::kBFloat16}, {"torch.LongStorage", at::kLong}, {"torch.IntStorage", at::kInt},
-      {"torch.ShortStorage", at::kShort}, {"torch.CharStorage", at::kChar}, {"torch.ByteStorage", at::kByte},
-      {"torch.BoolStorage", at::kBool}};
-  return t;
-}
-
 const std::vector<std::pair<const char*, at::ScalarType>>& dtypes() {
   static const std::vector<std::pair<const char*, at::ScalarType>> t = {
       {"torch.float32", at::kFloat}, {"torch.float64", at::kDouble}, {"torch.float16", at::kHalf},
@@ -86,18 +77,6 @@ const std::set<std::string>& metadata_globals() {
     // as names of constants, and only with those arguments (see pickle_reader.h).
     s.insert("torch.serialization._get_layout");
     s.insert("builtins.getattr");
-    return s;
-  }();
-  return g;
-}
-
-// What a torch.save'd item may name: tensor rebuilding, storages, plain containers.
-const std::set<std::string>& item_globals() {
-  static const std::set<std::string> g = [] {
-    std::set<std::string> s = {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor",
-                               "torch._utils._rebuild_parameter", "collections.OrderedDict", "builtins.set",
-                               "builtins.frozenset", "_codecs.encode", "torch.Size"};
-    for (const auto& [n, t] : storage_types()) s.insert(n);
     return s;
   }();
   return g;
@@ -187,32 +166,15 @@ class ItemReader {
     TESSERA_CHECK(loc.offset <= size && loc.length <= size - loc.offset, "'", path, "' is truncated: it has ", size,
                   " bytes, and the item of '", key, "' lies at bytes [", loc.offset, ", ", loc.offset + loc.length, ")");
     const std::string where = concat("'", path, "' (item of '", key, "' at byte ", loc.offset, ")");
-    std::unique_ptr<caffe2::serialize::PyTorchStreamReader> zip;
-    std::string pkl;
     try {
-      zip = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
-          std::make_shared<RangeAdapter>(f, loc.offset, loc.length));
-      if (zip->hasRecord("byteorder")) {
-        at::DataPtr p;
-        size_t n = 0;
-        std::tie(p, n) = zip->getRecord("byteorder");
-        const std::string order(static_cast<const char*>(p.get()), n);
-        TESSERA_CHECK(order == "little", where, ": byte order '", order, "' (only little-endian data is read)");
-      }
-      at::DataPtr p;
-      size_t n = 0;
-      std::tie(p, n) = zip->getRecord("data.pkl");
-      pkl.assign(static_cast<const char*>(p.get()), n);
+      caffe2::serialize::PyTorchStreamReader zip(std::make_shared<RangeAdapter>(f, loc.offset, loc.length));
+      return pickle::read_torch_archive(zip, where);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
       throw Error(concat(where, " is not a torch.save archive (DCP's default torch_save serialization): ",
                          first_line(e.what())));
     }
-    auto* z = zip.get();
-    std::map<std::string, PyPtr> storages;
-    return pickle::unpickle(where, pkl, item_globals(),
-                            [&](const PyPtr& pid) { return storage(*z, where, pid, storages); });
   }
 
  private:
@@ -227,39 +189,6 @@ class ItemReader {
       it = files_.emplace(name, std::make_unique<File>(path, "r")).first;
     }
     return *it->second;
-  }
-
-  static PyPtr storage(caffe2::serialize::PyTorchStreamReader& zip, const std::string& where, const PyPtr& pid,
-                       std::map<std::string, PyPtr>& cache) {
-    TESSERA_CHECK(pid->kind == Py::Tuple && pid->items.size() == 5 && pid->items[0]->kind == Py::Str &&
-                      pid->items[0]->s == "storage" && pid->items[1]->kind == Py::Global &&
-                      pid->items[2]->kind == Py::Str && pid->items[4]->kind == Py::Int,
-                  where, ": unsupported persistent id");
-    at::ScalarType dt = at::kFloat;
-    bool found = false;
-    for (const auto& [n, t] : storage_types())
-      if (pid->items[1]->s == n) dt = t, found = true;
-    TESSERA_CHECK(found, where, ": unsupported storage type ", pid->items[1]->s);
-    const std::string key = pid->items[2]->s;
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-    const int64_t numel = pid->items[4]->i;
-    TESSERA_CHECK(numel >= 0, where, ": negative storage size");
-    const std::string rec = "data/" + key;
-    TESSERA_CHECK(zip.hasRecord(rec), where, ": storage record '", rec, "' is missing");
-    at::DataPtr ptr;
-    size_t size = 0;
-    std::tie(ptr, size) = zip.getRecord(rec);
-    const uint64_t want = static_cast<uint64_t>(numel) * c10::elementSize(dt);
-    TESSERA_CHECK(size >= want, where, ": storage record '", rec, "' holds ", size, " bytes, needs ", want);
-    auto o = make(Py::Storage);
-    if (numel == 0) {
-      o->t = at::empty({0}, at::TensorOptions().dtype(dt));
-    } else {  // the record's own buffer, no copy: a chunk is in memory once
-      auto holder = std::make_shared<at::DataPtr>(std::move(ptr));
-      o->t = at::from_blob(holder->get(), {numel}, [holder](void*) {}, at::TensorOptions().dtype(dt));
-    }
-    return cache.emplace(key, o).first->second;
   }
 
   std::string dir_;

@@ -1,7 +1,7 @@
 // Interoperability with Python's torch.save / torch.load (zip archive + pickle).
 //  - import_torch_file: reads a torch.save'd (nested) dict of tensors — e.g. an
-//    nn.Module state_dict — with a restricted unpickler of our own: it knows the
-//    handful of globals tensors and dicts need (_rebuild_tensor_v2, *Storage,
+//    nn.Module state_dict — with the restricted unpickler of pickle_reader.h: it knows
+//    the handful of globals tensors and dicts need (_rebuild_tensor_v2, *Storage,
 //    OrderedDict, _rebuild_parameter) and refuses every other global, so loading never
 //    runs code. Nested dicts and lists flatten to "a.b" / "a.0" FQNs; None is skipped.
 //  - TorchExportWriter: writes a file that torch.load (also with weights_only=True)

@@ -1,6 +1,6 @@
 // A restricted Python unpickler (pickle protocols 2-5) for files Tessera reads but never
-// trusts: PyTorch DCP metadata and the torch.save archives inside .distcp files
-// (dcp_import.cpp). It builds a tree of Python values; classes are only recorded (name,
+// trusts: torch.save files (interop.cpp), PyTorch DCP metadata and the torch.save archives
+// inside .distcp files (dcp_import.cpp). It builds a tree of Python values; classes are only recorded (name,
 // constructor arguments, BUILD state), never called. A global outside the caller's
 // allow-list is refused where it appears (ForbiddenGlobal, naming it). For allowed
 // globals it knows what torch's pickles mean: torch.Size(tuple) -> a tuple,
@@ -20,6 +20,10 @@
 #include <vector>
 
 #include "tessera/core/error.h"
+
+namespace caffe2::serialize {
+class PyTorchStreamReader;
+}
 
 namespace tessera::checkpoint::pickle {
 
@@ -56,5 +60,19 @@ using Persistent = std::function<PyPtr(const PyPtr&)>;
 // "module.name" globals that may appear; without `persistent` a persistent id is an error.
 PyPtr unpickle(const std::string& where, const std::string& data, const std::set<std::string>& allowed,
                const Persistent& persistent = nullptr);
+
+// ---- torch.save archives: a zip of data.pkl, one data/<key> record per storage and a
+// byteorder record; torch.save writes one per file (import_torch_file) and DCP one per
+// item of a .distcp file (dcp_import.cpp).
+
+// torch's storage classes (module "torch": "FloatStorage", ...) and their dtypes.
+const std::vector<std::pair<const char*, at::ScalarType>>& torch_storage_classes();
+// What a torch.save'd state dict may name: tensor and parameter rebuilding, the storage
+// classes, plain containers (OrderedDict, set, torch.Size) and protocol 2's bytes.
+const std::set<std::string>& torch_save_globals();
+// Unpickles the archive's data.pkl with `allowed`; tensors view the archive's storage
+// records (held, not copied). A big-endian archive is refused. `where` names it in errors.
+PyPtr read_torch_archive(caffe2::serialize::PyTorchStreamReader& zip, const std::string& where,
+                         const std::set<std::string>& allowed = torch_save_globals());
 
 }  // namespace tessera::checkpoint::pickle
