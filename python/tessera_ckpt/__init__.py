@@ -37,17 +37,18 @@ def torch_dtype(name):
 
 
 PIPELINE_PIECE = 16 << 20  # bytes read before their checksums are handed to another thread
-_pipe = []
+_pipe = {}
 
 
 def _pipeline():
     """One thread that checksums the pieces already read (separate from the CRC module's
-    pool, which its tasks may use)."""
-    if not _pipe:
+    pool, which its tasks may use), per process: a forked child has none of its parent's."""
+    p = _pipe.get(os.getpid())
+    if p is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _pipe.append(ThreadPoolExecutor(1, thread_name_prefix="tessera-ckpt-verify"))
-    return _pipe[0]
+        p = _pipe[os.getpid()] = ThreadPoolExecutor(1, thread_name_prefix="tessera-ckpt-verify")
+    return p
 
 
 def _tensor_view(t):

@@ -158,11 +158,13 @@ def _threads(nbytes):
 
 
 def _pool(n):
-    p = _pools.get(n)
+    """A pool of n threads, per process (a forked child has none of its parent's threads)."""
+    key = (os.getpid(), n)
+    p = _pools.get(key)
     if p is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        p = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix="tessera-crc")
+        p = _pools[key] = ThreadPoolExecutor(n, thread_name_prefix="tessera-crc")
     return p
 
 

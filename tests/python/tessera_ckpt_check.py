@@ -204,6 +204,22 @@ def main():
                 same_value(cons[k], v, f"value {k}: consolidated vs sharded")
             checked += 1
         assert sorted(tensors) == sorted(k for k, v in sd.items() if isinstance(v, torch.Tensor))
+        # a file another writer made (the safetensors library): no checksums, no plain values
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory() as tmp:
+            foreign = os.path.join(tmp, "foreign.safetensors")
+            save_file({k: v for k, v in tensors.items()}, foreign, metadata={"format": "pt"})
+            other = tessera_ckpt.load(foreign)
+            assert sorted(other) == sorted(tensors), f"foreign file keys {sorted(other)}"
+            for k, v in tensors.items():
+                same_tensor(other[k], v, f"key {k}: a file the safetensors library wrote")
+            with tessera_ckpt.Checkpoint(foreign) as ck:
+                assert ck.kind == "safetensors" and ck.world_size is None, (ck.kind, ck.world_size)
+            r = tessera_ckpt.verify(foreign)
+            assert not r["checksummed"] and r["chunks"] == sum(1 for v in tensors.values() if v.numel()), r
 
     # prefix: the keys under it, stripped, same objects' values
     if a.prefix:
@@ -220,6 +236,32 @@ def main():
             raise AssertionError("an unknown prefix loaded")
         except tessera_ckpt.CheckpointError as e:
             assert "no_such_prefix." in str(e) and a.ckpt.rstrip("/") in str(e), str(e)
+
+    # a forked child (a DataLoader worker, say) loads too: the checksum threads the parent
+    # started (the 24 MB tensor of the special state uses them) are not the child's
+    if a.state == "special" and hasattr(os, "fork"):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                torch.set_num_threads(1)  # as DataLoader workers do: OpenMP's threads do not survive fork
+                again = tessera_ckpt.load(a.ckpt)
+                os._exit(0 if list(again) == list(sd) and torch.equal(again["model.whole"], sd["model.whole"]) else 3)
+            except BaseException:
+                os._exit(4)
+        import signal
+        import time
+
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError("load in a forked child hung for 60 s")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0, f"load in a forked child: status {status}"
 
     # inspect (metadata only) and verify (every byte)
     info = tessera_ckpt.inspect(a.ckpt)

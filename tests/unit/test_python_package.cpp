@@ -188,6 +188,17 @@ TEST(PythonPackage, LoadsShardedCheckpointsWrittenAtOneTwoAndThreeRanks) {
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("ok 12 "), std::string::npos) << out;
   EXPECT_NE(out.find("ok 12 "), out.rfind("ok 12 ")) << out;  // both ran
+
+  // The crash window of a publish without RENAME_EXCHANGE: the destination is missing and
+  // the previous checkpoint is whole at its .NAME.tessera-old-* sibling, which loads instead.
+  fs::rename(dir + "/plain", dir + "/.plain.tessera-old-4242-0");
+  auto [arc, aout] = run_command(py("tessera_ckpt_check.py " + dir + "/plain --state worker --world-size 2"));
+  EXPECT_EQ(arc, 0) << aout;
+  EXPECT_NE(aout.find("ok 12 "), std::string::npos) << aout;
+  fs::rename(dir + "/.plain.tessera-old-4242-0", dir + "/.plain.tessera-tmp-4242-0");  // a torn save is never read
+  auto [trc, tout] = run_command(py("tessera_ckpt_expect_error.py " + dir + "/plain \"checkpoint '" + dir +
+                                    "/plain' does not exist\""));
+  EXPECT_EQ(trc, 0) << tout;
 }
 
 // Every dtype, plain values whose bits matter (a NaN payload, -0.0, infinities, a denormal,
