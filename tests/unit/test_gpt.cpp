@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "unit/gpt_test_util.h"
 #include "unit/test_util.h"
 
 namespace fs = std::filesystem;
@@ -27,11 +28,10 @@ using tessera::testing::write_bytes;
 
 namespace {
 
-const std::string kGpt = std::string(TESSERA_BINARY_DIR) + "/bin/gpt";
-const std::string kCli = TESSERA_CLI;
-// Runs outside any launcher environment the test itself may have inherited.
-const std::string kEnv =
-    "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u TESSERA_LAUNCHED ";
+using tessera::testing::gpt::kCli;
+using tessera::testing::gpt::kEnv;
+using tessera::testing::gpt::kGpt;
+using tessera::testing::gpt::read_metrics;
 // Tiny model and data; validation every 4 steps, a metrics row every step.
 const std::string kTiny =
     " --n-layer 2 --n-head 2 --d-model 32 --seq-len 16 --batch-size 8 --lr 3e-3 --seed 5 --log-every 1 --val-every 4 "
@@ -56,31 +56,6 @@ struct GptRun {
     write_bytes(data, make_text());
   }
 };
-
-// metrics.csv as column -> (step -> value), empty cells skipped.
-std::map<std::string, std::map<int64_t, double>> read_metrics(const std::string& path) {
-  std::map<std::string, std::map<int64_t, double>> out;
-  std::istringstream in(read_bytes(path));
-  std::string line;
-  std::vector<std::string> header;
-  auto split = [](const std::string& l) {
-    std::vector<std::string> v;
-    std::string c;
-    std::istringstream ls(l);
-    while (std::getline(ls, c, ',')) v.push_back(c);
-    return v;
-  };
-  if (!std::getline(in, line)) return out;
-  header = split(line);
-  while (std::getline(in, line)) {
-    auto cells = split(line);
-    if (cells.empty()) continue;
-    const int64_t step = std::atoll(cells[0].c_str());
-    for (size_t i = 1; i < cells.size() && i < header.size(); ++i)
-      if (!cells[i].empty()) out[header[i]][step] = std::atof(cells[i].c_str());
-  }
-  return out;
-}
 
 void expect_close(const std::map<int64_t, double>& got, const std::map<int64_t, double>& want, double rel_tol,
                   const std::string& what, int64_t from_step = 0) {

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "unit/gpt_test_util.h"
 #include "unit/test_util.h"
 
 namespace fs = std::filesystem;
@@ -27,12 +28,12 @@ using tessera::testing::write_bytes;
 
 namespace {
 
-const std::string kGpt = std::string(TESSERA_BINARY_DIR) + "/bin/gpt";
-const std::string kCli = TESSERA_CLI;
+using tessera::testing::gpt::kCli;
+using tessera::testing::gpt::kEnv;
+using tessera::testing::gpt::kGpt;
+using tessera::testing::gpt::train_losses;
 const std::string kPython = TESSERA_PYTHON;
 const std::string kScript = std::string(TESSERA_SOURCE_DIR) + "/tests/python/gpt_init_from_files.py";
-const std::string kEnv =
-    "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u TESSERA_LAUNCHED ";
 const std::string kShape = " --n-layer 2 --n-head 2 --d-model 32 --seq-len 16";
 const std::string kRest = " --batch-size 8 --lr 3e-3 --seed 5 --log-every 1 --val-every 4 --threads 1 --no-progress-bar";
 const std::string kTiny = kShape + kRest;
@@ -42,32 +43,6 @@ std::string periodic_text() {
   std::string s;
   for (int i = 0; i < 800; ++i) s += "shard tensor ok\n";
   return s;
-}
-
-// The train_loss column of metrics.csv: step -> value.
-std::map<int64_t, double> train_losses(const std::string& path) {
-  std::map<int64_t, double> out;
-  std::istringstream in(read_bytes(path));
-  std::string line;
-  std::vector<std::string> header;
-  auto split = [](const std::string& l) {
-    std::vector<std::string> v;
-    std::string c;
-    std::istringstream ls(l);
-    while (std::getline(ls, c, ',')) v.push_back(c);
-    return v;
-  };
-  if (!std::getline(in, line)) return out;
-  header = split(line);
-  size_t col = 0;
-  for (size_t i = 0; i < header.size(); ++i)
-    if (header[i] == "train_loss") col = i;
-  if (col == 0) return out;
-  while (std::getline(in, line)) {
-    auto cells = split(line);
-    if (cells.size() > col && !cells[col].empty()) out[std::atoll(cells[0].c_str())] = std::atof(cells[col].c_str());
-  }
-  return out;
 }
 
 }  // namespace

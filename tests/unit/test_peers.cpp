@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "tessera_tests/python_features.h"
+#include "unit/gpt_test_util.h"
 #include "unit/test_util.h"
 
 #if TESSERA_PYTHON_HAS_DCP
@@ -37,14 +38,13 @@ using tessera::testing::temp_dir;
 
 namespace {
 
-const std::string kGpt = std::string(TESSERA_BINARY_DIR) + "/bin/gpt";
-const std::string kCli = TESSERA_CLI;
+using tessera::testing::gpt::kCli;
+using tessera::testing::gpt::kGpt;
+using tessera::testing::gpt::train_losses;
 const std::string kPython = TESSERA_PYTHON;
 const std::string kPeer = std::string(TESSERA_SOURCE_DIR) + "/bench/peers/gpt_peer.py";
 // Outside any launcher environment the test itself may have inherited.
-const std::string kEnv =
-    "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u TESSERA_LAUNCHED "
-    "OMP_NUM_THREADS=1 ";
+const std::string kEnv = tessera::testing::gpt::kEnv + "OMP_NUM_THREADS=1 ";
 // A small GPT on gpt's default data (the license texts of base-files), gpt's defaults for
 // everything else (lr 2e-3, warmup 2 of 20 steps, clipping 1.0, seed 1234, 10% held out).
 const std::string kShape = " --n-layer 2 --n-head 2 --d-model 64 --seq-len 32 --batch-size 8 --threads 1";
@@ -57,31 +57,6 @@ std::vector<double> read_numbers(const std::string& path) {
   while (std::getline(in, line))
     if (!line.empty()) v.push_back(std::stod(line));
   return v;
-}
-
-// train_loss by step from gpt's metrics.csv (step is the first column).
-std::map<int64_t, double> train_losses(const std::string& csv) {
-  std::map<int64_t, double> out;
-  std::istringstream in(read_bytes(csv));
-  std::string line;
-  std::vector<std::string> header;
-  auto split = [](const std::string& l) {
-    std::vector<std::string> cells;
-    std::string c;
-    std::istringstream ls(l);
-    while (std::getline(ls, c, ',')) cells.push_back(c);
-    return cells;
-  };
-  if (!std::getline(in, line)) return out;
-  header = split(line);
-  const auto col = std::find(header.begin(), header.end(), "train_loss");
-  if (col == header.end()) return out;
-  const size_t i = static_cast<size_t>(col - header.begin());
-  while (std::getline(in, line)) {
-    const auto cells = split(line);
-    if (cells.size() > i && !cells[i].empty()) out[std::stoll(cells[0])] = std::stod(cells[i]);
-  }
-  return out;
 }
 
 // The peer's losses (step k+1 is line k) against gpt's: the largest |a - b| / |b|.
