@@ -26,6 +26,8 @@
 #     PEERS_IMPLS    subset of "tessera-fsdp fsdp2 tessera-ddp torch-ddp fabric-ddp fabric-mp fabric-fsdp"
 #     PEERS_BATCH    global batch (default 16, gpt's)
 #     PEERS_PY       the peers' python (default .venv-torch2/bin/python)
+#     PEERS_OUT, PEERS_NAME   result file and its table's name (default bench/results/peers.json,
+#                    "peers"): a second run with other sizes or peers keeps its own table
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -174,7 +176,7 @@ for line in open(refused_path):
     if line.strip():
         impl, _, msg = line.strip().partition(" ")
         refused[impl] = msg
-doc = {"benchmark": "peers", "rows": rows,
+doc = {"benchmark": os.environ.get("PEERS_NAME", "peers"), "rows": rows,
        "medians": "tokens/s and RSS: the median of each implementation's runs; ratios: the median of the per-round ratios (order of the implementations reversed every other round)",
        "rounds": int(rounds), "sizes (L:H:D:T:steps)": sizes,
        "batch": f"{batch} sequences global (split over the ranks), AdamW (0.9, 0.95, wd 0.01), warmup + cosine lr 2e-3, clipping 1.0, fp32",
