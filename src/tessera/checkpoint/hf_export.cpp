@@ -243,6 +243,17 @@ HfExportResult export_hf(const std::string& src, const std::string& out_arg, con
     const auto bytes_opt = at::TensorOptions().dtype(at::kByte);
     at::Tensor in_buf = at::empty({static_cast<int64_t>(largest_in)}, bytes_opt);
     at::Tensor out_buf = at::empty({static_cast<int64_t>(converts ? largest_out : 0)}, bytes_opt);
+    // The tensors in the order they are written; the kernel reads ahead of that order.
+    std::vector<size_t> order;
+    for (const auto& p : plan) order.insert(order.end(), p.begin(), p.end());
+    ReadAhead ahead(order.size(), [&](size_t k) {
+      const Item& it = items[order[k]];
+      const EntryInfo& e = m.entries.at(it.key);
+      uint64_t n = 0;
+      for (const auto& c : e.chunks) n += reader.prefetch(it.key, e, c, sharding::full_box(e.shape));
+      return n;
+    });
+    size_t written = 0;
     nlohmann::json weight_map = nlohmann::json::object();
     for (size_t f = 0; f < plan.size(); ++f) {
       std::vector<SafetensorsWriter::Spec> specs;
@@ -253,6 +264,7 @@ HfExportResult export_hf(const std::string& src, const std::string& out_arg, con
       }
       SafetensorsWriter w(join_path(tmp, res.files[f]), specs, {{"format", "pt"}});
       for (size_t i : plan[f]) {
+        ahead.before(written++);
         const Item& it = items[i];
         const EntryInfo& e = m.entries.at(it.key);
         const sharding::Box box = sharding::full_box(e.shape);

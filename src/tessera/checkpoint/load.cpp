@@ -106,16 +106,13 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
   }
 
   // Everything is validated; read. Tensors are read piece by piece (a plain tensor, or
-  // each local shard of a sharded one) while the kernel is already reading the pieces
-  // after it (up to kReadAhead bytes ahead), so the disk never waits for the copy and
-  // checksum of the current piece.
+  // each local shard of a sharded one) with ReadAhead's window of requests in flight.
   at::NoGradGuard no_grad;
   ChunkReader reader(meta);
   struct Piece {
     const Job* job;
     at::Tensor dst;
     sharding::Box box;
-    uint64_t prefetched = 0;
   };
   std::vector<Piece> pieces;
   for (const auto& j : jobs) {
@@ -125,22 +122,20 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
       for (auto& sh : s->local_shards()) pieces.push_back({&j, sh.tensor, sh.meta.box});
     }
   }
-  constexpr uint64_t kReadAhead = 64u << 20;
-  size_t next = 0;       // first piece not yet prefetched
-  uint64_t ahead = 0;    // bytes prefetched for pieces not yet read
+  ReadAhead ahead(pieces.size(), [&](size_t i) {
+    const Piece& q = pieces[i];
+    uint64_t n = 0;
+    for (const auto& c : q.job->e->chunks) n += reader.prefetch(q.job->fqn, *q.job->e, c, q.box);
+    return n;
+  });
   for (size_t k = 0; k < pieces.size(); ++k) {
-    while (next < pieces.size() && (next <= k || ahead < kReadAhead)) {
-      Piece& q = pieces[next++];
-      for (const auto& c : q.job->e->chunks) q.prefetched += reader.prefetch(q.job->fqn, *q.job->e, c, q.box);
-      ahead += q.prefetched;
-    }
+    ahead.before(k);
     Piece& p = pieces[k];
     const EntryInfo& e = *p.job->e;
     int64_t n = 0;
     for (const auto& c : e.chunks) n += reader.copy_into(p.job->fqn, e, c, p.dst, p.box);
     TESSERA_CHECK(n == p.box.numel(), "loading '", path, "' key '", p.job->fqn, "': only ", n, " of ", p.box.numel(),
                   " elements of ", p.box.to_string(), " found");
-    ahead -= p.prefetched;
   }
   for (const auto& j : jobs) {
     if (std::holds_alternative<double>(*j.v) && std::holds_alternative<int64_t>(j.e->value)) {

@@ -129,15 +129,26 @@ void write_consolidated(const CheckpointMetadata& m, const std::string& tmp) {
   // One buffer, sized for the largest tensor, takes every tensor in turn (chunks are
   // read straight into it): memory stays at the largest tensor, and its pages are
   // faulted in once rather than for every tensor.
+  std::vector<const std::string*> tensors;
   uint64_t largest = 0;
   for (const auto& k : m.keys) {
     const EntryInfo& e = m.entries.at(k);
-    if (e.is_tensor()) largest = std::max(largest, byte_size(e.shape, e.dtype, k));
+    if (!e.is_tensor()) continue;
+    tensors.push_back(&k);
+    largest = std::max(largest, byte_size(e.shape, e.dtype, k));
   }
   at::Tensor buffer = at::empty({static_cast<int64_t>(largest)}, at::TensorOptions().dtype(at::kByte));
-  for (const auto& k : m.keys) {
+  // While one tensor is read and written, the kernel reads the next ones (as a load does).
+  ReadAhead ahead(tensors.size(), [&](size_t i) {
+    const EntryInfo& e = m.entries.at(*tensors[i]);
+    uint64_t n = 0;
+    for (const auto& c : e.chunks) n += reader.prefetch(*tensors[i], e, c, sharding::full_box(e.shape));
+    return n;
+  });
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    ahead.before(i);
+    const std::string& k = *tensors[i];
     const EntryInfo& e = m.entries.at(k);
-    if (!e.is_tensor()) continue;
     const sharding::Box box = sharding::full_box(e.shape);
     at::Tensor t = buffer.narrow(0, 0, static_cast<int64_t>(byte_size(e.shape, e.dtype, k))).view(e.dtype).view(e.shape);
     for (const auto& c : e.chunks) reader.copy_into(k, e, c, t, box);

@@ -6,9 +6,12 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tessera/checkpoint/metadata.h"
 #include "tessera/checkpoint/safetensors.h"
@@ -55,6 +58,33 @@ class ChunkReader {
   Range range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const;
   const CheckpointMetadata& meta_;
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
+};
+
+// Pieces read one after another while the kernel is already reading the pieces after
+// them: before piece i is read, the byte ranges of the following pieces are requested
+// (ChunkReader::prefetch, posix_fadvise WILLNEED) until `window` bytes are in flight, so
+// the disk never waits for the copy and checksum of the current piece and small pieces
+// do not each wait for the disk. Used by load() and by consolidation.
+class ReadAhead {
+ public:
+  // prefetch(i) requests piece i's ranges and returns their bytes.
+  ReadAhead(size_t pieces, std::function<uint64_t(size_t)> prefetch, uint64_t window = kWindow)
+      : prefetch_(std::move(prefetch)), fetched_(pieces, 0), window_(window) {}
+  // Call before reading piece i, for i = 0, 1, ... in order.
+  void before(size_t i) {
+    if (i > 0) ahead_ -= fetched_[i - 1];  // piece i - 1 has been read
+    while (next_ < fetched_.size() && (next_ <= i || ahead_ < window_)) {
+      fetched_[next_] = prefetch_(next_);
+      ahead_ += fetched_[next_++];
+    }
+  }
+  static constexpr uint64_t kWindow = 64u << 20;
+
+ private:
+  std::function<uint64_t(size_t)> prefetch_;
+  std::vector<uint64_t> fetched_;
+  uint64_t window_, ahead_ = 0;
+  size_t next_ = 0;  // first piece not yet requested
 };
 
 }  // namespace tessera::checkpoint
