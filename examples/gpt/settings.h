@@ -175,6 +175,21 @@ inline std::string shape_text(const std::vector<int64_t>& s) {
   return t + "]";
 }
 
+// "a; b; c; d; and N more": the first problems of a weights check, for one error line.
+inline std::string first_problems(const std::vector<std::string>& problems) {
+  std::string what;
+  for (size_t i = 0; i < problems.size() && i < 4; ++i) what += (i ? "; " : "") + problems[i];
+  if (problems.size() > 4) what += "; and " + std::to_string(problems.size() - 4) + " more";
+  return what;
+}
+
+// "n_layer 4, n_head 4, ...": a model's shape settings, for error messages.
+inline std::string config_text(const Config& c) {
+  std::string t;
+  for (const auto& k : config_keys()) t += (t.empty() ? "" : ", ") + k + " " + config_value(c, k);
+  return t;
+}
+
 // Checks, from the metadata alone, that the checkpoint's "model." tensors are exactly
 // the weights of Gpt(c) with their shapes; the error lists the first differences.
 inline void check_stored_weights(const tessera::checkpoint::CheckpointMetadata& m, const Config& c) {
@@ -191,11 +206,8 @@ inline void check_stored_weights(const tessera::checkpoint::CheckpointMetadata& 
     if (k.rfind("model.", 0) == 0 && e.is_tensor() && !want.count(k.substr(6)))
       problems.push_back(k + " is not a weight of that model");
   if (problems.empty()) return;
-  std::string what;
-  for (size_t i = 0; i < problems.size() && i < 4; ++i) what += (i ? "; " : "") + problems[i];
-  if (problems.size() > 4) what += "; and " + std::to_string(problems.size() - 4) + " more";
-  std::string hp;
-  for (const auto& k : config_keys()) hp += (hp.empty() ? "" : ", ") + k + " " + config_value(c, k);
+  const std::string what = first_problems(problems);
+  const std::string hp = config_text(c);
   throw std::runtime_error("checkpoint '" + m.location + "': its weights do not match its hparams (" + hp +
                            "): " + what);
 }
@@ -233,15 +245,11 @@ inline void check_init_weights(const tessera::checkpoint::CheckpointMetadata& m,
     if (e.is_tensor() && k.rfind(prefix, 0) == 0 && !want.count(k.substr(prefix.size())))
       problems.push_back(k + " " + shape_text(e.shape) + " is not a weight of this model");
   if (problems.empty()) return;
-  std::string what;
-  for (size_t i = 0; i < problems.size() && i < 4; ++i) what += (i ? "; " : "") + problems[i];
-  if (problems.size() > 4) what += "; and " + std::to_string(problems.size() - 4) + " more";
-  std::string hp;
-  for (const auto& k : config_keys()) hp += (hp.empty() ? "" : ", ") + k + " " + config_value(c, k);
+  const std::string what = first_problems(problems);
+  const std::string hp = config_text(c);
   std::string stored;
   try {
-    const Config s = stored_config(m);
-    for (const auto& k : config_keys()) stored += (stored.empty() ? "" : ", ") + k + " " + config_value(s, k);
+    stored = config_text(stored_config(m));
   } catch (const std::exception&) {
     // no (usable) hparams: a checkpoint of another writer
   }
