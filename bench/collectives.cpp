@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tessera/config.h"
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 
 using namespace tessera;
 using Clock = std::chrono::steady_clock;
@@ -21,7 +21,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 template <typename F>
-double best_seconds(dist::Communicator& c, int iters, F&& f) {
+double best_seconds(distributed::Communicator& c, int iters, F&& f) {
   f();  // warm-up
   c.barrier();
   double best = 1e30;
@@ -31,7 +31,7 @@ double best_seconds(dist::Communicator& c, int iters, F&& f) {
     f();
     double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     // The slowest rank defines the collective's time.
-    dt = c.all_reduce_double(dt, dist::ReduceOp::Max);
+    dt = c.all_reduce_double(dt, distributed::ReduceOp::Max);
     best = std::min(best, dt);
   }
   return best;
@@ -43,23 +43,23 @@ int main(int argc, char** argv) {
   std::string out = argc > 1 ? argv[1] : "bench/results/collectives.json";
   // The table's name in docs/benchmarks.md: one per libtorch build measured.
   std::string name = argc > 2 ? argv[2] : "collectives";
-  dist::CommOptions opts{std::chrono::seconds(300)};
-  auto comm = dist::Communicator::create(dist::World::from_env(), opts);
+  distributed::CommOptions opts{std::chrono::seconds(300)};
+  auto comm = distributed::Communicator::create(distributed::World::from_env(), opts);
   const int n = comm->size(), r = comm->rank();
   // The same collectives over both CPU transports, in one run: the shared-memory channel
   // (ranks on one host, the default) and Gloo over TCP loopback (the path between hosts).
   std::vector<int> all(static_cast<size_t>(n));
   for (int k = 0; k < n; ++k) all[static_cast<size_t>(k)] = k;
-  dist::CommOptions gloo_opts = opts;
+  distributed::CommOptions gloo_opts = opts;
   gloo_opts.shared_memory = false;
   gloo_opts.gloo_native = false;
   auto gloo = comm->split({all}, gloo_opts);
   // Gloo's own single-tensor all-gather / reduce-scatter where this libtorch has them
   // (torch 2.x); on 1.13 the same calls fall back to point to point, and the JSON says so.
-  dist::CommOptions native_opts = gloo_opts;
+  distributed::CommOptions native_opts = gloo_opts;
   native_opts.gloo_native = true;
   auto native = comm->split({all}, native_opts);
-  std::vector<std::pair<std::string, dist::Communicator*>> transports;
+  std::vector<std::pair<std::string, distributed::Communicator*>> transports;
   if (comm->uses_shared_memory()) transports.emplace_back("shm", comm.get());
   transports.emplace_back("gloo", gloo.get());
   transports.emplace_back("gloo-native", native.get());
@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
     nlohmann::json doc{{"benchmark", name},
                        {"libtorch", TESSERA_TORCH_VERSION},
                        {"world_size", n},
-                       {"transports", {{"shm", "shared-memory channel (dist/shm_channel.h)"},
+                       {"transports", {{"shm", "shared-memory channel (distributed/shm_channel.h)"},
                                        {"gloo", "Gloo over TCP loopback: all-gather and reduce-scatter point to point"},
                                        {"gloo-native", "Gloo over TCP loopback, CommOptions::gloo_native: all-gather " +
                                                            route(caps.allgather_base) + ", reduce-scatter " +

@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/sharding/sharded_tensor.h"
 
 using namespace tessera;
@@ -46,7 +46,7 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-state::StateDict make(const std::shared_ptr<dist::Communicator>& c, int64_t rows, int64_t cols, int count, bool zeros) {
+state::StateDict make(const std::shared_ptr<distributed::Communicator>& c, int64_t rows, int64_t cols, int count, bool zeros) {
   state::StateDict sd;
   for (int i = 0; i < count; ++i) {
     const std::vector<int64_t> shape = {rows, cols};
@@ -117,7 +117,7 @@ struct GptState {
   uint64_t bytes = 0;
 };
 
-GptState make_gpt(const std::shared_ptr<dist::Communicator>& c, int64_t mib, bool zeros) {
+GptState make_gpt(const std::shared_ptr<distributed::Communicator>& c, int64_t mib, bool zeros) {
   GptState g;
   int index = 0;
   auto add = [&](const std::string& key, const std::vector<int64_t>& shape) {
@@ -160,14 +160,14 @@ bool check_gpt(const GptState& g) {
 }
 
 // The maximum of `x` over the ranks.
-double max_over_ranks(dist::Communicator& c, double x) {
+double max_over_ranks(distributed::Communicator& c, double x) {
   double m = x;
   for (const auto& s : c.all_gather_bytes(std::to_string(x))) m = std::max(m, std::stod(s));
   return m;
 }
 
 int run_gpt(const std::string& mode, const std::string& dir, int64_t mib) {
-  auto c = dist::Communicator::create(dist::World::from_env());
+  auto c = distributed::Communicator::create(distributed::World::from_env());
   {
     // Warm-up: a small save, as dcp_bench.py does (removed again by rank 0).
     state::StateDict w;
@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
   }
   const std::string mode = argv[1], dir = argv[2];
   const int64_t mib = std::stoll(argv[3]);
-  auto c = dist::Communicator::create(dist::World::from_env());
+  auto c = distributed::Communicator::create(distributed::World::from_env());
   const int64_t tensor_mib = argc > 4 ? std::stoll(argv[4]) : std::max<int64_t>(1, mib / 16);
   const int count = static_cast<int>(std::max<int64_t>(1, mib / tensor_mib));
   const int64_t cols = 1024;

@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   const int layers = argc > 3 ? std::stoi(argv[3]) : 4;
   const int steps = argc > 4 ? std::stoi(argv[4]) : 20;
   const int64_t batch = 8, seq = 64;
-  auto comm = dist::Communicator::create(dist::World::from_env());
+  auto comm = distributed::Communicator::create(distributed::World::from_env());
   std::unique_ptr<strategy::Strategy> strat;
   if (mode == "fsdp") {
     strategy::FsdpOptions o;
@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "mode must be plain, single, ddp or fsdp\n");
     return 2;
   }
-  const double base_rss = comm->all_reduce_double(rss_now_mib(), dist::ReduceOp::Max);
+  const double base_rss = comm->all_reduce_double(rss_now_mib(), distributed::ReduceOp::Max);
   auto seq_model = make_model(dim, layers, strat.get());
   int64_t params = 0;
   // Counted from the architecture: under FSDP the module's tensors are already shards.
@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
   struct rusage ru {};
   getrusage(RUSAGE_SELF, &ru);
-  const double rss = comm->all_reduce_double(static_cast<double>(ru.ru_maxrss) / 1024.0, dist::ReduceOp::Max);  // KiB -> MiB
+  const double rss = comm->all_reduce_double(static_cast<double>(ru.ru_maxrss) / 1024.0, distributed::ReduceOp::Max);  // KiB -> MiB
   if (comm->rank() == 0)
     std::printf(
         "{\"mode\": \"%s\", \"world\": %d, \"params\": %lld, \"batch_per_rank\": %lld, \"step_ms\": %.3f, "

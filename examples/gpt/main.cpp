@@ -39,7 +39,7 @@
 #include "tessera/core/blas.h"
 #include "tessera/core/cpu_allocator.h"
 #include "tessera/core/device.h"
-#include "tessera/dist/world.h"
+#include "tessera/distributed/world.h"
 #include "tessera/state/module_state.h"
 #include "tessera/strategy/strategy.h"
 #include "tessera/trainer/csv_logger.h"
@@ -238,8 +238,8 @@ int64_t adopt_checkpoint_settings(TrainArgs& a, const std::string& path, fabric:
 
 int run_train(TrainArgs a) {
   // Ranks and batch split (the environment of tessera run, torchrun, srun or mpirun when started by one).
-  const bool launched = dist::started_by_launcher();
-  const dist::World env_world = launched ? dist::World::from_env() : dist::World{};
+  const bool launched = distributed::started_by_launcher();
+  const distributed::World env_world = launched ? distributed::World::from_env() : distributed::World{};
   const int world = launched ? env_world.world_size : (a.devices > 0 ? a.devices : 1);
   const int local = launched ? env_world.local_world_size : world;
   if (launched && a.devices > 0 && a.devices != local)
@@ -363,7 +363,7 @@ int run_train(TrainArgs a) {
   {
     rusage ru{};
     ::getrusage(RUSAGE_SELF, &ru);
-    const double rss_mib = f.comm()->all_reduce_double(static_cast<double>(ru.ru_maxrss) / 1024.0, dist::ReduceOp::Max);
+    const double rss_mib = f.comm()->all_reduce_double(static_cast<double>(ru.ru_maxrss) / 1024.0, distributed::ReduceOp::Max);
     std::ostringstream h;
     h << std::setprecision(4) << "gpt: host peak_rss_mib=" << rss_mib
       << " cpu_allocator=" << core::to_string(core::cpu_allocator_policy());
@@ -371,7 +371,7 @@ int run_train(TrainArgs a) {
       // What the caching allocator held at its busiest and keeps idle now (largest rank).
       const core::CpuAllocatorStats cs = core::cpu_allocator_stats();
       const auto mib = [&](size_t b) {
-        return f.comm()->all_reduce_double(static_cast<double>(b) / 1048576.0, dist::ReduceOp::Max);
+        return f.comm()->all_reduce_double(static_cast<double>(b) / 1048576.0, distributed::ReduceOp::Max);
       };
       const double peak_in_use = mib(cs.peak_in_use_bytes), idle = mib(cs.idle_bytes);
       h << " cache_peak_in_use_mib=" << peak_in_use << " cache_idle_mib=" << idle;

@@ -5,7 +5,7 @@
 #include <iostream>
 
 #include "tessera/core/blas.h"
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/sharding/chunk.h"
 
 using namespace tessera;
@@ -14,14 +14,14 @@ using namespace tessera;
 TESSERA_TUNE_BLAS_AT_STARTUP();
 
 int main() {
-  dist::World world = dist::World::from_env();
-  auto comm = dist::Communicator::create(world);
+  distributed::World world = distributed::World::from_env();
+  auto comm = distributed::Communicator::create(world);
   const int r = comm->rank(), n = comm->size();
   std::cout << "hello from " << world.describe() << std::endl;
 
   // Sum across ranks.
   at::Tensor t = at::full({4}, static_cast<float>(r + 1));
-  comm->all_reduce(t, dist::ReduceOp::Sum);
+  comm->all_reduce(t, distributed::ReduceOp::Sum);
 
   // Uneven pieces by torch.chunk's rule: 7 rows over n ranks (trailing ranks may hold none).
   std::vector<int64_t> sizes = sharding::chunk_sizes(7, n);

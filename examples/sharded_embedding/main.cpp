@@ -16,7 +16,7 @@
 #include <string>
 
 #include "tessera/core/blas.h"
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/nn/sharded_embedding_bag.h"
 #include "tessera/sharding/chunk.h"
 #include "tessera/state/module_state.h"
@@ -53,7 +53,7 @@ TESSERA_TUNE_BLAS_AT_STARTUP();
 int main(int argc, char** argv) {
   try {
     const int steps = argc > 1 ? std::stoi(argv[1]) : 60;
-    auto comm = dist::Communicator::create(dist::World::from_env());
+    auto comm = distributed::Communicator::create(distributed::World::from_env());
     const int rank = comm->rank(), world = comm->size();
 
     auto model = std::make_shared<Model>();

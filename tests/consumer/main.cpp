@@ -2,11 +2,11 @@
 
 #include <iostream>
 
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/sharding/chunk.h"
 
 int main() {
-  auto comm = tessera::dist::Communicator::create(tessera::dist::World::from_env());
+  auto comm = tessera::distributed::Communicator::create(tessera::distributed::World::from_env());
   at::Tensor t = at::ones({3});
   comm->all_reduce(t);
   std::cout << "consumer ok: world " << comm->size() << " sum " << t.sum().item<float>() << " chunks "

@@ -8,12 +8,12 @@
 #include <string>
 #include <vector>
 
-#include "tessera/dist/launcher.h"
+#include "tessera/distributed/launcher.h"
 
 namespace tessera::testing {
 
 struct RanksResult {
-  dist::LaunchResult launch;
+  distributed::LaunchResult launch;
   std::map<int, std::vector<std::string>> out, err;
   std::string all_output() const {
     std::string s;
@@ -29,7 +29,7 @@ inline RanksResult run_ranks(int n, const std::vector<std::string>& worker_args,
                              std::map<std::string, std::string> env = {}, int grace_ms = 3000) {
   RanksResult res;
   std::mutex mu;
-  dist::LaunchOptions o;
+  distributed::LaunchOptions o;
   o.command = {TESSERA_WORKER};
   for (auto& a : worker_args) o.command.push_back(a);
   o.nproc_per_node = n;
@@ -41,7 +41,7 @@ inline RanksResult run_ranks(int n, const std::vector<std::string>& worker_args,
     std::lock_guard<std::mutex> lock(mu);
     (is_err ? res.err : res.out)[rank].push_back(line);
   };
-  res.launch = dist::launch(o);
+  res.launch = distributed::launch(o);
   return res;
 }
 

@@ -23,8 +23,8 @@ using namespace tessera::testing;
 namespace {
 
 
-std::shared_ptr<dist::Communicator> solo() {
-  static auto c = dist::Communicator::create(dist::World{});
+std::shared_ptr<distributed::Communicator> solo() {
+  static auto c = distributed::Communicator::create(distributed::World{});
   return c;
 }
 

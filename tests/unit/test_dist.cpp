@@ -6,7 +6,7 @@
 #include <map>
 
 #include "harness.h"
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 
 using namespace tessera;
 using tessera::testing::run_ranks;
@@ -89,9 +89,9 @@ TEST(SharedMemory, MismatchedCollectivesAreAnErrorNamingBoth) {
 }
 
 TEST(Collectives, SingleProcessNeedsNoRendezvous) {
-  auto c = dist::Communicator::create(dist::World{});
+  auto c = distributed::Communicator::create(distributed::World{});
   at::Tensor t = at::ones({3});
-  c->all_reduce(t, dist::ReduceOp::Avg);
+  c->all_reduce(t, distributed::ReduceOp::Avg);
   EXPECT_TRUE(at::equal(t, at::ones({3})));
   EXPECT_TRUE(at::equal(c->all_gather(at::arange(4)), at::arange(4)));
   EXPECT_TRUE(at::equal(c->reduce_scatter(at::arange(4), {4}), at::arange(4)));
@@ -111,7 +111,7 @@ TEST(Collectives, SingleProcessNeedsNoRendezvous) {
 }
 
 TEST(Collectives, BadArgumentsAreClearErrors) {
-  auto c = dist::Communicator::create(dist::World{});
+  auto c = distributed::Communicator::create(distributed::World{});
   try {
     c->all_gather(at::ones({3}), {2});
     FAIL();
@@ -129,7 +129,7 @@ TEST(Collectives, BadArgumentsAreClearErrors) {
       EXPECT_NE(std::string(e.what()).find("output tensor"), std::string::npos) << e.what();
     }
   }
-  EXPECT_THROW(dist::Communicator::create(dist::World{}, dist::CommOptions{std::chrono::seconds(1), "mpi"}), Error);
+  EXPECT_THROW(distributed::Communicator::create(distributed::World{}, distributed::CommOptions{std::chrono::seconds(1), "mpi"}), Error);
 }
 
 TEST(Subgroups, HybridLayoutFourRanksAsTwoNodes) {
@@ -193,15 +193,15 @@ INSTANTIATE_TEST_SUITE_P(Transports, DeadPeer, ::testing::Values("shm", "gloo"),
 
 TEST(Rendezvous, MissingPeerTimesOutWithClearError) {
   // World of 2 but only rank 0 starts: store creation/process group must time out.
-  dist::World w;
+  distributed::World w;
   w.world_size = 2;
   w.rank = 0;
   w.local_world_size = 2;
-  w.master_port = dist::find_free_port();
-  dist::CommOptions o;
+  w.master_port = distributed::find_free_port();
+  distributed::CommOptions o;
   o.timeout = std::chrono::milliseconds(1500);
   try {
-    dist::Communicator::create(w, o);
+    distributed::Communicator::create(w, o);
     FAIL() << "expected a rendezvous error";
   } catch (const CommError& e) {
     EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
@@ -252,7 +252,7 @@ std::vector<int> spawn_plain(int n, const std::vector<std::string>& args,
 }  // namespace
 
 TEST(Environments, SrunStyleVariablesAloneAreEnough) {
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   auto codes = spawn_plain(2, {"collectives"}, [&](int r) {
     return std::vector<std::string>{"SLURM_PROCID=" + std::to_string(r), "SLURM_NTASKS=2", "SLURM_LOCALID=" + std::to_string(r),
                                     "SLURM_NTASKS_PER_NODE=2", "SLURM_NODELIST=127.0.0.1", "MASTER_PORT=" + port,
@@ -262,7 +262,7 @@ TEST(Environments, SrunStyleVariablesAloneAreEnough) {
 }
 
 TEST(Environments, MpirunStyleVariablesAloneAreEnough) {
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   auto codes = spawn_plain(3, {"collectives"}, [&](int r) {
     return std::vector<std::string>{"OMPI_COMM_WORLD_RANK=" + std::to_string(r), "OMPI_COMM_WORLD_SIZE=3",
                                     "OMPI_COMM_WORLD_LOCAL_RANK=" + std::to_string(r), "OMPI_COMM_WORLD_LOCAL_SIZE=3",

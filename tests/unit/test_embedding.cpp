@@ -22,7 +22,7 @@ namespace {
 }  // namespace
 
 TEST(ShardedEmbedding, SingleProcessMatchesEmbeddingBagAndChecksInput) {
-  auto c = dist::Communicator::create(dist::World{});
+  auto c = distributed::Communicator::create(distributed::World{});
   nn::ShardedEmbeddingBagOptions o;
   o.num_embeddings = 6;
   o.embedding_dim = 3;

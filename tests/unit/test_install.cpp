@@ -21,7 +21,7 @@ TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
   auto [rc, out] = run_command("cmake --install " TESSERA_BINARY_DIR " --prefix " + prefix);
   ASSERT_EQ(rc, 0) << out;
   EXPECT_TRUE(fs::exists(tmp / "prefix/bin/tessera"));
-  EXPECT_TRUE(fs::exists(tmp / "prefix/include/tessera/dist/communicator.h"));
+  EXPECT_TRUE(fs::exists(tmp / "prefix/include/tessera/distributed/communicator.h"));
   EXPECT_TRUE(fs::exists(tmp / "prefix/include/tessera/config.h"));
   EXPECT_FALSE(fs::exists(tmp / "prefix/include/tessera/core/pch.h"));
   const std::string build = (tmp / "consumer-build").string();

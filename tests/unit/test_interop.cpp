@@ -178,7 +178,7 @@ TEST(Interop, ImportsWhatPythonWrote) {
   EXPECT_EQ(r.leftovers.number("lr"), 0.5);
   EXPECT_EQ(r.leftovers.string("name"), "x");
   // Into a sharded target too (a single-process communicator with two pieces).
-  auto comm = dist::Communicator::create(dist::World{});
+  auto comm = distributed::Communicator::create(distributed::World{});
   std::vector<sharding::ShardMetadata> shards = {{sharding::chunk_box({3, 4}, 1, 2, 0), {0, c10::kCPU}},
                                                  {sharding::chunk_box({3, 4}, 1, 2, 1), {0, c10::kCPU}}};
   auto st = sharding::ShardedTensor::from_parts({{at::zeros({3, 2}), shards[0]}, {at::zeros({3, 2}), shards[1]}},

@@ -93,22 +93,22 @@ TEST(Launcher, DeadlineStopsEverything) {
 }
 
 TEST(Launcher, BadOptionsAreRefused) {
-  tessera::dist::LaunchOptions o;
+  tessera::distributed::LaunchOptions o;
   o.command = {"true"};
   o.nnodes = 2;
-  EXPECT_THROW(tessera::dist::launch(o), tessera::Error);  // port required with 2 nodes
+  EXPECT_THROW(tessera::distributed::launch(o), tessera::Error);  // port required with 2 nodes
   o.nnodes = 1;
   o.node_rank = 1;
-  EXPECT_THROW(tessera::dist::launch(o), tessera::Error);
+  EXPECT_THROW(tessera::distributed::launch(o), tessera::Error);
 }
 
 TEST(Launcher, MissingProgramFailsWithCode127) {
-  tessera::dist::LaunchOptions o;
+  tessera::distributed::LaunchOptions o;
   o.command = {"/nonexistent/program"};
   o.nproc_per_node = 2;
   o.forward_signals = false;
   o.on_line = [](int, bool, const std::string&) {};
-  auto r = tessera::dist::launch(o);
+  auto r = tessera::distributed::launch(o);
   EXPECT_EQ(r.exit_code, 127);
 }
 

@@ -41,8 +41,8 @@ std::string py(const std::string& script_and_args) {
   return std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR + "/tests/python/" + script_and_args;
 }
 
-std::shared_ptr<dist::Communicator> solo() {
-  static auto c = dist::Communicator::create(dist::World{});
+std::shared_ptr<distributed::Communicator> solo() {
+  static auto c = distributed::Communicator::create(distributed::World{});
   return c;
 }
 

@@ -18,7 +18,7 @@
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/offline.h"
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/state/state_dict.h"
 
 using namespace tessera;
@@ -28,8 +28,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::shared_ptr<dist::Communicator> solo() {
-  static auto c = dist::Communicator::create(dist::World{});
+std::shared_ptr<distributed::Communicator> solo() {
+  static auto c = distributed::Communicator::create(distributed::World{});
   return c;
 }
 

@@ -15,7 +15,7 @@ using namespace tessera::testing;
 
 namespace {
 
-std::shared_ptr<dist::Communicator> solo() { return dist::Communicator::create(dist::World{}); }
+std::shared_ptr<distributed::Communicator> solo() { return distributed::Communicator::create(distributed::World{}); }
 
 ShardMetadata shard(std::vector<int64_t> off, std::vector<int64_t> size, int rank = 0) {
   return ShardMetadata{Box{std::move(off), std::move(size)}, Placement{rank}};

@@ -15,7 +15,7 @@ using namespace tessera::testing;
 
 namespace {
 
-std::shared_ptr<dist::Communicator> solo() { return dist::Communicator::create(dist::World{}); }
+std::shared_ptr<distributed::Communicator> solo() { return distributed::Communicator::create(distributed::World{}); }
 
 struct Block : torch::nn::Module {
   Block() {
@@ -143,7 +143,7 @@ namespace {
 // Creates `more` levels of children in configure_model.
 struct Configurable : torch::nn::Module, state::ConfigurableModel {
   explicit Configurable(int more) : more(more) {}
-  void configure_model(const std::shared_ptr<dist::Communicator>& c) override {
+  void configure_model(const std::shared_ptr<distributed::Communicator>& c) override {
     ++calls;
     if (more > 0) child = register_module("child", std::make_shared<Configurable>(more - 1));
   }

@@ -3,9 +3,9 @@
 #include <map>
 
 #include "tessera/core/error.h"
-#include "tessera/dist/world.h"
+#include "tessera/distributed/world.h"
 
-using tessera::dist::World;
+using tessera::distributed::World;
 
 namespace {
 World parse(const std::map<std::string, std::string>& env) {
@@ -79,9 +79,9 @@ TEST(World, SlurmEnvOverridesDerivedMaster) {
 }
 
 TEST(World, SlurmFirstHost) {
-  EXPECT_EQ(tessera::dist::slurm_first_host("node[03-05,9],other"), "node03");
-  EXPECT_EQ(tessera::dist::slurm_first_host("alpha,beta"), "alpha");
-  EXPECT_EQ(tessera::dist::slurm_first_host("solo"), "solo");
+  EXPECT_EQ(tessera::distributed::slurm_first_host("node[03-05,9],other"), "node03");
+  EXPECT_EQ(tessera::distributed::slurm_first_host("alpha,beta"), "alpha");
+  EXPECT_EQ(tessera::distributed::slurm_first_host("solo"), "solo");
 }
 
 TEST(World, OpenMPI) {
@@ -157,7 +157,7 @@ TEST(World, OpenMPILayoutsWithoutANodeIndexAreRefusedNamingTheVariables) {
 
 TEST(World, DetectLauncherFollowsTheSameRuleAsParsing) {
   auto detect = [](const std::map<std::string, std::string>& env) {
-    return tessera::dist::detect_launcher([&](const std::string& k) -> std::optional<std::string> {
+    return tessera::distributed::detect_launcher([&](const std::string& k) -> std::optional<std::string> {
       auto it = env.find(k);
       if (it == env.end()) return std::nullopt;
       return it->second;

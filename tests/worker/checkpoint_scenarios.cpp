@@ -47,7 +47,7 @@ at::Tensor full_value(const KeySpec& k, int64_t iter) {
   return (t * 0.25).reshape(k.shape).to(k.dtype);
 }
 
-state::StateDict make_state(const std::shared_ptr<dist::Communicator>& c, bool sharded, bool zeros, int64_t iter) {
+state::StateDict make_state(const std::shared_ptr<distributed::Communicator>& c, bool sharded, bool zeros, int64_t iter) {
   auto model = std::make_shared<state::StateDict>();
   auto opt = std::make_shared<state::StateDict>();
   for (const auto& k : key_specs()) {

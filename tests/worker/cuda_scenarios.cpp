@@ -26,7 +26,7 @@ namespace {
 
 // This rank's GPU, made current before the communicator (and so NCCL) exists.
 c10::Device my_gpu() {
-  const c10::Device d = core::rank_device("cuda", dist::World::from_env().local_rank);
+  const c10::Device d = core::rank_device("cuda", distributed::World::from_env().local_rank);
   core::select_device(d);
   return d;
 }
@@ -53,7 +53,7 @@ SCENARIO("cuda_collectives") {
   WCHECK(t.device() == dev && t.cpu().equal(at::full({5}, n * (n + 1) / 2.0, f32)), "all_reduce sum: ", t);
 
   at::Tensor b = at::full({4}, double(r + 1), at::TensorOptions().dtype(at::kBFloat16).device(dev));
-  c->all_reduce(b, dist::ReduceOp::Max);
+  c->all_reduce(b, distributed::ReduceOp::Max);
   WCHECK(b.cpu().to(at::kFloat).equal(at::full({4}, double(n), f32)), "bf16 all_reduce max: ", b);
 
   const auto sizes = uneven_rows(n);
@@ -133,7 +133,7 @@ std::vector<double> run(const std::string& kind, int steps, const c10::Device& d
     at::Tensor loss = at::mse_loss(forward(x).to(at::kFloat), y);
     if (strat) {
       strat->backward(loss);
-      losses.push_back(c->all_reduce_double(loss.item<double>(), dist::ReduceOp::Avg));
+      losses.push_back(c->all_reduce_double(loss.item<double>(), distributed::ReduceOp::Avg));
       strat->optimizer_step(*opt);
     } else {
       loss.backward();

@@ -13,7 +13,7 @@
 
 using namespace tessera;
 using namespace tessera::testing;
-using dist::ReduceOp;
+using distributed::ReduceOp;
 
 namespace {
 
@@ -30,7 +30,7 @@ void check_equal(const at::Tensor& got, const at::Tensor& want, const std::strin
   WCHECK(at::equal(got, want), what, ": values differ\ngot  ", got, "\nwant ", want);
 }
 
-void run_collectives(dist::Communicator& c, at::ScalarType dt) {
+void run_collectives(distributed::Communicator& c, at::ScalarType dt) {
   const int n = c.size(), r = c.rank();
   const std::string tag = concat(dt, " n=", n, " rank=", r);
   auto opt = at::TensorOptions().dtype(dt);
@@ -45,7 +45,7 @@ void run_collectives(dist::Communicator& c, at::ScalarType dt) {
     if (op == ReduceOp::Avg) want = base + (n + 1);  // mean of 2(r+1) is n+1
     if (op == ReduceOp::Min) want = base + 2;
     if (op == ReduceOp::Max) want = base + 2 * n;
-    check_equal(t, want.to(dt), concat("all_reduce ", dist::to_string(op), " ", tag));
+    check_equal(t, want.to(dt), concat("all_reduce ", distributed::to_string(op), " ", tag));
   }
   // all_reduce of a non-contiguous view writes back into the view.
   {
@@ -99,7 +99,7 @@ void run_collectives(dist::Communicator& c, at::ScalarType dt) {
       if (op == ReduceOp::Avg && dt == at::kBFloat16) {
         WCHECK(at::allclose(got.to(at::kDouble), want, 1e-2, 1e-2), "reduce_scatter avg bf16 ", tag);
       } else {
-        check_equal(got, want.to(dt), concat("reduce_scatter ", dist::to_string(op), " even=", even, " ", tag));
+        check_equal(got, want.to(dt), concat("reduce_scatter ", distributed::to_string(op), " even=", even, " ", tag));
       }
     }
   }
@@ -368,11 +368,11 @@ SCENARIO("all_to_all") {
   return 0;
 }
 
-// Prints where the environment puts this rank (dist::World), then checks over the
+// Prints where the environment puts this rank (distributed::World), then checks over the
 // communicator that the ranks agree: every node index is counted by exactly
 // local_world_size ranks, and the node indices cover [0, num_nodes).
 SCENARIO("world_info") {
-  const dist::World w = dist::World::from_env();
+  const distributed::World w = distributed::World::from_env();
   std::cout << "world " << w.describe() << std::endl;
   auto c = comm();
   const int n = c->size();

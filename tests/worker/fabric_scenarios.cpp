@@ -89,7 +89,7 @@ struct Loop {
     }
     f.step(opt);
     opt->zero_grad();
-    return f.all_reduce(loss_sum, dist::ReduceOp::Avg);
+    return f.all_reduce(loss_sum, distributed::ReduceOp::Avg);
   }
 };
 
@@ -230,7 +230,7 @@ SCENARIO("fabric_collectives") {
   f.launch();
   const int r = f.global_rank(), n = f.world_size();
   at::Tensor t = at::full({2}, static_cast<float>(r + 1));
-  at::Tensor sum = f.all_reduce(t, dist::ReduceOp::Sum);
+  at::Tensor sum = f.all_reduce(t, distributed::ReduceOp::Sum);
   WCHECK(sum[0].item<float>() == n * (n + 1) / 2.0f, "all_reduce sum ", sum);
   WCHECK(t[0].item<float>() == r + 1, "all_reduce modified its input");
   at::Tensor g = f.all_gather(at::full({3}, static_cast<float>(r)));
@@ -259,7 +259,7 @@ SCENARIO("fabric_selfspawn") {
   o.devices = static_cast<int>(args.int_arg(0, 2));
   fabric::Fabric f(o);
   f.launch();  // the parent never returns from here
-  at::Tensor t = f.all_reduce(at::ones({1}), dist::ReduceOp::Sum);
+  at::Tensor t = f.all_reduce(at::ones({1}), distributed::ReduceOp::Sum);
   std::printf("selfspawn rank %d of %d sum %g launched=%s\n", f.global_rank(), f.world_size(), t.item<double>(),
               env::get("TESSERA_LAUNCHED").value_or("no").c_str());
   std::fflush(stdout);

@@ -11,13 +11,13 @@ std::map<std::string, ScenarioFn>& scenarios() {
   return m;
 }
 
-std::shared_ptr<dist::Communicator> comm() {
-  static std::shared_ptr<dist::Communicator> c;
+std::shared_ptr<distributed::Communicator> comm() {
+  static std::shared_ptr<distributed::Communicator> c;
   if (!c) {
-    dist::CommOptions o;
+    distributed::CommOptions o;
     o.timeout = std::chrono::milliseconds(env::get_int("TESSERA_TEST_TIMEOUT_MS", 1).value_or(30000));
     if (auto chunk = env::get_int("TESSERA_TEST_SHM_CHUNK", 4096)) o.shm_chunk_bytes = static_cast<size_t>(*chunk);
-    c = dist::Communicator::create(dist::World::from_env(), o);
+    c = distributed::Communicator::create(distributed::World::from_env(), o);
   }
   return c;
 }

@@ -108,7 +108,7 @@ SCENARIO("rel_train") {
       }).detach();
     }
     at::Tensor big = at::ones({1 << 21});
-    f.all_reduce(big, dist::ReduceOp::Sum);
+    f.all_reduce(big, distributed::ReduceOp::Sum);
     // The delayed kill may find the operation already done (over shared memory an 8 MiB
     // all-reduce takes ~2 ms, the save a few): then the victim dies right after it.
     if (me && step == 4 && phase == "collective") die("collective");

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "tessera/core/error.h"
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 
 namespace tessera::testing {
 
@@ -27,7 +27,7 @@ struct Register {
 
 // The communicator for this process, created from the environment on first use with
 // the timeout in TESSERA_TEST_TIMEOUT_MS (default 30000).
-std::shared_ptr<dist::Communicator> comm();
+std::shared_ptr<distributed::Communicator> comm();
 
 }  // namespace tessera::testing
 

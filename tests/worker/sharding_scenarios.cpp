@@ -156,7 +156,7 @@ namespace {
 
 struct Inner : torch::nn::Module, state::ConfigurableModel {
   Inner() { scale = register_buffer("scale", torch::ones({2})); }
-  void configure_model(const std::shared_ptr<dist::Communicator>& c) override {
+  void configure_model(const std::shared_ptr<distributed::Communicator>& c) override {
     const int n = c->size();
     table = state::register_sharded_parameter(
         *this, "table", ShardedTensor::rand(ChunkSpec::over_ranks(0, n), {5, 3}, 11, at::kFloat, c));
@@ -306,7 +306,7 @@ std::unique_ptr<torch::optim::Optimizer> make_opt(const std::string& kind, std::
 }
 
 // One step on this rank's slice of the global batch; returns the global loss.
-double train_step(ParityModel& m, torch::optim::Optimizer& opt, dist::Communicator& c, int step) {
+double train_step(ParityModel& m, torch::optim::Optimizer& opt, distributed::Communicator& c, int step) {
   Batch b = global_batch(step);
   Range mine = chunk_range(kBatch, c.size(), c.rank());
   at::Tensor bags = b.bags.narrow(0, mine.begin, mine.size), y = b.y.narrow(0, mine.begin, mine.size);

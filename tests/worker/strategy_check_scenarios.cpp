@@ -60,7 +60,7 @@ std::pair<at::Tensor, at::Tensor> batch(int step, int rank) {
   return {at::randn({6, 5}, gen), at::randn({6, 3}, gen)};
 }
 
-std::unique_ptr<Strategy> make(const std::string& kind, std::shared_ptr<dist::Communicator> c) {
+std::unique_ptr<Strategy> make(const std::string& kind, std::shared_ptr<distributed::Communicator> c) {
   if (kind == "ddp") return std::make_unique<DdpStrategy>(c);
   FsdpOptions o;
   o.auto_wrap = wrap_by_type<MlpImpl>();
@@ -73,9 +73,9 @@ std::unique_ptr<Strategy> make(const std::string& kind, std::shared_ptr<dist::Co
 }
 
 // Sums of the counts of every distinct communicator in `comms`.
-dist::Communicator::Counts sum_counts(const std::vector<std::shared_ptr<dist::Communicator>>& comms) {
-  std::set<dist::Communicator*> seen;
-  dist::Communicator::Counts s;
+distributed::Communicator::Counts sum_counts(const std::vector<std::shared_ptr<distributed::Communicator>>& comms) {
+  std::set<distributed::Communicator*> seen;
+  distributed::Communicator::Counts s;
   for (auto& k : comms) {
     if (!seen.insert(k.get()).second) continue;
     auto x = k->counts();
@@ -88,7 +88,7 @@ dist::Communicator::Counts sum_counts(const std::vector<std::shared_ptr<dist::Co
   return s;
 }
 
-dist::Communicator::Counts minus(const dist::Communicator::Counts& a, const dist::Communicator::Counts& b) {
+distributed::Communicator::Counts minus(const distributed::Communicator::Counts& a, const distributed::Communicator::Counts& b) {
   return {a.all_reduce - b.all_reduce, a.all_gather - b.all_gather, a.reduce_scatter - b.reduce_scatter,
           a.broadcast - b.broadcast, a.all_to_all - b.all_to_all};
 }
@@ -115,9 +115,9 @@ SCENARIO("strategy_collective_counts") {
     auto m = strat->setup(make_net());
     auto* fsdp = dynamic_cast<FsdpStrategy*>(strat.get());
     auto* ddp = dynamic_cast<DdpStrategy*>(strat.get());
-    const std::vector<std::shared_ptr<dist::Communicator>> comms =
-        fsdp ? std::vector<std::shared_ptr<dist::Communicator>>{fsdp->shard_comm(), fsdp->replicate_comm()}
-             : std::vector<std::shared_ptr<dist::Communicator>>{c};
+    const std::vector<std::shared_ptr<distributed::Communicator>> comms =
+        fsdp ? std::vector<std::shared_ptr<distributed::Communicator>>{fsdp->shard_comm(), fsdp->replicate_comm()}
+             : std::vector<std::shared_ptr<distributed::Communicator>>{c};
     torch::optim::Adam opt(strat->module()->parameters(), torch::optim::AdamOptions(1e-2));
     for (int step = 0; step < 3; ++step) {
       for (int micro = 0; micro < 2; ++micro) {

@@ -141,7 +141,7 @@ Trace reference(int steps, double clip, double lr, int micro = 1) {
   return t;
 }
 
-std::unique_ptr<Strategy> make_strategy(const std::string& kind, std::shared_ptr<dist::Communicator> c) {
+std::unique_ptr<Strategy> make_strategy(const std::string& kind, std::shared_ptr<distributed::Communicator> c) {
   if (kind == "ddp") return std::make_unique<DdpStrategy>(c);
   if (kind == "ddp_grad_copy") {
     DdpOptions o;
@@ -225,7 +225,7 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
         strat->backward(loss / micro);
       }
     }
-    t.losses.push_back(c->all_reduce_double(loss_sum, dist::ReduceOp::Avg));
+    t.losses.push_back(c->all_reduce_double(loss_sum, distributed::ReduceOp::Avg));
     if (clip > 0) t.norms.push_back(strat->clip_grad_norm(clip));
     if (fsdp) WCHECK(!fsdp->any_gathered(), kind, ": parameters still gathered after backward");
     if (ddp && kind == "ddp_small_buckets" && n > 1 && micro == 1)
@@ -353,7 +353,7 @@ void train_steps(Strategy& strat, torch::nn::AnyModule& m, torch::optim::Optimiz
     auto [gx, gy] = global_batch(s);
     at::Tensor loss = at::mse_loss(m.forward(rows_of(gx, c->rank(), c->size())), rows_of(gy, c->rank(), c->size()));
     strat.backward(loss);
-    if (losses) losses->push_back(c->all_reduce_double(loss.item<double>(), dist::ReduceOp::Avg));
+    if (losses) losses->push_back(c->all_reduce_double(loss.item<double>(), distributed::ReduceOp::Avg));
     strat.optimizer_step(opt);
     opt.zero_grad();
     if (evals) evals->push_back(eval_loss([&](const at::Tensor& x) { return m.forward(x); }));
@@ -389,7 +389,7 @@ SCENARIO("strategy_memory") {
     if (auto* f = dynamic_cast<FsdpStrategy*>(strat.get()))
       WCHECK(local == f->local_param_bytes() + f->local_grad_bytes() + optimizer_state_bytes(opt), kind);
     const int64_t total = c->all_reduce_int(local);
-    const int64_t most = c->all_reduce_int(local, dist::ReduceOp::Max);
+    const int64_t most = c->all_reduce_int(local, distributed::ReduceOp::Max);
     const double ratio = static_cast<double>(most) * n / single;
     std::printf("memory %s n=%d rank %d: %lld bytes, single %lld, max rank x n / single = %.3f\n", kind.c_str(), n,
                 c->rank(), static_cast<long long>(local), static_cast<long long>(single), ratio);
@@ -489,7 +489,7 @@ SCENARIO("strategy_fp64") {
                                 y.narrow(0, x.size(0) / 2, x.size(0) / 2)) / 2;
     strat.backward(l);
     loss_sum += l.item<double>();
-    const double loss = c->all_reduce_double(loss_sum, dist::ReduceOp::Avg);
+    const double loss = c->all_reduce_double(loss_sum, distributed::ReduceOp::Avg);
     WCHECK(rel(loss, want[s]) <= 1e-12, "float64 step ", s, " loss ", loss, " vs ", want[s], " (rel ",
            rel(loss, want[s]), ")");
     strat.optimizer_step(opt);

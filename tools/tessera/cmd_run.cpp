@@ -4,7 +4,7 @@
 
 #include "commands.h"
 #include "tessera/core/cli_checks.h"
-#include "tessera/dist/launcher.h"
+#include "tessera/distributed/launcher.h"
 
 namespace tessera::cli {
 
@@ -18,7 +18,7 @@ bool& trailing_args_given() {
 }
 
 Runner add_run_command(CLI::App& app) {
-  auto opts = std::make_shared<dist::LaunchOptions>();
+  auto opts = std::make_shared<distributed::LaunchOptions>();
   auto grace_s = std::make_shared<double>(5.0);
   auto deadline_s = std::make_shared<double>(0.0);
   CLI::App* sub = app.add_subcommand(
@@ -66,7 +66,7 @@ Runner add_run_command(CLI::App& app) {
     }
     opts->grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_s * 1000));
     if (*deadline_s > 0) opts->deadline = std::chrono::milliseconds(static_cast<int64_t>(*deadline_s * 1000));
-    dist::LaunchResult r = dist::launch(*opts);
+    distributed::LaunchResult r = distributed::launch(*opts);
     return r.exit_code;
   };
 }

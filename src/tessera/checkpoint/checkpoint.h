@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/state/state_dict.h"
 
 namespace tessera::checkpoint {
@@ -45,9 +45,9 @@ struct LoadResult {
   state::StateDict leftovers;
 };
 
-void save(const state::StateDict& sd, const std::string& path, dist::Communicator& comm,
+void save(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm,
           const SaveOptions& options = {});
-LoadResult load(state::StateDict& target, const std::string& path, dist::Communicator& comm,
+LoadResult load(state::StateDict& target, const std::string& path, distributed::Communicator& comm,
                 const LoadOptions& options = {});
 // The same load without a process group (one process, or tools): reads only what the
 // target's local pieces need.
@@ -74,7 +74,7 @@ class AsyncSave {
 // (created, collectively, at the first async save of `comm`), so collectives of the
 // caller keep running. A second save (async or not) from this process waits for the
 // previous async save first. Collective: every rank calls it.
-AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<dist::Communicator> comm,
+AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<distributed::Communicator> comm,
                      const SaveOptions& options = {});
 // Waits for the async save in flight, if any (rethrows its error).
 void wait_for_pending_save();

@@ -148,7 +148,7 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
   return res;
 }
 
-LoadResult load(state::StateDict& target, const std::string& path, dist::Communicator& comm, const LoadOptions& options) {
+LoadResult load(state::StateDict& target, const std::string& path, distributed::Communicator& comm, const LoadOptions& options) {
   finish_pending_save();  // an async save of this process may be writing this path
   LoadResult res;
   std::string err;

@@ -27,7 +27,7 @@ namespace {
 using state::Value;
 
 // Broadcasts rank 0's outcome ("" = ok) and throws it everywhere when it is an error.
-void agree(dist::Communicator& comm, const std::string& rank0_error, const std::string& what) {
+void agree(distributed::Communicator& comm, const std::string& rank0_error, const std::string& what) {
   const std::string e = comm.broadcast_bytes(rank0_error, 0);
   TESSERA_CHECK(e.empty(), what, ": ", e);
 }
@@ -74,7 +74,7 @@ std::string prepare_target(const std::string& path, bool dir, std::string& tmp) 
 // same assignment from the same lists. Returns, for each of `mine`, whether this rank
 // writes it; `err` gets the errors of all ranks (the same text on every rank).
 std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string& local_err,
-                               dist::Communicator& comm, std::string& err) {
+                               distributed::Communicator& comm, std::string& err) {
   nlohmann::json list = nlohmann::json::array();
   for (const auto& p : mine)
     list.push_back({p.fqn, p.box.offsets, p.box.sizes,
@@ -118,7 +118,7 @@ std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string
   return keep;
 }
 
-void save_sharded(const state::StateDict& sd, const std::string& path, dist::Communicator& comm) {
+void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
   const int rank = comm.rank();
   auto flat = flatten_values(sd);
   std::string tmp, err;
@@ -201,7 +201,7 @@ void save_sharded(const state::StateDict& sd, const std::string& path, dist::Com
 // Bytes of a sharded tensor gathered to rank 0 at a time by a consolidated save.
 constexpr int64_t kGatherSliceBytes = 16 << 20;
 
-void save_full(const state::StateDict& sd, const std::string& path, dist::Communicator& comm) {
+void save_full(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
   const int rank = comm.rank();
   auto flat = flatten_values(sd);
   std::string tmp, err;
@@ -313,14 +313,14 @@ std::function<void()> g_test_hook;  // set_async_save_hook_for_tests; guarded by
 
 struct SplitCache {
   std::mutex mu;
-  std::vector<std::pair<std::weak_ptr<dist::Communicator>, std::shared_ptr<dist::Communicator>>> items;
+  std::vector<std::pair<std::weak_ptr<distributed::Communicator>, std::shared_ptr<distributed::Communicator>>> items;
 };
 SplitCache& split_cache() {
   static SplitCache c;
   return c;
 }
 
-std::shared_ptr<dist::Communicator> background_comm(const std::shared_ptr<dist::Communicator>& comm) {
+std::shared_ptr<distributed::Communicator> background_comm(const std::shared_ptr<distributed::Communicator>& comm) {
   auto& c = split_cache();
   std::lock_guard<std::mutex> lock(c.mu);
   for (auto& [w, bg] : c.items)
@@ -350,7 +350,7 @@ at::Tensor host_copy(const at::Tensor& t, std::vector<c10::Device>& staged) {
   return h;
 }
 
-std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, const std::shared_ptr<dist::Communicator>& bg,
+std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg,
                                                 std::vector<c10::Device>& staged) {
   auto out = std::make_shared<state::StateDict>();
   for (const auto& k : sd.keys()) {
@@ -376,7 +376,7 @@ std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, cons
   return out;
 }
 
-std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<dist::Communicator>& bg) {
+std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg) {
   std::vector<c10::Device> staged;
   auto out = snapshot_into(sd, bg, staged);
   for (const auto& d : staged) core::synchronize(d);  // the pinned copies are complete
@@ -417,7 +417,7 @@ bool AsyncSave::done() const {
   return s_->finished;
 }
 
-AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<dist::Communicator> comm,
+AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<distributed::Communicator> comm,
                      const SaveOptions& options) {
   TESSERA_CHECK(comm != nullptr, "save_async: no communicator");
   finish_pending_save();
@@ -452,7 +452,7 @@ void set_async_save_hook_for_tests(std::function<void()> hook) {
   g_test_hook = std::move(hook);
 }
 
-void save(const state::StateDict& sd, const std::string& path, dist::Communicator& comm, const SaveOptions& options) {
+void save(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm, const SaveOptions& options) {
   // A save waits for an async one in flight (they would race on the same files).
   if (!tl_background) finish_pending_save();
   if (options.mode == SaveMode::Full) save_full(sd, path, comm);

@@ -21,7 +21,7 @@
 // requests go to malloc, which serves them from its arenas without mmap. Blocks are
 // 64-byte aligned, as c10's own CPU allocator's.
 //
-// Who gets it. Fabric (so the Trainer), dist::Communicator::create and the tessera and
+// Who gets it. Fabric (so the Trainer), distributed::Communicator::create and the tessera and
 // gpt programs install it before their first tensor; a program that uses none of these
 // calls install_cpu_allocator() itself. TESSERA_CPU_ALLOCATOR=system (or
 // install_cpu_allocator(CpuAllocatorPolicy::System)) keeps c10's default allocator;

@@ -15,7 +15,7 @@
 #include "tessera/core/device.h"
 #include "tessera/core/env.h"
 #include "tessera/core/log.h"
-#include "tessera/dist/launcher.h"
+#include "tessera/distributed/launcher.h"
 #include "tessera/strategy/ddp.h"
 #include "tessera/strategy/fsdp.h"
 
@@ -93,18 +93,18 @@ Fabric::~Fabric() {
 void Fabric::launch() {
   if (strategy_) return;
   const int want = opts_.world_size();
-  world_ = dist::World::from_env();
+  world_ = distributed::World::from_env();
   if (!world_.is_distributed() && want > 1) {
     TESSERA_CHECK(opts_.options.num_nodes == 1, "FabricOptions.num_nodes=", opts_.options.num_nodes,
                   ": a multi-node job must be started on every node by `tessera run`, torchrun, srun or mpirun; "
                   "launch() only starts the ranks of one node");
-    TESSERA_CHECK(!dist::started_by_launcher(), "Fabric::launch: this process was started by a launcher (",
+    TESSERA_CHECK(!distributed::started_by_launcher(), "Fabric::launch: this process was started by a launcher (",
                   world_.source, ") with a world size of 1 but FabricOptions.devices=", opts_.options.devices,
                   "; start it with ", opts_.options.devices, " ranks per node, or set devices=1");
-    dist::LaunchOptions lo;
+    distributed::LaunchOptions lo;
     lo.command = own_command_line();
     lo.nproc_per_node = opts_.options.devices;
-    dist::LaunchResult res = dist::launch(lo);  // it reports a failing rank itself (once)
+    distributed::LaunchResult res = distributed::launch(lo);  // it reports a failing rank itself (once)
     std::cout.flush();
     std::exit(res.exit_code);
   }
@@ -116,7 +116,7 @@ void Fabric::launch() {
   // The rank's GPU becomes current before any CUDA work, NCCL's communicators included.
   const c10::Device dev = device();
   core::select_device(dev);
-  comm_ = dist::Communicator::create(world_, opts_.options.comm);
+  comm_ = distributed::Communicator::create(world_, opts_.options.comm);
   if (opts_.strategy == "single") {
     strategy_ = std::make_unique<strategy::SingleDeviceStrategy>(dev);
   } else if (opts_.strategy == "ddp") {
@@ -138,7 +138,7 @@ strategy::Strategy& Fabric::strategy() {
   return *strategy_;
 }
 
-const std::shared_ptr<dist::Communicator>& Fabric::comm() {
+const std::shared_ptr<distributed::Communicator>& Fabric::comm() {
   require_launched("comm");
   return comm_;
 }
@@ -293,14 +293,14 @@ uint64_t Fabric::seed_everything(uint64_t seed, bool rank_aware) {
 
 // --- collectives --------------------------------------------------------------------
 
-at::Tensor Fabric::all_reduce(const at::Tensor& t, dist::ReduceOp op) {
+at::Tensor Fabric::all_reduce(const at::Tensor& t, distributed::ReduceOp op) {
   require_launched("all_reduce");
   at::Tensor out = t.detach().clone();
   comm_->all_reduce(out, op);
   return out;
 }
 
-double Fabric::all_reduce(double value, dist::ReduceOp op) {
+double Fabric::all_reduce(double value, distributed::ReduceOp op) {
   require_launched("all_reduce");
   return comm_->all_reduce_double(value, op);
 }

@@ -31,8 +31,8 @@
 
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/core/error.h"
-#include "tessera/dist/communicator.h"
-#include "tessera/dist/world.h"
+#include "tessera/distributed/communicator.h"
+#include "tessera/distributed/world.h"
 #include "tessera/fabric/fabric_state.h"
 #include "tessera/fabric/options.h"
 #include "tessera/fabric/sampler.h"
@@ -163,8 +163,8 @@ class Fabric {
     if (is_global_zero()) std::cout << concat(args...) << std::endl;
   }
   // Reduced copy of `t` (every rank passes the same shape).
-  at::Tensor all_reduce(const at::Tensor& t, dist::ReduceOp op = dist::ReduceOp::Avg);
-  double all_reduce(double value, dist::ReduceOp op = dist::ReduceOp::Avg);
+  at::Tensor all_reduce(const at::Tensor& t, distributed::ReduceOp op = distributed::ReduceOp::Avg);
+  double all_reduce(double value, distributed::ReduceOp op = distributed::ReduceOp::Avg);
   // Every rank's `t` stacked along a new dim 0 (shape [world_size, ...t.shape]).
   at::Tensor all_gather(const at::Tensor& t);
   // `t` from `src` on every rank (a copy; shapes must match).
@@ -200,9 +200,9 @@ class Fabric {
 
   // --- access ---
   const ResolvedOptions& options() const { return opts_; }
-  const dist::World& world() const { return world_; }
+  const distributed::World& world() const { return world_; }
   strategy::Strategy& strategy();
-  const std::shared_ptr<dist::Communicator>& comm();
+  const std::shared_ptr<distributed::Communicator>& comm();
 
  private:
   void require_launched(const char* what) const;
@@ -212,8 +212,8 @@ class Fabric {
   std::pair<state::StateDict, checkpoint::SaveOptions> checkpoint_of(const FabricState& st);
 
   ResolvedOptions opts_;
-  dist::World world_;
-  std::shared_ptr<dist::Communicator> comm_;
+  distributed::World world_;
+  std::shared_ptr<distributed::Communicator> comm_;
   std::unique_ptr<strategy::Strategy> strategy_;
   std::shared_ptr<torch::nn::Module> setup_original_;
   // The modules that name the set-up model: what was passed, what setup returned, and

@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/strategy/ddp.h"
 #include "tessera/strategy/fsdp.h"
 
@@ -32,7 +32,7 @@ struct FabricOptions {
   strategy::FsdpOptions fsdp;
   strategy::DdpOptions ddp;
   // Rendezvous and collective timeouts, backend choice.
-  dist::CommOptions comm;
+  distributed::CommOptions comm;
 };
 
 // The options after validation, with "auto" values decided.

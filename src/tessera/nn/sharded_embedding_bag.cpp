@@ -14,7 +14,7 @@ using torch::autograd::variable_list;
 
 // Every rank's batch size, after checking every rank's indices: a bad index on one
 // rank raises on all of them (naming the rank) instead of leaving peers hanging.
-std::vector<int64_t> batch_sizes(dist::Communicator& comm, const at::Tensor& bags, int64_t num_rows) {
+std::vector<int64_t> batch_sizes(distributed::Communicator& comm, const at::Tensor& bags, int64_t num_rows) {
   int64_t bad = -1, has_bad = 0;
   if (bags.numel() > 0) {
     const int64_t lo = bags.min().item<int64_t>(), hi = bags.max().item<int64_t>();
@@ -38,7 +38,7 @@ std::vector<int64_t> batch_sizes(dist::Communicator& comm, const at::Tensor& bag
 // address in saved_data (the module that owns it outlives the graph).
 struct ShardedLookup : public torch::autograd::Function<ShardedLookup> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor weight, at::Tensor bags, int64_t row_begin,
-                            int64_t num_rows, dist::Communicator* comm, bool mean) {
+                            int64_t num_rows, distributed::Communicator* comm, bool mean) {
     const int64_t rows = weight.size(0), dim = weight.size(1), len = bags.size(1);
     std::vector<int64_t> sizes = batch_sizes(*comm, bags, num_rows);
     at::Tensor all_bags = comm->all_gather(bags.contiguous(), sizes);  // [B_total, L]
@@ -50,7 +50,7 @@ struct ShardedLookup : public torch::autograd::Function<ShardedLookup> {
     at::Tensor partial = at::zeros({total, dim}, weight.options());
     partial.index_add_(0, bag_of, weight.index_select(0, local_rows));
     if (mean && len > 0) partial.div_(static_cast<double>(len));
-    at::Tensor out = comm->reduce_scatter(partial, sizes, dist::ReduceOp::Sum);
+    at::Tensor out = comm->reduce_scatter(partial, sizes, distributed::ReduceOp::Sum);
     ctx->save_for_backward({local_rows, bag_of});
     ctx->saved_data["comm"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(comm));
     ctx->saved_data["sizes"] = sizes;
@@ -63,7 +63,7 @@ struct ShardedLookup : public torch::autograd::Function<ShardedLookup> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     at::Tensor local_rows = saved[0], bag_of = saved[1];
-    auto* comm = reinterpret_cast<dist::Communicator*>(static_cast<intptr_t>(ctx->saved_data["comm"].toInt()));
+    auto* comm = reinterpret_cast<distributed::Communicator*>(static_cast<intptr_t>(ctx->saved_data["comm"].toInt()));
     const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
     const int64_t rows = ctx->saved_data["rows"].toInt(), len = ctx->saved_data["len"].toInt();
     TESSERA_CHECK(grads[0].defined(), "ShardedEmbeddingBag backward: undefined output gradient");
@@ -82,7 +82,7 @@ ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& optio
                 options.num_embeddings, ", ", options.embedding_dim, "]");
 }
 
-void ShardedEmbeddingBag::configure_model(const std::shared_ptr<dist::Communicator>& comm) {
+void ShardedEmbeddingBag::configure_model(const std::shared_ptr<distributed::Communicator>& comm) {
   TESSERA_CHECK(comm != nullptr, "ShardedEmbeddingBag::configure_model needs a communicator");
   comm_ = comm;
   auto spec = sharding::ChunkSpec::over_ranks(0, comm->size());

@@ -18,7 +18,7 @@
 
 #include <memory>
 
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/sharding/sharded_tensor.h"
 #include "tessera/state/module_state.h"
 
@@ -42,7 +42,7 @@ class ShardedEmbeddingBag : public torch::nn::Module, public state::Configurable
   explicit ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options);
 
   // Creates the sharded table and registers its local shard as parameter "weight".
-  void configure_model(const std::shared_ptr<dist::Communicator>& comm) override;
+  void configure_model(const std::shared_ptr<distributed::Communicator>& comm) override;
 
   // `bags`: int64 [B, L], each row one bag of L row indices in [0, num_embeddings).
   // Returns [B, dim]. Collective: every rank calls it (B may differ, even be 0).
@@ -59,7 +59,7 @@ class ShardedEmbeddingBag : public torch::nn::Module, public state::Configurable
 
  private:
   ShardedEmbeddingBagOptions options_;
-  std::shared_ptr<dist::Communicator> comm_;
+  std::shared_ptr<distributed::Communicator> comm_;
   int64_t row_begin_ = 0;
 };
 

@@ -29,7 +29,7 @@ using Json = nlohmann::json;
 
 std::string shape_str(const std::vector<int64_t>& s) { return full_box(s).to_string(); }
 
-void check_placements(const std::vector<ShardMetadata>& all, const dist::Communicator& comm) {
+void check_placements(const std::vector<ShardMetadata>& all, const distributed::Communicator& comm) {
   for (size_t i = 0; i < all.size(); ++i)
     TESSERA_CHECK(all[i].placement.rank < comm.size(), "shard ", i, " ", all[i].box.to_string(), " is placed on ",
                   all[i].placement.to_string(), " but the communicator has ", comm.size(), " ranks");
@@ -75,7 +75,7 @@ std::vector<Shard> allocate_local(const std::vector<ShardMetadata>& all, int ran
 // Moves the overlaps of (src_all, src_local) into (dst_all, dst_local); see the file comment.
 void exchange(const std::vector<ShardMetadata>& src_all, const std::vector<Shard>& src_local,
               const std::vector<ShardMetadata>& dst_all, std::vector<Shard>& dst_local, at::ScalarType dt,
-              dist::Communicator& comm) {
+              distributed::Communicator& comm) {
   const int me = comm.rank(), n = comm.size();
   const int64_t es = static_cast<int64_t>(c10::elementSize(dt));
   auto spos = local_positions(src_all), dpos = local_positions(dst_all);
@@ -138,7 +138,7 @@ void exchange(const std::vector<ShardMetadata>& src_all, const std::vector<Shard
 
 // ----------------------------------------------------------------- construction
 ShardedTensor ShardedTensor::empty(const ShardingSpec& spec, const std::vector<int64_t>& shape,
-                                   const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm) {
+                                   const at::TensorOptions& options, std::shared_ptr<distributed::Communicator> comm) {
   TESSERA_CHECK(comm != nullptr, "ShardedTensor needs a communicator");
   auto all = build_shards(spec, shape);
   check_placements(all, *comm);
@@ -148,12 +148,12 @@ ShardedTensor ShardedTensor::empty(const ShardingSpec& spec, const std::vector<i
 }
 
 ShardedTensor ShardedTensor::zeros(const ShardingSpec& spec, const std::vector<int64_t>& shape,
-                                   const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm) {
+                                   const at::TensorOptions& options, std::shared_ptr<distributed::Communicator> comm) {
   return empty(spec, shape, options, std::move(comm)).apply_([](at::Tensor& t) { t.zero_(); });
 }
 
 ShardedTensor ShardedTensor::ones(const ShardingSpec& spec, const std::vector<int64_t>& shape,
-                                  const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm) {
+                                  const at::TensorOptions& options, std::shared_ptr<distributed::Communicator> comm) {
   return empty(spec, shape, options, std::move(comm)).apply_([](at::Tensor& t) { t.fill_(1); });
 }
 
@@ -161,7 +161,7 @@ ShardedTensor ShardedTensor::ones(const ShardingSpec& spec, const std::vector<in
 // local boxes: identical values for every sharding, at the cost of generating (not
 // storing) the full tensor on every rank.
 ShardedTensor ShardedTensor::rand(const ShardingSpec& spec, const std::vector<int64_t>& shape, uint64_t seed,
-                                  const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm) {
+                                  const at::TensorOptions& options, std::shared_ptr<distributed::Communicator> comm) {
   ShardedTensor st = empty(spec, shape, options, std::move(comm));
   if (st.local_numel() == 0) return st;
   at::Generator gen = at::detail::createCPUGenerator(seed);
@@ -173,7 +173,7 @@ ShardedTensor ShardedTensor::rand(const ShardingSpec& spec, const std::vector<in
 
 ShardedTensor ShardedTensor::from_parts(std::vector<Shard> local, std::vector<ShardMetadata> all_shards,
                                         const std::vector<int64_t>& shape, at::ScalarType dtype,
-                                        std::shared_ptr<dist::Communicator> comm) {
+                                        std::shared_ptr<distributed::Communicator> comm) {
   TESSERA_CHECK(comm != nullptr, "ShardedTensor needs a communicator");
   validate_shards(all_shards, shape);
   check_placements(all_shards, *comm);
@@ -203,7 +203,7 @@ ShardedTensor ShardedTensor::from_parts(std::vector<Shard> local, std::vector<Sh
 }
 
 ShardedTensor ShardedTensor::from_local_shards(std::vector<Shard> local, const std::vector<int64_t>& shape,
-                                               std::shared_ptr<dist::Communicator> comm) {
+                                               std::shared_ptr<distributed::Communicator> comm) {
   TESSERA_CHECK(comm != nullptr, "ShardedTensor needs a communicator");
   const int me = comm->rank();
   // Local problems travel with the metadata so that every rank raises, none hangs.
@@ -257,7 +257,7 @@ ShardedTensor ShardedTensor::from_local_shards(std::vector<Shard> local, const s
 }
 
 ShardedTensor ShardedTensor::scatter(const at::Tensor& full, const ShardingSpec& spec, int src,
-                                     std::shared_ptr<dist::Communicator> comm) {
+                                     std::shared_ptr<distributed::Communicator> comm) {
   TESSERA_CHECK(comm != nullptr, "ShardedTensor needs a communicator");
   TESSERA_CHECK(src >= 0 && src < comm->size(), "scatter: source rank ", src, " is outside the group of ",
                 comm->size());

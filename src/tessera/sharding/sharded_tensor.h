@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/sharding/spec.h"
 
 namespace tessera::sharding {
@@ -26,28 +26,28 @@ class ShardedTensor {
 
   // --- construction (collective where noted) ---
   static ShardedTensor empty(const ShardingSpec& spec, const std::vector<int64_t>& shape,
-                             const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm);
+                             const at::TensorOptions& options, std::shared_ptr<distributed::Communicator> comm);
   static ShardedTensor zeros(const ShardingSpec& spec, const std::vector<int64_t>& shape,
-                             const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm);
+                             const at::TensorOptions& options, std::shared_ptr<distributed::Communicator> comm);
   static ShardedTensor ones(const ShardingSpec& spec, const std::vector<int64_t>& shape,
-                            const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm);
+                            const at::TensorOptions& options, std::shared_ptr<distributed::Communicator> comm);
   // Values equal to slicing one full torch::rand(shape) drawn with generator seed
   // `seed`: the same numbers whatever the sharding or world size.
   static ShardedTensor rand(const ShardingSpec& spec, const std::vector<int64_t>& shape, uint64_t seed,
-                            const at::TensorOptions& options, std::shared_ptr<dist::Communicator> comm);
+                            const at::TensorOptions& options, std::shared_ptr<distributed::Communicator> comm);
   // Collective: every rank passes its own shards; metadata is exchanged and
   // validated (consistent global shape and dtype, shards tile the tensor).
   static ShardedTensor from_local_shards(std::vector<Shard> local, const std::vector<int64_t>& shape,
-                                         std::shared_ptr<dist::Communicator> comm);
+                                         std::shared_ptr<distributed::Communicator> comm);
   // No communication: the caller guarantees `all_shards` is the same on every rank
   // and `local` holds exactly this rank's pieces of it (in the same order).
   static ShardedTensor from_parts(std::vector<Shard> local, std::vector<ShardMetadata> all_shards,
                                   const std::vector<int64_t>& shape, at::ScalarType dtype,
-                                  std::shared_ptr<dist::Communicator> comm);
+                                  std::shared_ptr<distributed::Communicator> comm);
   // Collective: `full` (significant on `src` only) is split by `spec` and each
   // rank receives its pieces.
   static ShardedTensor scatter(const at::Tensor& full, const ShardingSpec& spec, int src,
-                               std::shared_ptr<dist::Communicator> comm);
+                               std::shared_ptr<distributed::Communicator> comm);
 
   bool defined() const { return comm_ != nullptr; }
   const std::vector<int64_t>& shape() const { return shape_; }
@@ -59,7 +59,7 @@ class ShardedTensor {
   // The only local shard's data (throws when this rank holds != 1 shard).
   const at::Tensor& local_tensor() const;
   int64_t local_numel() const;
-  const std::shared_ptr<dist::Communicator>& comm() const { return comm_; }
+  const std::shared_ptr<distributed::Communicator>& comm() const { return comm_; }
 
   // --- collectives ---
   // The full tensor on `dst`; an undefined tensor elsewhere.
@@ -95,7 +95,7 @@ class ShardedTensor {
   at::ScalarType dtype_ = at::kFloat;
   std::vector<ShardMetadata> all_;
   std::vector<Shard> local_;
-  std::shared_ptr<dist::Communicator> comm_;
+  std::shared_ptr<distributed::Communicator> comm_;
 };
 
 }  // namespace tessera::sharding

@@ -328,7 +328,7 @@ LoadReport load_state_dict(Module& module, const StateDict& sd, const LoadOption
   return report;
 }
 
-int configure_model(Module& root, const std::shared_ptr<dist::Communicator>& comm) {
+int configure_model(Module& root, const std::shared_ptr<distributed::Communicator>& comm) {
   int count = 0;
   std::function<void(Module&)> walk = [&](Module& m) {
     if (auto* c = dynamic_cast<ConfigurableModel*>(&m); c && !c->configured_) {

@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/sharding/sharded_tensor.h"
 #include "tessera/state/state_dict.h"
 
@@ -97,17 +97,17 @@ LoadReport load_state_dict(torch::nn::Module& module, const StateDict& sd, bool 
 class ConfigurableModel {
  public:
   virtual ~ConfigurableModel() = default;
-  virtual void configure_model(const std::shared_ptr<dist::Communicator>& comm) = 0;
+  virtual void configure_model(const std::shared_ptr<distributed::Communicator>& comm) = 0;
   bool model_configured() const { return configured_; }
 
  private:
-  friend int configure_model(torch::nn::Module& root, const std::shared_ptr<dist::Communicator>& comm);
+  friend int configure_model(torch::nn::Module& root, const std::shared_ptr<distributed::Communicator>& comm);
   bool configured_ = false;
 };
 
 // Walks `root` pre-order and calls configure_model on every ConfigurableModel that has
 // not been configured yet (children a module creates in its configure_model are
 // visited too). Idempotent. Returns how many modules were configured by this call.
-int configure_model(torch::nn::Module& root, const std::shared_ptr<dist::Communicator>& comm);
+int configure_model(torch::nn::Module& root, const std::shared_ptr<distributed::Communicator>& comm);
 
 }  // namespace tessera::state

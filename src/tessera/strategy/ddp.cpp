@@ -23,7 +23,7 @@ struct DdpStrategy::Impl {
     at::ScalarType dtype = at::kFloat;
     int pending_count = 0;
     at::Tensor buffer;
-    dist::Pending work;
+    distributed::Pending work;
     bool launched = false;
   };
   std::vector<std::unique_ptr<Param>> params;
@@ -38,7 +38,7 @@ struct DdpStrategy::Impl {
     for (auto& b : buckets) {
       b.pending_count = static_cast<int>(b.params.size());
       b.launched = false;
-      b.work = dist::Pending();
+      b.work = distributed::Pending();
     }
     next_bucket = 0;
   }
@@ -69,7 +69,7 @@ struct DdpStrategy::Impl {
         dst.copy_(g.reshape({-1}));
       }
     }
-    b.work = self->comm_->all_reduce_async(b.buffer, dist::ReduceOp::Avg);
+    b.work = self->comm_->all_reduce_async(b.buffer, distributed::ReduceOp::Avg);
     b.launched = true;
   }
 
@@ -98,7 +98,7 @@ struct DdpStrategy::Impl {
   }
 };
 
-DdpStrategy::DdpStrategy(std::shared_ptr<dist::Communicator> comm, DdpOptions options)
+DdpStrategy::DdpStrategy(std::shared_ptr<distributed::Communicator> comm, DdpOptions options)
     : Strategy(std::move(comm)), options_(options), impl_(std::make_unique<Impl>()) {
   impl_->self = this;
 }
@@ -169,7 +169,7 @@ void DdpStrategy::backward(const at::Tensor& loss) {
   if (options_.find_unused_parameters) {
     used = at::zeros({static_cast<int64_t>(I.params.size())}, at::kInt);
     for (size_t i = 0; i < I.params.size(); ++i) used[i] = I.params[i]->ready ? 1 : 0;
-    comm_->all_reduce(used, dist::ReduceOp::Max);
+    comm_->all_reduce(used, distributed::ReduceOp::Max);
     for (auto& b : I.buckets) b.pending_count = 0;
   } else {
     for (auto& P : I.params)

@@ -36,7 +36,7 @@ struct DdpOptions {
 
 class DdpStrategy : public Strategy {
  public:
-  explicit DdpStrategy(std::shared_ptr<dist::Communicator> comm, DdpOptions options = {});
+  explicit DdpStrategy(std::shared_ptr<distributed::Communicator> comm, DdpOptions options = {});
   ~DdpStrategy() override;
   std::string name() const override { return "ddp"; }
   using Strategy::setup;

@@ -107,10 +107,10 @@ void apply_wrap(torch::nn::Module& m, const WrapPolicy& policy, int& wrapped) {
 
 }  // namespace
 
-FsdpStrategy::FsdpStrategy(std::shared_ptr<dist::Communicator> comm, FsdpOptions options)
+FsdpStrategy::FsdpStrategy(std::shared_ptr<distributed::Communicator> comm, FsdpOptions options)
     : Strategy(std::move(comm)), options_(std::move(options)), impl_(std::make_unique<Impl>()) {
   impl_->self = this;
-  auto single = dist::Communicator::create(dist::World{});
+  auto single = distributed::Communicator::create(distributed::World{});
   const int n = comm_->size();
   switch (options_.sharding) {
     case ShardingStrategy::FullShard:
@@ -269,7 +269,7 @@ double FsdpStrategy::clip_grad_norm(double max_norm, double norm_type) {
     }
   double total = local;
   if (shard_comm_->size() > 1)
-    total = shard_comm_->all_reduce_double(local, inf ? dist::ReduceOp::Max : dist::ReduceOp::Sum);
+    total = shard_comm_->all_reduce_double(local, inf ? distributed::ReduceOp::Max : distributed::ReduceOp::Sum);
   if (!inf) total = std::pow(total, 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {

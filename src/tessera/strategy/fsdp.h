@@ -94,7 +94,7 @@ TORCH_MODULE(FsdpUnit);
 
 class FsdpStrategy : public Strategy {
  public:
-  explicit FsdpStrategy(std::shared_ptr<dist::Communicator> comm, FsdpOptions options = {});
+  explicit FsdpStrategy(std::shared_ptr<distributed::Communicator> comm, FsdpOptions options = {});
   ~FsdpStrategy() override;
   std::string name() const override { return "fsdp"; }
 
@@ -111,8 +111,8 @@ class FsdpStrategy : public Strategy {
 
   const FsdpOptions& options() const { return options_; }
   // Group parameters are sharded over, and the group they are replicated over.
-  const std::shared_ptr<dist::Communicator>& shard_comm() const { return shard_comm_; }
-  const std::shared_ptr<dist::Communicator>& replicate_comm() const { return replicate_comm_; }
+  const std::shared_ptr<distributed::Communicator>& shard_comm() const { return shard_comm_; }
+  const std::shared_ptr<distributed::Communicator>& replicate_comm() const { return replicate_comm_; }
 
   // --- introspection (tests, diagnostics) ---
   int num_units() const;
@@ -139,7 +139,7 @@ class FsdpStrategy : public Strategy {
  private:
   void register_sharded_params();
   FsdpOptions options_;
-  std::shared_ptr<dist::Communicator> shard_comm_, replicate_comm_;
+  std::shared_ptr<distributed::Communicator> shard_comm_, replicate_comm_;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -52,12 +52,12 @@ struct FsdpUnitState {
   bool has_frozen = false;
   // runtime
   bool gathered = false;
-  dist::Pending gather_work;
+  distributed::Pending gather_work;
   bool gather_pending = false;
   int ready_count = 0;
   bool reduced = false;
   bool forwarded = false;
-  dist::Pending rs_work;
+  distributed::Pending rs_work;
   at::Tensor rs_buffer;  // the flat gradients being reduce-scattered
   at::Tensor rs_piece;   // this rank's reduced stretch, once rs_work is done
 };

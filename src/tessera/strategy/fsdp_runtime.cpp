@@ -242,7 +242,7 @@ void FsdpStrategy::Impl::finish_gather(FsdpUnitState& u) {
   if (!u.gather_pending) return;
   u.gather_work.wait();
   u.gather_pending = false;
-  u.gather_work = dist::Pending();
+  u.gather_work = distributed::Pending();
   for (auto& P : u.params) P->p.set_data(P->full);
   u.gathered = true;
   attach_hooks(u);
@@ -342,7 +342,7 @@ void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
     // units' full gradients exist at a time (not the whole model's until the end).
     for (int ui : reduce_order) finish_reduce(*units[ui]);
     u.rs_buffer = flat;
-    u.rs_work = self->shard_comm_->reduce_scatter_async(u.rs_buffer, u.rank_numel, dist::ReduceOp::Avg);
+    u.rs_work = self->shard_comm_->reduce_scatter_async(u.rs_buffer, u.rank_numel, distributed::ReduceOp::Avg);
     u.reduced = true;
     reduce_order.push_back(u.index);
   }
@@ -352,7 +352,7 @@ void FsdpStrategy::Impl::post_backward(FsdpUnitState& u) {
 void FsdpStrategy::Impl::finish_reduce(FsdpUnitState& u) {
   if (!u.rs_work.valid()) return;
   u.rs_piece = u.rs_work.wait();
-  u.rs_work = dist::Pending();
+  u.rs_work = distributed::Pending();
   u.rs_buffer = at::Tensor();
 }
 
@@ -375,7 +375,7 @@ void FsdpStrategy::Impl::finalize() {
       auto& u = *units[ui];
       finish_reduce(u);
       at::Tensor piece = std::move(u.rs_piece);  // leaves rs_piece undefined
-      if (self->replicate_comm_->size() > 1) self->replicate_comm_->all_reduce(piece, dist::ReduceOp::Avg);
+      if (self->replicate_comm_->size() > 1) self->replicate_comm_->all_reduce(piece, distributed::ReduceOp::Avg);
       const int s = self->shard_comm_->rank();
       for (auto& P : u.params) {
         const int64_t n = P->rank_rows[s] * P->row_numel;

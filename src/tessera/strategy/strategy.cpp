@@ -54,8 +54,8 @@ NoSyncGuard::~NoSyncGuard() {
   if (s_) s_->set_grad_sync(prev_);
 }
 
-Strategy::Strategy(std::shared_ptr<dist::Communicator> comm) : comm_(std::move(comm)) {
-  if (!comm_) comm_ = dist::Communicator::create(dist::World{});
+Strategy::Strategy(std::shared_ptr<distributed::Communicator> comm) : comm_(std::move(comm)) {
+  if (!comm_) comm_ = distributed::Communicator::create(distributed::World{});
 }
 Strategy::~Strategy() = default;
 

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/state/state_dict.h"
 
 namespace tessera::strategy {
@@ -76,7 +76,7 @@ class NoSyncGuard {
 class Strategy {
  public:
   // `comm` may be null: a single-process communicator is created.
-  explicit Strategy(std::shared_ptr<dist::Communicator> comm);
+  explicit Strategy(std::shared_ptr<distributed::Communicator> comm);
   virtual ~Strategy();
   Strategy(const Strategy&) = delete;
   Strategy& operator=(const Strategy&) = delete;
@@ -126,15 +126,15 @@ class Strategy {
   virtual std::vector<std::string> load_state_dict(const state::StateDict& sd, bool strict = true);
 
   // --- collectives and rank helpers ---
-  const std::shared_ptr<dist::Communicator>& comm() const { return comm_; }
+  const std::shared_ptr<distributed::Communicator>& comm() const { return comm_; }
   int rank() const { return comm_->rank(); }
   int world_size() const { return comm_->size(); }
   bool is_global_zero() const { return rank() == 0; }
   void barrier() { comm_->barrier(); }
-  void all_reduce(at::Tensor& t, dist::ReduceOp op = dist::ReduceOp::Avg) { comm_->all_reduce(t, op); }
+  void all_reduce(at::Tensor& t, distributed::ReduceOp op = distributed::ReduceOp::Avg) { comm_->all_reduce(t, op); }
   at::Tensor all_gather(const at::Tensor& t) { return comm_->all_gather(t); }
   void broadcast(at::Tensor& t, int src = 0) { comm_->broadcast(t, src); }
-  double reduce_double(double v, dist::ReduceOp op = dist::ReduceOp::Avg) { return comm_->all_reduce_double(v, op); }
+  double reduce_double(double v, distributed::ReduceOp op = distributed::ReduceOp::Avg) { return comm_->all_reduce_double(v, op); }
   // Runs fn on global rank 0 only.
   void rank_zero_only(const std::function<void()>& fn) const {
     if (comm_->rank() == 0) fn();
@@ -145,7 +145,7 @@ class Strategy {
   // Brings parameters into their at-rest layout before state dicts (FSDP: reshard).
   virtual void prepare_state() {}
   void set_module(const std::shared_ptr<torch::nn::Module>& m);
-  std::shared_ptr<dist::Communicator> comm_;
+  std::shared_ptr<distributed::Communicator> comm_;
   std::shared_ptr<torch::nn::Module> module_;
   std::vector<OptimizerPtr> optimizers_;
   bool sync_grads_ = true;

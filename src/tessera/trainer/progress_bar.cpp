@@ -50,7 +50,7 @@ ProgressBar::ProgressBar(ProgressBarOptions o, std::ostream* out) : opt_(std::mo
   TESSERA_CHECK(opt_.refresh_rate >= 1, "ProgressBar: refresh_rate must be >= 1, got ", opt_.refresh_rate);
   TESSERA_CHECK(opt_.width >= 0, "ProgressBar: width must be >= 0, got ", opt_.width);
   const int fd = out_ == &std::cerr || out_ == &std::clog ? 2 : out_ == &std::cout ? 1 : -1;
-  // A rank whose stderr a launcher shows on its terminal (dist::launch sets
+  // A rank whose stderr a launcher shows on its terminal (distributed::launch sets
   // TESSERA_TTY_COLUMNS, the columns left after its "[rank R] " prefix, and redraws
   // what comes after '\r' live): draw in place as on a terminal of that width.
   int relayed_columns = 0;

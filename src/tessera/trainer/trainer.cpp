@@ -275,7 +275,7 @@ void Trainer::log_metric(const std::string& name, double value, bool prog_bar, b
     a.prog_bar = a.prog_bar || prog_bar;
     return;
   }
-  if (sync_dist) value = fabric_->all_reduce(value, dist::ReduceOp::Avg);
+  if (sync_dist) value = fabric_->all_reduce(value, distributed::ReduceOp::Avg);
   step_metrics_[name] = value;
   callback_metrics_[name] = value;
   if (prog_bar) progress_bar_metrics_[name] = value;
@@ -622,7 +622,7 @@ Metrics Trainer::run_eval(TrainingModule& module, const TensorData& data, const 
       t[static_cast<int64_t>(2 * i)] = eval_acc_[synced[i]].sum;
       t[static_cast<int64_t>(2 * i + 1)] = eval_acc_[synced[i]].weight;
     }
-    t = f.all_reduce(t, dist::ReduceOp::Sum);
+    t = f.all_reduce(t, distributed::ReduceOp::Sum);
     for (size_t i = 0; i < synced.size(); ++i) {
       eval_acc_[synced[i]].sum = t[static_cast<int64_t>(2 * i)].item<double>();
       eval_acc_[synced[i]].weight = t[static_cast<int64_t>(2 * i + 1)].item<double>();
@@ -800,7 +800,7 @@ Metrics Trainer::fit(TrainingModule& module, const TensorData& train, const Tens
           module.global_step_ = global_step_;
           step_schedulers("step");
           optimizer_stepped_ = true;
-          const double train_loss = f.all_reduce(loss_sum / static_cast<double>(group), dist::ReduceOp::Avg);
+          const double train_loss = f.all_reduce(loss_sum / static_cast<double>(group), distributed::ReduceOp::Avg);
           loss_sum = 0;
           step_metrics_["train_loss"] = train_loss;
           callback_metrics_["train_loss"] = train_loss;

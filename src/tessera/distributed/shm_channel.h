@@ -29,9 +29,9 @@
 #include <string>
 #include <vector>
 
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 
-namespace tessera::dist {
+namespace tessera::distributed {
 
 // Identity of this process's host as far as shared memory goes: boot id, hostname and
 // the mount, network and pid namespaces. Ranks with equal keys can map one segment and
@@ -100,4 +100,4 @@ class ShmChannel {
   std::mutex mu_;
 };
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

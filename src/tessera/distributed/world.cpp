@@ -1,11 +1,11 @@
-#include "tessera/dist/world.h"
+#include "tessera/distributed/world.h"
 
 #include <cctype>
 
 #include "tessera/core/env.h"
 #include "tessera/core/error.h"
 
-namespace tessera::dist {
+namespace tessera::distributed {
 namespace {
 
 struct Reader {
@@ -226,4 +226,4 @@ World World::from_env() {
   return from_lookup([](const std::string& n) { return env::get(n); });
 }
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

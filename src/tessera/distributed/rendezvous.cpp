@@ -1,4 +1,4 @@
-#include "tessera/dist/rendezvous.h"
+#include "tessera/distributed/rendezvous.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
@@ -9,7 +9,7 @@
 
 #include "tessera/core/error.h"
 
-namespace tessera::dist {
+namespace tessera::distributed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -113,4 +113,4 @@ void throw_join_failure(const World& w, c10d::Store& store, std::chrono::millise
                          " failed (", count, ", timeout ", seconds(timeout), "): ", short_error(cause)));
 }
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

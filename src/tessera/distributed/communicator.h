@@ -24,13 +24,13 @@
 #include <vector>
 
 #include "tessera/core/error.h"
-#include "tessera/dist/world.h"
+#include "tessera/distributed/world.h"
 
 namespace c10d {
 class Store;
 }
 
-namespace tessera::dist {
+namespace tessera::distributed {
 
 enum class ReduceOp { Sum, Avg, Min, Max };
 const char* to_string(ReduceOp op);
@@ -179,4 +179,4 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 // A free TCP port on the loopback interface (bind to port 0, read it, close).
 int find_free_port();
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

@@ -1,4 +1,4 @@
-#include "tessera/dist/launcher.h"
+#include "tessera/distributed/launcher.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -17,11 +17,11 @@
 #include <cstring>
 
 #include "tessera/core/error.h"
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 
 extern char** environ;
 
-namespace tessera::dist {
+namespace tessera::distributed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -559,4 +559,4 @@ LaunchResult launch(const LaunchOptions& o) {
   return result;
 }
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

@@ -13,7 +13,7 @@
 
 #include "tessera/core/error.h"
 
-namespace tessera::dist {
+namespace tessera::distributed {
 
 struct LaunchOptions {
   std::vector<std::string> command;  // program and its arguments
@@ -57,4 +57,4 @@ struct LaunchResult {
 
 LaunchResult launch(const LaunchOptions& options);
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

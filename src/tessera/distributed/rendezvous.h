@@ -9,9 +9,9 @@
 #include <exception>
 #include <string>
 
-#include "tessera/dist/world.h"
+#include "tessera/distributed/world.h"
 
-namespace tessera::dist {
+namespace tessera::distributed {
 
 // Connects to the store (rank 0: starts it) and counts this rank as joined. Throws
 // CommError in one line naming the rank, the address and port and the timeout.
@@ -26,4 +26,4 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& world, std::chrono::m
 // The first line of an exception's message, without the backtrace libtorch appends.
 std::string short_error(const std::exception& e);
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

@@ -1,4 +1,4 @@
-#include "tessera/dist/communicator.h"
+#include "tessera/distributed/communicator.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -20,10 +20,10 @@
 #include "tessera/core/env.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
-#include "tessera/dist/rendezvous.h"
-#include "tessera/dist/shm_channel.h"
+#include "tessera/distributed/rendezvous.h"
+#include "tessera/distributed/shm_channel.h"
 
-namespace tessera::dist {
+namespace tessera::distributed {
 
 const char* to_string(ReduceOp op) {
   switch (op) {
@@ -798,4 +798,4 @@ int find_free_port() {
   return port;
 }
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-namespace tessera::dist {
+namespace tessera::distributed {
 
 struct World {
   int rank = 0;
@@ -47,4 +47,4 @@ bool started_by_launcher();
 // First host of a SLURM node list: "node[03-05,9],other" -> "node03".
 std::string slurm_first_host(const std::string& nodelist);
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed

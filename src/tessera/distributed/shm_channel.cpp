@@ -1,4 +1,4 @@
-#include "tessera/dist/shm_channel.h"
+#include "tessera/distributed/shm_channel.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -24,7 +24,7 @@
 
 #include "tessera/core/error.h"
 
-namespace tessera::dist {
+namespace tessera::distributed {
 
 struct ShmChannel::Desc {
   int32_t op = 0;     // one of the Op codes below
@@ -475,4 +475,4 @@ void ShmChannel::broadcast(const at::Tensor& t, int src) {
   });
 }
 
-}  // namespace tessera::dist
+}  // namespace tessera::distributed
