@@ -1,6 +1,7 @@
 #include "tessera/state/optimizer_state.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -323,6 +324,33 @@ void load_optimizer_state_dict(optim::Optimizer& optimizer, const torch::nn::Mod
   for (auto& a : apply) a();
   for (auto& k : all_keys) optimizer.state().erase(k);
   for (auto& [k, s] : fresh) optimizer.state()[k] = std::move(s);
+}
+
+void materialize_optimizer_state(torch::optim::Optimizer& optimizer,
+                                 const std::function<void(torch::optim::Optimizer&)>& step) {
+  std::vector<double> lrs;
+  std::vector<std::pair<at::Tensor, at::Tensor>> grads;
+  at::NoGradGuard ng;
+  for (auto& g : optimizer.param_groups()) {
+    lrs.push_back(g.options().get_lr());
+    g.options().set_lr(0.0);
+    for (auto& p : g.params()) {
+      grads.emplace_back(p, p.grad());
+      p.mutable_grad() = at::zeros_like(p);
+    }
+  }
+  auto restore = [&] {
+    size_t i = 0;
+    for (auto& g : optimizer.param_groups()) g.options().set_lr(lrs[i++]);
+    for (auto& [p, gr] : grads) p.mutable_grad() = gr;
+  };
+  try {
+    step(optimizer);
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
 }
 
 }  // namespace tessera::state

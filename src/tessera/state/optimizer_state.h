@@ -11,6 +11,8 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
+
 #include "tessera/state/state_dict.h"
 
 namespace tessera::state {
@@ -24,5 +26,13 @@ StateDict optimizer_state_dict(const torch::optim::Optimizer& optimizer, const t
 // collective: every rank must load). Parameters without an entry get no state.
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const torch::nn::Module& model,
                                const StateDict& sd);
+
+// Gives every parameter of `optimizer` its state, as a first step would, without
+// changing any parameter: `step` runs once with every gradient zero and every learning
+// rate 0 (gradients and learning rates are restored afterwards, also when it throws).
+// A checkpoint loaded next then has a state to land in. `step` is how the caller steps
+// (e.g. through its strategy, which may step on shards).
+void materialize_optimizer_state(torch::optim::Optimizer& optimizer,
+                                 const std::function<void(torch::optim::Optimizer&)>& step);
 
 }  // namespace tessera::state
