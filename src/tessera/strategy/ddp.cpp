@@ -98,8 +98,8 @@ struct DdpStrategy::Impl {
   }
 };
 
-DdpStrategy::DdpStrategy(std::shared_ptr<distributed::Communicator> comm, DdpOptions options)
-    : Strategy(std::move(comm)), options_(options), impl_(std::make_unique<Impl>()) {
+DdpStrategy::DdpStrategy(std::shared_ptr<distributed::Communicator> comm, DdpOptions options, c10::Device device)
+    : Strategy(std::move(comm)), options_(options), device_(device), impl_(std::make_unique<Impl>()) {
   impl_->self = this;
 }
 
@@ -109,6 +109,7 @@ DdpStrategy::~DdpStrategy() {
 
 torch::nn::AnyModule DdpStrategy::setup(torch::nn::AnyModule module, std::vector<OptimizerPtr> optimizers) {
   set_module(module.ptr());
+  if (!device_.is_cpu()) module_->to(device_);  // before the broadcast from rank 0
   for (auto& o : optimizers) add_optimizer(o);
   auto& I = *impl_;
   {

@@ -36,7 +36,9 @@ struct DdpOptions {
 
 class DdpStrategy : public Strategy {
  public:
-  explicit DdpStrategy(std::shared_ptr<distributed::Communicator> comm, DdpOptions options = {});
+  // A `device` other than the CPU: setup() moves the module there first.
+  explicit DdpStrategy(std::shared_ptr<distributed::Communicator> comm, DdpOptions options = {},
+                       c10::Device device = c10::kCPU);
   ~DdpStrategy() override;
   std::string name() const override { return "ddp"; }
   using Strategy::setup;
@@ -53,6 +55,7 @@ class DdpStrategy : public Strategy {
 
  private:
   DdpOptions options_;
+  c10::Device device_;
   std::unique_ptr<Impl> impl_;
 };
 

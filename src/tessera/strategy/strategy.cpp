@@ -6,9 +6,7 @@
 
 #include <cmath>
 #include <map>
-#include <set>
 
-#include "tessera/core/log.h"
 #include "tessera/state/module_state.h"
 #include "tessera/state/optimizer_state.h"
 
@@ -88,8 +86,6 @@ void Strategy::clip_grad_value(double clip_value) {
 }
 
 namespace {
-const std::string kOptimPrefix = "optim.";
-
 // Replaces every ShardedTensor (also in nested dicts) by its full value (collective).
 void make_full(state::StateDict& sd) {
   for (const auto& key : std::vector<std::string>(sd.keys())) {
@@ -105,48 +101,66 @@ void make_full(state::StateDict& sd) {
 }
 }  // namespace
 
-state::StateDict Strategy::state_dict(StateDictType type, bool with_optimizers) {
-  TESSERA_CHECK(module_, name(), ": state_dict before setup()");
+void Strategy::check_optimizer_index(size_t index, const char* what) const {
+  TESSERA_CHECK(index < optimizers_.size(), name(), ": ", what, ": no optimizer ", index, " (the strategy has ",
+                optimizers_.size(), ")");
+}
+
+state::StateDict Strategy::module_state(StateDictType type) {
+  TESSERA_CHECK(module_, name(), ": module_state before setup()");
   prepare_state();
   state::StateDict sd = state::state_dict(*module_);
-  if (with_optimizers)
-    for (size_t i = 0; i < optimizers_.size(); ++i)
-      sd.set(kOptimPrefix + std::to_string(i),
-             std::make_shared<state::StateDict>(state::optimizer_state_dict(*optimizers_[i], *module_)));
   if (type == StateDictType::Full) make_full(sd);
   return sd;
 }
 
-std::vector<std::string> Strategy::load_state_dict(const state::StateDict& sd, bool strict) {
-  TESSERA_CHECK(module_, name(), ": load_state_dict before setup()");
+state::StateDict Strategy::optimizer_state(size_t index, StateDictType type) {
+  TESSERA_CHECK(module_, name(), ": optimizer_state before setup()");
+  check_optimizer_index(index, "optimizer_state");
   prepare_state();
-  state::StateDict model_part;
-  std::vector<std::string> rest;
-  for (const auto& key : sd.keys())
-    if (key.rfind(kOptimPrefix, 0) != 0) model_part.set(key, sd.at(key));
+  state::StateDict sd = state::optimizer_state_dict(*optimizers_[index], *module_);
+  if (type == StateDictType::Full) make_full(sd);
+  return sd;
+}
+
+StrategyState Strategy::state(StateDictType type) {
+  std::vector<size_t> all(optimizers_.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return state(type, all);
+}
+
+StrategyState Strategy::state(StateDictType type, const std::vector<size_t>& optimizer_indices) {
+  StrategyState out;
+  out.module = module_state(type);
+  for (size_t i : optimizer_indices) out.optimizers[i] = optimizer_state(i, type);
+  return out;
+}
+
+std::vector<std::string> Strategy::load_module_state(const state::StateDict& sd, bool strict) {
+  TESSERA_CHECK(module_, name(), ": load_module_state before setup()");
+  prepare_state();
   state::LoadOptions lo;
   lo.strict = strict;
   lo.allow_reshard = true;
-  state::LoadReport report = state::load_state_dict(*module_, model_part, lo);
-  for (auto& k : report.unexpected) rest.push_back(k);
-  for (size_t i = 0; i < optimizers_.size(); ++i) {
-    const std::string key = kOptimPrefix + std::to_string(i);
-    if (sd.contains(key)) {
-      state::load_optimizer_state_dict(*optimizers_[i], *module_, sd.dict(key));
-    } else {
-      TESSERA_CHECK(!strict, name(), ": load_state_dict: no state for optimizer ", i, " (key '", key, "')");
-    }
-  }
-  for (const auto& key : sd.keys())
-    if (key.rfind(kOptimPrefix, 0) == 0) {
-      const size_t i = std::stoul(key.substr(kOptimPrefix.size()));
-      if (i >= optimizers_.size()) rest.push_back(key);
-    }
-  return rest;
+  return state::load_state_dict(*module_, sd, lo).unexpected;
 }
 
-void Strategy::rank_zero_log(const std::string& message) const {
-  if (comm_->rank() == 0) log::write(log::Level::Info, message);
+void Strategy::load_optimizer_state(size_t index, const state::StateDict& sd) {
+  TESSERA_CHECK(module_, name(), ": load_optimizer_state before setup()");
+  check_optimizer_index(index, "load_optimizer_state");
+  prepare_state();
+  state::load_optimizer_state_dict(*optimizers_[index], *module_, sd);
+}
+
+std::vector<std::string> Strategy::load_state(const StrategyState& st, bool strict) {
+  TESSERA_CHECK(module_, name(), ": load_state before setup()");
+  for (const auto& [i, sd] : st.optimizers) check_optimizer_index(i, "load_state");
+  if (strict)
+    for (size_t i = 0; i < optimizers_.size(); ++i)
+      TESSERA_CHECK(st.optimizers.count(i), name(), ": load_state: no state for optimizer ", i);
+  std::vector<std::string> rest = load_module_state(st.module, strict);
+  for (const auto& [i, sd] : st.optimizers) load_optimizer_state(i, sd);
+  return rest;
 }
 
 SingleDeviceStrategy::SingleDeviceStrategy(c10::Device device) : Strategy(nullptr), device_(device) {}

@@ -24,14 +24,11 @@
 
 #include "tessera/distributed/communicator.h"
 #include "tessera/state/state_dict.h"
+#include "tessera/strategy/strategy_state.h"
 
 namespace tessera::strategy {
 
 using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
-
-// Whether a state dict holds the local pieces of sharded values (each a
-// ShardedTensor under its original name and global shape) or full tensors.
-enum class StateDictType { Sharded, Full };
 
 class Strategy;
 
@@ -113,35 +110,40 @@ class Strategy {
   virtual void set_grad_sync(bool enabled) { sync_grads_ = enabled; }
 
   // --- state ---
-  // Module parameters and buffers under their FQNs (tessera::state::state_dict) and,
-  // with `with_optimizers`, one nested dict "optim.<i>" per optimizer
-  // (tessera::state::optimizer_state_dict, keyed by parameter FQN). Sharded: FSDP
-  // parameters and their optimizer state are ShardedTensors under the original FQN
-  // and global shape (values alias the live tensors); Full: every ShardedTensor is
-  // replaced by its full value, gathered one tensor at a time on every rank.
-  virtual state::StateDict state_dict(StateDictType type = StateDictType::Full, bool with_optimizers = true);
-  // Loads values from `sd` (full tensors, or ShardedTensors of any layout: resharded,
-  // a collective) into the module and the optimizers; returns the keys it did not
-  // consume. strict: missing/unexpected/mismatched keys are one error naming them.
-  virtual std::vector<std::string> load_state_dict(const state::StateDict& sd, bool strict = true);
+  // Typed state (strategy_state.h). Sharded: FSDP parameters and their optimizer state
+  // are ShardedTensors under the original FQN and global shape (values alias the live
+  // tensors); Full: every ShardedTensor is replaced by its full value, gathered one
+  // tensor at a time on every rank (a collective).
+  //
+  // The kind a checkpoint of this strategy is written in unless the user says otherwise
+  // (FSDP: Sharded, the others: Full).
+  static constexpr StateDictType kDefaultStateDictType = StateDictType::Full;
+  virtual StateDictType default_state_dict_type() const { return kDefaultStateDictType; }
+  // Module parameters and buffers under their FQNs (tessera::state::state_dict).
+  virtual state::StateDict module_state(StateDictType type = StateDictType::Full);
+  // Optimizer `index` (in optimizers()) keyed by parameter FQN
+  // (tessera::state::optimizer_state_dict).
+  virtual state::StateDict optimizer_state(size_t index, StateDictType type = StateDictType::Full);
+  // The module and every optimizer.
+  StrategyState state(StateDictType type = StateDictType::Full);
+  // The module and the optimizers with the given indices.
+  StrategyState state(StateDictType type, const std::vector<size_t>& optimizer_indices);
+  // Loads full tensors, or ShardedTensors of any layout (resharded: a collective), into
+  // the module; returns the keys it did not consume. strict: missing, unexpected or
+  // mismatched keys are one error naming them.
+  virtual std::vector<std::string> load_module_state(const state::StateDict& sd, bool strict = true);
+  // Loads optimizer `index`'s state (tessera::state::load_optimizer_state_dict).
+  virtual void load_optimizer_state(size_t index, const state::StateDict& sd);
+  // Loads the module and each optimizer `st` holds; returns the module keys not
+  // consumed. strict: also every optimizer must have an entry in `st`.
+  std::vector<std::string> load_state(const StrategyState& st, bool strict = true);
 
-  // --- collectives and rank helpers ---
+  // --- communicator ---
   const std::shared_ptr<distributed::Communicator>& comm() const { return comm_; }
   int rank() const { return comm_->rank(); }
-  int world_size() const { return comm_->size(); }
-  bool is_global_zero() const { return rank() == 0; }
-  void barrier() { comm_->barrier(); }
-  void all_reduce(at::Tensor& t, distributed::ReduceOp op = distributed::ReduceOp::Avg) { comm_->all_reduce(t, op); }
-  at::Tensor all_gather(const at::Tensor& t) { return comm_->all_gather(t); }
-  void broadcast(at::Tensor& t, int src = 0) { comm_->broadcast(t, src); }
-  double reduce_double(double v, distributed::ReduceOp op = distributed::ReduceOp::Avg) { return comm_->all_reduce_double(v, op); }
-  // Runs fn on global rank 0 only.
-  void rank_zero_only(const std::function<void()>& fn) const {
-    if (comm_->rank() == 0) fn();
-  }
-  void rank_zero_log(const std::string& message) const;
 
  protected:
+  void check_optimizer_index(size_t index, const char* what) const;
   // Brings parameters into their at-rest layout before state dicts (FSDP: reshard).
   virtual void prepare_state() {}
   void set_module(const std::shared_ptr<torch::nn::Module>& m);

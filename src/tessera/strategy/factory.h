@@ -1,0 +1,37 @@
+// Strategies by name: the one place that maps "single", "ddp" and "fsdp" to their
+// classes, so the layers above (Fabric, the Trainer) hold a Strategy and know none of
+// them by name.
+#pragma once
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/distributed/communicator.h"
+#include "tessera/strategy/ddp.h"
+#include "tessera/strategy/fsdp.h"
+#include "tessera/strategy/strategy.h"
+
+namespace tessera::strategy {
+
+// The options of every strategy; make_strategy passes on the ones of the chosen one.
+struct StrategyOptions {
+  DdpOptions ddp;
+  FsdpOptions fsdp;
+};
+
+// "single", "ddp", "fsdp".
+const std::vector<std::string>& strategy_names();
+
+// Builds strategy `name` for this rank. `device` is the rank's device: the single-device
+// and DDP strategies place the module there; FSDP gathers to it when fsdp.device is
+// CUDA without an index. "single" runs one process and ignores `comm`. An unknown name
+// is an error listing the known ones.
+std::unique_ptr<Strategy> make_strategy(const std::string& name, std::shared_ptr<distributed::Communicator> comm,
+                                        c10::Device device, const StrategyOptions& options = {});
+
+// What make_strategy(name, ...)->default_state_dict_type() returns, without building it.
+StateDictType default_state_dict_type(const std::string& name);
+
+}  // namespace tessera::strategy
