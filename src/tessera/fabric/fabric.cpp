@@ -16,8 +16,7 @@
 #include "tessera/core/env.h"
 #include "tessera/core/log.h"
 #include "tessera/distributed/launcher.h"
-#include "tessera/strategy/ddp.h"
-#include "tessera/strategy/fsdp.h"
+#include "tessera/strategy/factory.h"
 
 namespace tessera::fabric {
 
@@ -117,15 +116,10 @@ void Fabric::launch() {
   const c10::Device dev = device();
   core::select_device(dev);
   comm_ = distributed::Communicator::create(world_, opts_.options.comm);
-  if (opts_.strategy == "single") {
-    strategy_ = std::make_unique<strategy::SingleDeviceStrategy>(dev);
-  } else if (opts_.strategy == "ddp") {
-    strategy_ = std::make_unique<strategy::DdpStrategy>(comm_, opts_.options.ddp);
-  } else {
-    strategy::FsdpOptions fo = opts_.options.fsdp;
-    if (fo.device.is_cuda() && !fo.device.has_index()) fo.device = dev;
-    strategy_ = std::make_unique<strategy::FsdpStrategy>(comm_, fo);
-  }
+  strategy::StrategyOptions so;
+  so.ddp = opts_.options.ddp;
+  so.fsdp = opts_.options.fsdp;
+  strategy_ = strategy::make_strategy(opts_.strategy, comm_, dev, so);
 }
 
 void Fabric::require_launched(const char* what) const {
@@ -157,7 +151,6 @@ torch::nn::AnyModule Fabric::setup_module(torch::nn::AnyModule module) {
   TESSERA_CHECK(!module.is_empty(), "Fabric::setup_module: the module is empty");
   TESSERA_CHECK(!setup_original_, "Fabric::setup_module: a module is already set up (", setup_original_->name(),
                 "); one Fabric drives one model: put the pieces in one parent module");
-  if (opts_.strategy == "ddp" && !device().is_cpu()) module.ptr()->to(device());
   std::shared_ptr<torch::nn::Module> original = module.ptr();
   torch::nn::AnyModule out = strategy_->setup(std::move(module), {});
   setup_original_ = original;

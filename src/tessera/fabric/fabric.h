@@ -175,7 +175,7 @@ class Fabric {
   // --- checkpoints ---
   // Writes the state's module (strategy state dict), optimizers and values to `path`:
   // a sharded directory or one consolidated file, per FabricOptions.state_dict_type
-  // (Sharded by default for FSDP). A consolidated save streams each sharded tensor to
+  // (by default the strategy's default_state_dict_type(): Sharded for FSDP). A consolidated save streams each sharded tensor to
   // rank 0 in bounded slices, so no rank ever holds more than its shards and one slice.
   // Waits for an async save in flight first. Collective.
   void save(const std::string& path, const FabricState& state);
@@ -208,6 +208,16 @@ class Fabric {
   void require_launched(const char* what) const;
   void check_is_setup_module(const std::shared_ptr<torch::nn::Module>& m, const std::string& what) const;
   int optimizer_index(const torch::optim::Optimizer* opt, const std::string& what) const;
+  // A FabricState's entries by kind; each module and optimizer is checked to be this
+  // Fabric's (errors start "Fabric::<what>").
+  struct StateParts {
+    std::vector<std::string> modules, values;
+    std::vector<std::pair<std::string, size_t>> optimizers;  // name, index in the strategy
+  };
+  StateParts parts_of(const FabricState& st, const char* what) const;
+  // The strategy's state of the module (when `parts` names one) and of the optimizers
+  // `parts` names.
+  strategy::StrategyState strategy_state_of(const StateParts& parts, strategy::StateDictType type, const char* what);
   // The checkpoint save() and save_async() write (the state dict and its save mode).
   std::pair<state::StateDict, checkpoint::SaveOptions> checkpoint_of(const FabricState& st);
 

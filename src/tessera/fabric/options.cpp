@@ -3,6 +3,7 @@
 #include <torch/cuda.h>
 
 #include "tessera/core/error.h"
+#include "tessera/strategy/factory.h"
 
 namespace tessera::fabric {
 
@@ -73,8 +74,7 @@ ResolvedOptions resolve(const FabricOptions& o, int cuda_devices) {
                   "FabricOptions.fsdp is set (mixed_precision/cpu_offload/activation_checkpointing) but the strategy is \"",
                   r.strategy, "\"; choose strategy \"fsdp\" or leave FabricOptions.fsdp at its defaults");
   }
-  r.state_dict_type = o.state_dict_type.value_or(r.strategy == "fsdp" ? strategy::StateDictType::Sharded
-                                                                      : strategy::StateDictType::Full);
+  r.state_dict_type = o.state_dict_type.value_or(strategy::default_state_dict_type(r.strategy));
   return r;
 }
 

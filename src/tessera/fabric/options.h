@@ -25,7 +25,8 @@ struct FabricOptions {
   int num_nodes = 1;
   // "32", "bf16-mixed" or "16-mixed" (CUDA only).
   std::string precision = "32";
-  // Layout of save(): nullopt = Sharded for "fsdp", Full for the other strategies.
+  // Layout of save(): nullopt = the strategy's default_state_dict_type() (Sharded for
+  // "fsdp", Full for the others).
   std::optional<strategy::StateDictType> state_dict_type;
   // Options of the "fsdp" and "ddp" strategies. Fabric fills fsdp.device and
   // fsdp.mixed_precision.param_dtype from accelerator/precision unless set here.
