@@ -20,7 +20,7 @@
 #include "harness.h"
 #include "test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/sharding/sharded_tensor.h"
 #include "tessera/state/state_dict.h"

@@ -19,7 +19,7 @@
 #include "test_trainer_util.h"
 #include "test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/metadata.h"
 #include "tessera/checkpoint/offline.h"
 #include "tessera/checkpoint/reader.h"

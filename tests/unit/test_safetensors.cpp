@@ -7,13 +7,14 @@
 #include <fstream>
 
 #include "test_util.h"
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/core/error.h"
 
 using namespace tessera;
 using namespace tessera::checkpoint;
+using namespace tessera::core;
 
 using namespace tessera::testing;
 

@@ -24,7 +24,7 @@
 #include <memory>
 #include <set>
 
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/metadata.h"
 #include "tessera/checkpoint/offline_publish.h"

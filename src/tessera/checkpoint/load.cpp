@@ -8,24 +8,13 @@
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 
 namespace tessera::checkpoint {
 
 namespace {
 
 using state::Value;
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
-
-std::string join_keys(const std::vector<std::string>& v) {
-  std::string o;
-  for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + v[i];
-  return o;
-}
 
 bool same_plain_kind(const Value& target, const Value& saved) {
   if (target.index() == saved.index()) return true;
@@ -74,7 +63,7 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
       if (!e.is_tensor()) {
         res.mismatched.push_back(concat(fqn, ": the checkpoint holds a ", e.kind, ", the target a tensor"));
       } else if (shape != e.shape) {
-        res.mismatched.push_back(concat(fqn, ": shape ", shape_str(e.shape), " in the checkpoint, ", shape_str(shape),
+        res.mismatched.push_back(concat(fqn, ": shape ", core::shape_string(e.shape), " in the checkpoint, ", core::shape_string(shape),
                                         " in the target"));
       } else if (dt != e.dtype) {
         res.mismatched.push_back(concat(fqn, ": dtype ", e.dtype, " in the checkpoint, ", dt, " in the target"));
@@ -99,9 +88,9 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
   }
   if (options.strict && (!res.missing.empty() || !res.unexpected.empty() || !res.mismatched.empty())) {
     std::string msg = concat("loading '", path, "' (strict) failed; nothing was loaded.");
-    if (!res.missing.empty()) msg += concat(" Missing keys: ", join_keys(res.missing), ".");
-    if (!res.unexpected.empty()) msg += concat(" Unexpected keys: ", join_keys(res.unexpected), ".");
-    if (!res.mismatched.empty()) msg += concat(" Mismatched: ", join_keys(res.mismatched), ".");
+    if (!res.missing.empty()) msg += concat(" Missing keys: ", core::join(res.missing), ".");
+    if (!res.unexpected.empty()) msg += concat(" Unexpected keys: ", core::join(res.unexpected), ".");
+    if (!res.mismatched.empty()) msg += concat(" Mismatched: ", core::join(res.mismatched), ".");
     throw Error(msg);
   }
 

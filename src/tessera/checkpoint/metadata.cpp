@@ -7,7 +7,7 @@
 #include <limits>
 #include <set>
 
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/core/error.h"
 

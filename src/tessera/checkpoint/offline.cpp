@@ -12,7 +12,7 @@
 #include <mutex>
 #include <sstream>
 
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/interop.h"
 #include "tessera/checkpoint/offline_publish.h"
@@ -20,16 +20,11 @@
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 
 namespace tessera::checkpoint {
 
 namespace {
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
 
 std::string value_str(const state::Value& v) {
   if (auto p = std::get_if<int64_t>(&v)) return std::to_string(*p);
@@ -172,7 +167,7 @@ std::string inspect(const std::string& path) {
     if (e.is_tensor()) {
       const uint64_t b = byte_size(e.shape, e.dtype, k);
       total += b;
-      rows.push_back({k, e.kind, dtype_name(e.dtype), shape_str(e.shape), std::to_string(e.chunks.size()),
+      rows.push_back({k, e.kind, dtype_name(e.dtype), core::shape_string(e.shape), std::to_string(e.chunks.size()),
                       std::to_string(b)});
     } else {
       rows.push_back({k, e.kind, "-", value_str(e.value), "-", "-"});

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/interop.h"
 #include "tessera/core/error.h"

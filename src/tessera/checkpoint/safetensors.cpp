@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/metadata.h"
 #include "tessera/core/error.h"
 

@@ -12,7 +12,7 @@
 #include <tuple>
 
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/checkpoint/writer.h"

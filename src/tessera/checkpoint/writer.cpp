@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/safetensors.h"

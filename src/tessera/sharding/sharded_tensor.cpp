@@ -20,6 +20,7 @@
 #include <numeric>
 
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 
 namespace tessera::sharding {
 
@@ -27,7 +28,6 @@ namespace {
 
 using Json = nlohmann::json;
 
-std::string shape_str(const std::vector<int64_t>& s) { return full_box(s).to_string(); }
 
 void check_placements(const std::vector<ShardMetadata>& all, const distributed::Communicator& comm) {
   for (size_t i = 0; i < all.size(); ++i)
@@ -187,7 +187,7 @@ ShardedTensor ShardedTensor::from_parts(std::vector<Shard> local, std::vector<Sh
                   " does not match shard ", i, " ", all_shards[i].box.to_string(), " of the metadata");
     TESSERA_CHECK(s.tensor.defined() && s.tensor.sizes().vec() == s.meta.box.sizes, "rank ", comm->rank(),
                   " shard ", i, " ", s.meta.box.to_string(), " holds a tensor of shape ",
-                  s.tensor.defined() ? shape_str(s.tensor.sizes().vec()) : std::string("(undefined)"));
+                  s.tensor.defined() ? core::shape_string(s.tensor.sizes().vec()) : std::string("(undefined)"));
     TESSERA_CHECK(s.tensor.scalar_type() == dtype, "rank ", comm->rank(), " shard ", i, " ",
                   s.meta.box.to_string(), " has dtype ", s.tensor.scalar_type(), ", expected ", dtype);
   }
@@ -218,7 +218,7 @@ ShardedTensor ShardedTensor::from_local_shards(std::vector<Shard> local, const s
     } else if (s.meta.placement.rank != me) {
       err = concat(name, " is placed on ", s.meta.placement.to_string(), " but was passed by rank ", me);
     } else if (s.tensor.sizes().vec() != s.meta.box.sizes) {
-      err = concat(name, " holds a tensor of shape ", shape_str(s.tensor.sizes().vec()));
+      err = concat(name, " holds a tensor of shape ", core::shape_string(s.tensor.sizes().vec()));
     } else if (dt && *dt != s.tensor.scalar_type()) {
       err = concat(name, " has dtype ", s.tensor.scalar_type(), " but an earlier one has ", *dt);
     }
@@ -234,8 +234,8 @@ ShardedTensor ShardedTensor::from_local_shards(std::vector<Shard> local, const s
     Json j = Json::parse(gathered[r]);
     if (!j["err"].get<std::string>().empty()) errors += concat("; rank ", r, ": ", j["err"].get<std::string>());
     auto rs = j["shape"].get<std::vector<int64_t>>();
-    if (rs != shape) errors += concat("; rank ", r, " passes global shape ", shape_str(rs), " but rank ", me,
-                                      " passes ", shape_str(shape));
+    if (rs != shape) errors += concat("; rank ", r, " passes global shape ", core::shape_string(rs), " but rank ", me,
+                                      " passes ", core::shape_string(shape));
     int d = j["dtype"].get<int>();
     if (d >= 0) {
       auto sd = static_cast<at::ScalarType>(d);
@@ -286,7 +286,7 @@ int64_t ShardedTensor::numel() const {
 
 const at::Tensor& ShardedTensor::local_tensor() const {
   TESSERA_CHECK(local_.size() == 1, "local_tensor(): rank ", comm_ ? comm_->rank() : -1, " holds ", local_.size(),
-                " shards of the sharded tensor of shape ", shape_str(shape_), ", not exactly one");
+                " shards of the sharded tensor of shape ", core::shape_string(shape_), ", not exactly one");
   return local_[0].tensor;
 }
 
@@ -301,7 +301,7 @@ bool ShardedTensor::same_layout(const ShardedTensor& other) const {
 }
 
 std::string ShardedTensor::describe() const {
-  std::string s = concat("ShardedTensor(shape=", shape_str(shape_), ", dtype=", dtype_, ", shards=[");
+  std::string s = concat("ShardedTensor(shape=", core::shape_string(shape_), ", dtype=", dtype_, ", shards=[");
   for (size_t i = 0; i < all_.size(); ++i)
     s += concat(i ? ", " : "", all_[i].box.to_string(), "@", all_[i].placement.to_string());
   return s + "])";
@@ -322,7 +322,7 @@ at::Tensor ShardedTensor::gather_region(const Box& region, int dst) const {
                 " is outside the group of ", comm_->size());
   TESSERA_CHECK(region.dim() == shape_.size() && region.offsets.size() == shape_.size() &&
                     contains(full_box(shape_), region),
-                "gather_region: region ", region.to_string(), " is not inside the global shape ", shape_str(shape_));
+                "gather_region: region ", region.to_string(), " is not inside the global shape ", core::shape_string(shape_));
   return gather_impl(false, dst, region);
 }
 
@@ -412,8 +412,8 @@ ShardedTensor ShardedTensor::reshard(const ShardingSpec& spec) const {
 
 void ShardedTensor::copy_from(const ShardedTensor& other) {
   TESSERA_CHECK(defined() && other.defined(), "copy_from with an undefined ShardedTensor");
-  TESSERA_CHECK(shape_ == other.shape_, "copy_from: global shape ", shape_str(other.shape_), " into ",
-                shape_str(shape_));
+  TESSERA_CHECK(shape_ == other.shape_, "copy_from: global shape ", core::shape_string(other.shape_), " into ",
+                core::shape_string(shape_));
   TESSERA_CHECK(dtype_ == other.dtype_, "copy_from: dtype ", other.dtype_, " into ", dtype_);
   TESSERA_CHECK(comm_->size() == other.comm_->size() && comm_->members() == other.comm_->members(),
                 "copy_from: the sharded tensors live on different communicators");

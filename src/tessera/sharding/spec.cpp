@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 
 namespace tessera::sharding {
 
@@ -18,14 +19,6 @@ ChunkSpec ChunkSpec::over_ranks(int64_t dim, int world, c10::Device device) {
 
 namespace {
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << "]";
-  return os.str();
-}
-
 std::string shard_name(size_t i, const ShardMetadata& s) {
   return concat("shard ", i, " ", s.box.to_string(), " on ", s.placement.to_string());
 }
@@ -33,8 +26,8 @@ std::string shard_name(size_t i, const ShardMetadata& s) {
 }  // namespace
 
 void validate_shards(const std::vector<ShardMetadata>& shards, const std::vector<int64_t>& shape) {
-  const std::string tensor = concat("a tensor of shape ", shape_string(shape));
-  for (auto s : shape) TESSERA_CHECK(s >= 0, "negative dimension in shape ", shape_string(shape));
+  const std::string tensor = concat("a tensor of shape ", core::shape_string(shape));
+  for (auto s : shape) TESSERA_CHECK(s >= 0, "negative dimension in shape ", core::shape_string(shape));
   int64_t want = 1;
   for (auto s : shape) want *= s;
   int64_t total = 0;
@@ -74,7 +67,7 @@ std::vector<ShardMetadata> build_shards(const ShardingSpec& spec, const std::vec
     const int64_t nd = static_cast<int64_t>(shape.size());
     int64_t dim = c->dim < 0 ? c->dim + nd : c->dim;
     TESSERA_CHECK(dim >= 0 && dim < nd, "chunk spec dimension ", c->dim, " is outside a tensor of shape ",
-                  shape_string(shape));
+                  core::shape_string(shape));
     TESSERA_CHECK(!c->placements.empty(), "chunk spec has no placements");
     const int pieces = static_cast<int>(c->placements.size());
     for (int i = 0; i < pieces; ++i) out.push_back(ShardMetadata{chunk_box(shape, dim, pieces, i), c->placements[i]});

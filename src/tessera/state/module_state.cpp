@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 
 namespace tessera::state {
 
@@ -80,7 +81,6 @@ ShardedTensor detached_alias(const ShardedTensor& st) {
   return ShardedTensor::from_parts(std::move(local), st.shards_metadata(), st.shape(), st.dtype(), st.comm());
 }
 
-std::string shape_str(at::IntArrayRef s) { return sharding::full_box(s.vec()).to_string(); }
 
 }  // namespace
 
@@ -275,7 +275,8 @@ LoadReport load_state_dict(Module& module, const StateDict& sd, const LoadOption
       continue;
     }
     if (sshape != dshape) {
-      mismatch(concat("shape ", shape_str(sshape), " in the state dict, ", shape_str(dshape), " in the module"));
+      mismatch(concat("shape ", core::shape_string(sshape), " in the state dict, ", core::shape_string(dshape),
+                      " in the module"));
       continue;
     }
     if (sdt != ddt) {

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/core/crc32c.h"
 #include "tessera/core/error.h"
 
 namespace fs = std::filesystem;
@@ -77,7 +77,7 @@ std::string summary_event(double wall_time, int64_t step, const std::string& val
 }  // namespace
 
 uint32_t masked_crc32c(const void* data, size_t n) {
-  const uint32_t crc = checkpoint::crc32c(data, n);
+  const uint32_t crc = core::crc32c(data, n);
   return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
 

@@ -5,9 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <vector>
 
-namespace tessera::checkpoint {
+namespace tessera::core {
 
 // Extends `crc` (the value returned for the bytes before) over [data, data + n).
 // Start with 0.
@@ -18,16 +17,8 @@ uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t n);
 // Whether crc32c_extend uses the CPU instruction.
 bool crc32c_hardware();
 
-// Checksum block size of format version 1.
-constexpr uint64_t kCrcBlock = 4u << 20;
-
-// One checksum per `block` bytes of [data, data + n) (the last one may be shorter).
-std::vector<uint32_t> block_crcs(const void* data, size_t n, uint64_t block = kCrcBlock);
-// Number of blocks of a byte length.
-inline uint64_t num_blocks(uint64_t bytes, uint64_t block = kCrcBlock) { return (bytes + block - 1) / block; }
-
 std::string crc_hex(uint32_t crc);  // 8 lowercase hex digits
 // Parses 8 hex digits; throws tessera::Error naming `what` otherwise.
 uint32_t parse_crc_hex(const std::string& s, const std::string& what);
 
-}  // namespace tessera::checkpoint
+}  // namespace tessera::core

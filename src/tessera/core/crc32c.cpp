@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/crc32c.h"
+#include "tessera/core/crc32c.h"
 
 #include <array>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include <nmmintrin.h>
 #endif
 
-namespace tessera::checkpoint {
+namespace tessera::core {
 namespace {
 
 constexpr uint32_t kPoly = 0x82F63B78u;  // 0x1EDC6F41 reflected
@@ -148,13 +148,6 @@ uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
   return crc32c_extend_portable(crc, data, n);
 }
 
-std::vector<uint32_t> block_crcs(const void* data, size_t n, uint64_t block) {
-  std::vector<uint32_t> out;
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t off = 0; off < n; off += block) out.push_back(crc32c(p + off, std::min<uint64_t>(block, n - off)));
-  return out;
-}
-
 std::string crc_hex(uint32_t crc) {
   static const char* d = "0123456789abcdef";
   std::string s(8, '0');
@@ -176,4 +169,4 @@ uint32_t parse_crc_hex(const std::string& s, const std::string& what) {
   return v;
 }
 
-}  // namespace tessera::checkpoint
+}  // namespace tessera::core
