@@ -11,7 +11,7 @@ endfunction()
 
 function(tessera_reuse_pch name)
   if(TESSERA_USE_PCH)
-    target_precompile_headers(${name} REUSE_FROM tessera)
+    target_precompile_headers(${name} REUSE_FROM tessera_core)
   endif()
 endfunction()
 
