@@ -1,7 +1,6 @@
 #include "tessera/strategy/ddp.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include "tessera/core/log.h"
 #include "tessera/strategy/grad_hooks.h"
@@ -30,6 +29,7 @@ struct DdpStrategy::Impl {
   std::vector<Bucket> buckets;
   int next_bucket = 0;
   int launched_in_backward = 0;
+  // Inside backward() (BackwardGuard): only then do the hooks start all-reduces.
   bool in_backward = false;
   DdpStrategy* self = nullptr;
 
@@ -152,18 +152,13 @@ torch::nn::AnyModule DdpStrategy::setup(torch::nn::AnyModule module, std::vector
 }
 
 void DdpStrategy::backward(const at::Tensor& loss) {
-  TESSERA_CHECK(module_, "DDP: backward before setup()");
   auto& I = *impl_;
-  I.reset_step();
-  I.launched_in_backward = 0;
-  I.in_backward = true;
-  try {
-    torch::autograd::backward({loss});
-  } catch (...) {
-    I.in_backward = false;
-    throw;
+  {
+    detail::BackwardGuard guard("DDP", module_, &I.in_backward);
+    I.reset_step();
+    I.launched_in_backward = 0;
+    guard.run(loss);
   }
-  I.in_backward = false;
   if (!sync_grads_) return;
   // Parameters that got no gradient on this rank.
   at::Tensor used;

@@ -1,18 +1,23 @@
-// Gradient-ready hooks: a post hook on a parameter's AccumulateGrad node runs after
-// the gradient has been accumulated into .grad (what DDP and FSDP need; a tensor
-// hook runs before accumulation). Internal to the strategy layer.
+// What DDP and FSDP share around a backward pass. Internal to the strategy layer.
+//  - Gradient-ready hooks: a post hook on a parameter's AccumulateGrad node runs after
+//    the gradient has been accumulated into .grad (what both need; a tensor hook runs
+//    before accumulation).
+//  - BackwardGuard: the frame of their backward().
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
 
 #include <functional>
 #include <memory>
 #include <vector>
 
 #include "tessera/core/compat.h"
+#include "tessera/core/error.h"
 
 namespace tessera::strategy::detail {
 
@@ -70,6 +75,37 @@ class AccumulatorHook {
   uintptr_t key_ = 0;
   at::ScalarType dtype_ = at::kFloat;
   c10::Device device_ = c10::kCPU;
+};
+
+// The frame of a strategy's backward(), written once for DDP and FSDP: it refuses a
+// backward before setup() ("<who>: backward before setup()") and, for a strategy whose
+// gradient hooks must act only inside its backward() (DDP: a plain loss.backward() must
+// not start collectives the strategy never waits for), raises that strategy's flag for
+// the guard's lifetime; the flag gets its previous value back when the guard goes, also
+// when autograd throws. The strategy's end-of-backward work follows run(), and is skipped
+// when autograd throws.
+class BackwardGuard {
+ public:
+  BackwardGuard(const char* who, const std::shared_ptr<torch::nn::Module>& module, bool* in_backward = nullptr)
+      : flag_(in_backward) {
+    TESSERA_CHECK(module, who, ": backward before setup()");
+    if (flag_) {
+      prev_ = *flag_;
+      *flag_ = true;
+    }
+  }
+  ~BackwardGuard() {
+    if (flag_) *flag_ = prev_;
+  }
+  BackwardGuard(const BackwardGuard&) = delete;
+  BackwardGuard& operator=(const BackwardGuard&) = delete;
+
+  // Back-propagates from `loss` (accumulating into .grad; the hooks above fire).
+  void run(const at::Tensor& loss) const { torch::autograd::backward({loss}); }
+
+ private:
+  bool* flag_;
+  bool prev_ = false;
 };
 
 }  // namespace tessera::strategy::detail
