@@ -110,6 +110,7 @@ void apply_wrap(torch::nn::Module& m, const WrapPolicy& policy, int& wrapped) {
 FsdpStrategy::FsdpStrategy(std::shared_ptr<distributed::Communicator> comm, FsdpOptions options)
     : Strategy(std::move(comm)), options_(std::move(options)), impl_(std::make_unique<Impl>()) {
   impl_->self = this;
+  impl_->ctx.strategy = this;
   auto single = distributed::Communicator::create(distributed::World{});
   const int n = comm_->size();
   switch (options_.sharding) {
@@ -139,8 +140,8 @@ FsdpStrategy::FsdpStrategy(std::shared_ptr<distributed::Communicator> comm, Fsdp
   }
   auto& I = *impl_;
   const auto& mp = options_.mixed_precision;
-  I.trivial_gather = shard_comm_->size() == 1 && !mp.param_dtype && !options_.cpu_offload;
-  I.grad_path = !(I.trivial_gather && replicate_comm_->size() == 1 && !mp.reduce_dtype);
+  I.ctx.trivial_gather = shard_comm_->size() == 1 && !mp.param_dtype && !options_.cpu_offload;
+  I.ctx.grad_path = !(I.ctx.trivial_gather && replicate_comm_->size() == 1 && !mp.reduce_dtype);
 }
 
 FsdpStrategy::~FsdpStrategy() {
@@ -157,10 +158,7 @@ FsdpStrategy::~FsdpStrategy() {
 }
 
 static void register_unit(FsdpStrategy::Impl& I, FsdpUnitImpl& m, bool root) {
-  auto st = std::make_unique<FsdpUnitState>();
-  st->index = static_cast<int>(I.units.size());
-  st->module = &m;
-  st->root = root;
+  auto st = std::make_unique<FsdpParamGroup>(I.ctx, static_cast<int>(I.units.size()), &m, root);
   std::vector<std::pair<std::string, at::Tensor>> ps;
   std::vector<Found> nested;
   collect(m, "", ps, nested);
@@ -173,7 +171,7 @@ static void register_unit(FsdpStrategy::Impl& I, FsdpUnitImpl& m, bool root) {
   m.strategy = I.self;
   m.unit_index = st->index;
   I.units.push_back(std::move(st));
-  I.shard_unit(*I.units.back());
+  I.units.back()->shard();
 }
 
 FsdpUnit FsdpStrategy::unit(const std::function<torch::nn::AnyModule()>& build) {
@@ -243,7 +241,7 @@ torch::nn::AnyModule FsdpStrategy::setup(torch::nn::AnyModule module, std::vecto
 // --- training step helpers --------------------------------------------------------
 
 void FsdpStrategy::optimizer_step(torch::optim::Optimizer& opt) {
-  if (impl_->needs_finalize) impl_->finalize();
+  impl_->finalize_if_pending();
   TESSERA_CHECK(!any_gathered(), "FSDP: optimizer_step while parameters are gathered");
   opt.step();
 }
@@ -251,7 +249,7 @@ void FsdpStrategy::optimizer_step(torch::optim::Optimizer& opt) {
 double FsdpStrategy::clip_grad_norm(double max_norm, double norm_type) {
   TESSERA_CHECK(module_, "FSDP: clip_grad_norm before setup()");
   auto& I = *impl_;
-  if (I.needs_finalize) I.finalize();
+  I.finalize_if_pending();
   const bool inf = std::isinf(norm_type);
   double local = 0.0;
   std::vector<at::Tensor> grads;
@@ -310,21 +308,21 @@ int64_t FsdpStrategy::local_grad_bytes() const {
 }
 
 bool FsdpStrategy::any_gathered() const {
-  if (impl_->trivial_gather) return false;
+  if (impl_->ctx.trivial_gather) return false;
   for (auto& u : impl_->units)
-    if (u->gathered || u->gather_pending) return true;
+    if (u->sharded_state() != ShardedState::Sharded) return true;
   return false;
 }
 
 int64_t FsdpStrategy::prefetches() const { return impl_->prefetch_count; }
-int64_t FsdpStrategy::gathers() const { return impl_->gather_count; }
+int64_t FsdpStrategy::gathers() const { return impl_->ctx.gather_count; }
 
 // --- state dicts ------------------------------------------------------------------
 
 void FsdpStrategy::prepare_state() {
   auto& I = *impl_;
-  if (I.needs_finalize) I.finalize();
-  for (auto& u : I.units) I.reshard(*u);
+  I.finalize_if_pending();
+  for (auto& u : I.units) u->reshard();
 }
 
 // Each sharded parameter is registered on its module as a ShardedTensor whose only
