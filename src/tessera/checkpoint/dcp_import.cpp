@@ -198,38 +198,25 @@ class ItemReader {
 // A non-tensor value as Tessera plain values: scalars as they are, lists, tuples and
 // dicts flattened below `key` ("key.0", "key.name"), None skipped. Returns "" or why
 // the value is not plain.
-std::string flatten_plain(const std::string& key, const Py& v, std::vector<std::pair<std::string, state::Value>>& out,
-                          int depth = 0) {
-  if (depth > 64) return "nested too deeply";
-  switch (v.kind) {
-    case Py::None: return "";
-    case Py::Bool: out.emplace_back(key, v.b); return "";
-    case Py::Int: out.emplace_back(key, v.i); return "";
-    case Py::Float: out.emplace_back(key, v.f); return "";
-    case Py::Str: out.emplace_back(key, v.s); return "";
-    case Py::Bytes: out.emplace_back(key, state::Bytes{v.s}); return "";
-    case Py::List:
-    case Py::Tuple:
-      if (v.items.empty()) out.emplace_back(key, std::make_shared<state::StateDict>());
-      for (size_t k = 0; k < v.items.size(); ++k) {
-        const std::string why = flatten_plain(key + "." + std::to_string(k), *v.items[k], out, depth + 1);
-        if (!why.empty()) return why;
-      }
-      return "";
-    case Py::Dict:
-      if (v.dict.empty()) out.emplace_back(key, std::make_shared<state::StateDict>());
-      for (const auto& [k, x] : v.dict) {
-        std::string name;
-        if (k->kind == Py::Str) name = k->s;
-        else if (k->kind == Py::Int) name = std::to_string(k->i);
-        else return concat("a dict key is a ", kind_text(*k));
-        const std::string why = flatten_plain(key + "." + name, *x, out, depth + 1);
-        if (!why.empty()) return why;
-      }
-      return "";
-    case Py::Object: return concat("a ", v.s, " object");
-    default: return concat("a ", kind_text(v));
-  }
+// The plain values (None, bool, int, float, str, bytes, and containers of them) of an
+// unpickled value under dotted keys below `key`; empty containers as empty dicts. Returns
+// "" or why the value is not plain.
+std::string flatten_plain(const std::string& key, const Py& v, std::vector<std::pair<std::string, state::Value>>& out) {
+  return pickle::flatten(
+      v, key,
+      [&](const std::string& k, const Py& x) -> std::string {
+        switch (x.kind) {
+          case Py::None: return "";
+          case Py::Bool: out.emplace_back(k, x.b); return "";
+          case Py::Int: out.emplace_back(k, x.i); return "";
+          case Py::Float: out.emplace_back(k, x.f); return "";
+          case Py::Str: out.emplace_back(k, x.s); return "";
+          case Py::Bytes: out.emplace_back(k, state::Bytes{x.s}); return "";
+          case Py::Object: return concat("a ", x.s, " object");
+          default: return concat("a ", kind_text(x));
+        }
+      },
+      [&](const std::string& k) { out.emplace_back(k, std::make_shared<state::StateDict>()); });
 }
 
 // An output path may be written: absent (in an existing directory), or replaceable

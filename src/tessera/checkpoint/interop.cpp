@@ -17,55 +17,38 @@ namespace {
 using pickle::Py;
 using pickle::PyPtr;
 
-void flatten_obj(const std::string& path, const std::string& prefix, const PyPtr& o, CheckpointMetadata& m,
-                 int depth) {
-  TESSERA_CHECK(depth < 64, "'", path, "': nesting too deep at '", prefix, "'");
-  auto add = [&](EntryInfo e) {
-    TESSERA_CHECK(!m.entries.count(prefix), "'", path, "': key '", prefix, "' appears twice");
-    m.keys.push_back(prefix);
-    m.entries.emplace(prefix, std::move(e));
-  };
-  auto join = [&](const std::string& k) { return prefix.empty() ? k : prefix + "." + k; };
-  switch (o->kind) {
-    case Py::Dict:
-      for (auto& [k, v] : o->dict) {
-        std::string ks;
-        if (k->kind == Py::Str) ks = k->s;
-        else if (k->kind == Py::Int) ks = std::to_string(k->i);
-        else throw Error(concat("'", path, "': dict key under '", prefix, "' is not a string or integer"));
-        flatten_obj(path, join(ks), v, m, depth + 1);
-      }
-      return;
-    case Py::List:
-    case Py::Tuple:
-      for (size_t k = 0; k < o->items.size(); ++k) flatten_obj(path, join(std::to_string(k)), o->items[k], m, depth + 1);
-      return;
-    case Py::Tensor: {
-      EntryInfo e;
-      e.kind = "tensor";
-      e.dtype = o->t.scalar_type();
-      e.shape = o->t.sizes().vec();
-      if (o->t.numel() > 0) {
-        ChunkInfo c;
-        c.box = sharding::full_box(e.shape);
-        c.file = path;
-        c.name = prefix;
-        c.memory = o->t;
-        e.chunks.push_back(std::move(c));
-      }
-      add(std::move(e));
-      return;
+// One metadata entry per leaf of the unpickled tree, under its dotted key.
+void flatten_obj(const std::string& path, const PyPtr& root, CheckpointMetadata& m) {
+  const std::string why = pickle::flatten(*root, "", [&](const std::string& key, const Py& o) -> std::string {
+    EntryInfo e;
+    switch (o.kind) {
+      case Py::None: return "";  // carries no state
+      case Py::Tensor:
+        e.kind = "tensor";
+        e.dtype = o.t.scalar_type();
+        e.shape = o.t.sizes().vec();
+        if (o.t.numel() > 0) {
+          ChunkInfo c;
+          c.box = sharding::full_box(e.shape);
+          c.file = path;
+          c.name = key;
+          c.memory = o.t;
+          e.chunks.push_back(std::move(c));
+        }
+        break;
+      case Py::Int: e.kind = "int"; e.value = o.i; break;
+      case Py::Float: e.kind = "float"; e.value = o.f; break;
+      case Py::Bool: e.kind = "bool"; e.value = o.b; break;
+      case Py::Str: e.kind = "string"; e.value = o.s; break;
+      case Py::Bytes: e.kind = "bytes"; e.value = state::Bytes{o.s}; break;
+      default: return concat("key '", key, "' holds a ", pickle::kind_text(o), ", which a checkpoint cannot hold");
     }
-    case Py::Int: { EntryInfo e; e.kind = "int"; e.value = o->i; add(std::move(e)); return; }
-    case Py::Float: { EntryInfo e; e.kind = "float"; e.value = o->f; add(std::move(e)); return; }
-    case Py::Bool: { EntryInfo e; e.kind = "bool"; e.value = o->b; add(std::move(e)); return; }
-    case Py::Str: { EntryInfo e; e.kind = "string"; e.value = o->s; add(std::move(e)); return; }
-    case Py::Bytes: { EntryInfo e; e.kind = "bytes"; e.value = state::Bytes{o->s}; add(std::move(e)); return; }
-    case Py::None: return;  // carries no state
-    default:
-      throw Error(concat("'", path, "': key '", prefix, "' holds a ", pickle::kind_text(*o),
-                         ", which a checkpoint cannot hold"));
-  }
+    if (m.entries.count(key)) return concat("key '", key, "' appears twice");
+    m.keys.push_back(key);
+    m.entries.emplace(key, std::move(e));
+    return "";
+  });
+  TESSERA_CHECK(why.empty(), "'", path, "': ", why);
 }
 
 // Pickle writing helpers.
@@ -120,7 +103,7 @@ CheckpointMetadata import_torch_file(const std::string& path) {
   CheckpointMetadata m;
   m.source_kind = "torch";
   m.location = path;
-  flatten_obj(path, "", root, m, 0);
+  flatten_obj(path, root, m);
   return m;
 }
 

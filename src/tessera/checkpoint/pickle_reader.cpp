@@ -22,6 +22,44 @@ const char* kind_text(const Py& o) {
 
 namespace {
 
+std::string flatten_at(const Py& v, const std::string& key, const Leaf& leaf,
+                       const std::function<void(const std::string&)>& empty, int depth) {
+  if (depth > 64) return concat("nesting too deep at '", key, "'");
+  auto below = [&](const std::string& k) { return key.empty() ? k : key + "." + k; };
+  switch (v.kind) {
+    case Py::List:
+    case Py::Tuple:
+      if (v.items.empty() && empty) empty(key);
+      for (size_t k = 0; k < v.items.size(); ++k) {
+        std::string why = flatten_at(*v.items[k], below(std::to_string(k)), leaf, empty, depth + 1);
+        if (!why.empty()) return why;
+      }
+      return "";
+    case Py::Dict:
+      if (v.dict.empty() && empty) empty(key);
+      for (const auto& [k, x] : v.dict) {
+        std::string name;
+        if (k->kind == Py::Str) name = k->s;
+        else if (k->kind == Py::Int) name = std::to_string(k->i);
+        else return concat("a dict key under '", key, "' is a ", kind_text(*k), ", not a string or integer");
+        std::string why = flatten_at(*x, below(name), leaf, empty, depth + 1);
+        if (!why.empty()) return why;
+      }
+      return "";
+    default:
+      return leaf(key, v);
+  }
+}
+
+}  // namespace
+
+std::string flatten(const Py& root, const std::string& prefix, const Leaf& leaf,
+                    const std::function<void(const std::string&)>& empty) {
+  return flatten_at(root, prefix, leaf, empty, 0);
+}
+
+namespace {
+
 class Unpickler {
  public:
   using Persistent = std::function<PyPtr(const PyPtr&)>;

@@ -46,6 +46,16 @@ PyPtr make(Py::Kind k);
 // "None", "int", "dict", ... for messages.
 const char* kind_text(const Py& o);
 
+// Walks a pickled container tree below `prefix`: dict entries under their str or int key,
+// list and tuple items under their index, joined with '.'. Calls `leaf(key, value)` for every
+// other value (None included) and `empty(key)`, when given, for an empty dict, list or tuple.
+// A leaf returns "" to go on, or why it cannot take the value, which ends the walk. Returns
+// "" or that reason; also a dict key of another kind or nesting deeper than 64 levels end it,
+// each reason naming the key.
+using Leaf = std::function<std::string(const std::string& key, const Py& value)>;
+std::string flatten(const Py& root, const std::string& prefix, const Leaf& leaf,
+                    const std::function<void(const std::string& key)>& empty = nullptr);
+
 // A global outside the allow-list (apart from other errors, so that a caller can skip a
 // value that needs one, never a damaged file).
 struct ForbiddenGlobal : Error {
