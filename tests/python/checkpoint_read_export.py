@@ -9,19 +9,8 @@ import json
 import sys
 
 import torch
-from safetensors import safe_open
 
-from worker_state import SPECS, expected
-
-
-def read_safetensors(path):
-    """The real reader: safetensors' own parser and validation."""
-    out = {}
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-        for name in f.keys():
-            out[name] = f.get_tensor(name)
-    return out, meta
+from worker_state import SPECS, expected, read_safetensors_file
 
 
 def check(d, what):
@@ -46,7 +35,7 @@ if pt is not None:
         check(torch.load(pt, weights_only=True), "torch.load(weights_only=True)")
     except TypeError:  # a torch without weights_only
         pass
-tensors, meta = read_safetensors(st)
+tensors, meta = read_safetensors_file(st)
 check(tensors, "safetensors")
 assert meta.get("tessera.format") == "tessera-consolidated", meta
 values = json.loads(meta["tessera.values"])

@@ -7,54 +7,16 @@ usage (2 ranks: tessera run -n 2 -- python gpt_dcp_peer.py TEXT OUTDIR N_LAYER N
   OUTDIR/loss.txt    rank 0: the loss (repr of a float) of gpt's first training window, which
                      for a TEXT repeating one SEQ_LEN-byte pattern is every window
 """
-import math
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
-
-class Block(nn.Module):
-    def __init__(self, n_head, d):
-        super().__init__()
-        self.n_head, self.d = n_head, d
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.fc_out = nn.Linear(4 * d, d)
-
-    def attention(self, x):
-        B, T, _ = x.shape
-        hd = self.d // self.n_head
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-        future = torch.ones(T, T, dtype=torch.bool).triu(1)
-        att = torch.softmax(att.masked_fill(future, float("-inf")), -1)
-        return self.proj((att @ v).transpose(1, 2).reshape(B, T, self.d))
-
-    def forward(self, x):
-        h = x + self.attention(self.ln1(x))
-        return h + self.fc_out(F.gelu(self.fc(self.ln2(h))))
-
-
-class Gpt(nn.Module):
-    def __init__(self, n_layer, n_head, d, seq_len):
-        super().__init__()
-        self.tok = nn.Embedding(256, d)
-        self.pos = nn.Embedding(seq_len, d)
-        self.blocks = nn.Sequential(*[Block(n_head, d) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, 256, bias=False)
-
-    def forward(self, tokens):
-        T = tokens.shape[1]
-        x = self.tok(tokens) + self.pos(torch.arange(T))
-        return self.head(self.ln_f(self.blocks(x)))
+# The model of examples/gpt in PyTorch, shared with the benchmark peers.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "peers"))
+from gpt_model import Gpt  # noqa: E402
 
 
 def main(text_path, out, n_layer, n_head, d, seq_len):

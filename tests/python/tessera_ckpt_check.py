@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import tessera_ckpt  # noqa: E402
-from worker_state import SPECS, expected  # noqa: E402
+from worker_state import SPECS, expected, read_safetensors_file  # noqa: E402
 
 INT_VIEW = {
     torch.float64: torch.int64,
@@ -127,13 +127,7 @@ def read_torch(path):
 
 
 def read_safetensors(path):
-    from safetensors import safe_open
-
-    out = {}
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-        for name in f.keys():
-            out[name] = f.get_tensor(name)
+    out, meta = read_safetensors_file(path)
     values = {}
     for k, v in json.loads(meta.get("tessera.values", "{}")).items():  # the raw JSON, decoded here
         kind = v["kind"]

@@ -1,5 +1,6 @@
 """The known state tests/worker/checkpoint_scenarios.cpp saves (full_value, iteration 0):
-each key's FQN, shape and dtype, and the value every element must have."""
+each key's FQN, shape and dtype, and the value every element must have; and the real
+safetensors reader the checks read Tessera's files with."""
 import torch
 
 SPECS = [
@@ -23,3 +24,16 @@ def expected(fqn, shape, dtype):
         n *= d
     t = torch.remainder(torch.arange(n, dtype=torch.float64) * 7 + h, 23) - 11
     return (t * 0.25).reshape(shape).to(dtype)
+
+
+def read_safetensors_file(path):
+    """Every tensor of a safetensors file and its __metadata__, through safetensors' own
+    parser and validation."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        for name in f.keys():
+            out[name] = f.get_tensor(name)
+    return out, meta
