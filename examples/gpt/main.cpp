@@ -121,16 +121,16 @@ struct GptModule : trainer::TrainingModule {
 
   // --init-from: the checkpoint's weights replace the seed's initial ones before the
   // first step; the step count and the optimizer start fresh. The load target is the
-  // strategy's own state dict (sharded under FSDP, as Fabric::load does), so each rank
-  // reads only what it holds: under FSDP its rows of every parameter. The metadata was
-  // checked against this model before (gpt::check_init_weights). Collective.
+  // strategy's module state in its default kind (sharded under FSDP, as Fabric::load
+  // reads it), so each rank reads only what it holds: under FSDP its rows of every
+  // parameter. The metadata was checked against this model before
+  // (gpt::check_init_weights). Collective.
   std::string init_prefix;  // "model." or "" (gpt::init_weights_prefix)
   void on_fit_start() override {
     if (args.init_from.empty()) return;
     strategy::Strategy& s = fabric().strategy();
-    const auto type = args.strategy == "fsdp" ? strategy::StateDictType::Sharded : strategy::StateDictType::Full;
     state::StateDict target;
-    s.state_dict(type, /*with_optimizers=*/false).for_each([&](const std::string& k, const state::Value& v) {
+    s.module_state(s.default_state_dict_type()).for_each([&](const std::string& k, const state::Value& v) {
       // Copies (the state dict aliases the live weights): read into them, then apply.
       if (const auto* t = std::get_if<at::Tensor>(&v)) target.set(init_prefix + k, t->detach().clone());
       else if (const auto* st = std::get_if<sharding::ShardedTensor>(&v)) target.set(init_prefix + k, st->clone());
@@ -148,7 +148,7 @@ struct GptModule : trainer::TrainingModule {
     }
     state::StateDict weights;
     target.for_each([&](const std::string& k, const state::Value& v) { weights.set(k.substr(init_prefix.size()), v); });
-    const std::vector<std::string> rest = s.load_state_dict(weights, /*strict=*/false);
+    const std::vector<std::string> rest = s.load_module_state(weights, /*strict=*/false);
     if (!rest.empty()) throw std::runtime_error("--init-from: the model did not take '" + rest.front() + "'");
     fabric().print("gpt: initial weights from '", args.init_from, "' (", res.loaded.size(), " tensors", 
                    init_prefix.empty() ? "" : " under model.", "); step 0, fresh optimizer");

@@ -73,7 +73,7 @@ TEST(FsdpLocal, WrappingKeepsFqnsAndValues) {
   for (auto& kv : s.module()->named_parameters()) got.push_back(kv.key());
   EXPECT_EQ(got, names);
   EXPECT_TRUE(at::allclose(m.forward(x), want));
-  auto sd = s.state_dict(StateDictType::Full, false);
+  auto sd = s.module_state(StateDictType::Full);
   EXPECT_EQ(sd.keys(), names);
 }
 

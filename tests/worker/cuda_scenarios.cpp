@@ -91,6 +91,23 @@ std::pair<at::Tensor, at::Tensor> batch(int step, const c10::Device& dev) {
   return {at::randn({16, 8}, gen).to(dev), at::randn({16, 4}, gen).to(dev)};
 }
 
+// The strategy's typed state as one dict checkpoint::save/load take: "model" and one
+// "optimizer_<i>" per optimizer; and back.
+state::StateDict as_dict(const StrategyState& st) {
+  state::StateDict out;
+  out.set("model", std::make_shared<state::StateDict>(st.module));
+  for (const auto& [i, sd] : st.optimizers)
+    out.set("optimizer_" + std::to_string(i), std::make_shared<state::StateDict>(sd));
+  return out;
+}
+StrategyState from_dict(const state::StateDict& sd) {
+  StrategyState st;
+  st.module = sd.dict("model");
+  for (const auto& k : sd.keys())
+    if (k.rfind("optimizer_", 0) == 0) st.optimizers[std::stoul(k.substr(10))] = sd.dict(k);
+  return st;
+}
+
 std::unique_ptr<Strategy> make_gpu_strategy(const std::string& kind, const c10::Device& dev) {
   if (kind == "ddp") return std::make_unique<DdpStrategy>(comm());
   FsdpOptions o;
@@ -188,8 +205,8 @@ SCENARIO("cuda_checkpoint") {
     s1->optimizer_step(*opt1);
     opt1->zero_grad();
   }
-  checkpoint::save(s1->state_dict(StateDictType::Sharded), path, *c);
-  const state::StateDict full = s1->state_dict(StateDictType::Full);
+  checkpoint::save(as_dict(s1->state(StateDictType::Sharded)), path, *c);
+  const state::StateDict full = as_dict(s1->state(StateDictType::Full));
 
   // On the CPU, no process group: a target of zeros with the same keys and shapes.
   state::StateDict cpu;
@@ -211,10 +228,10 @@ SCENARIO("cuda_checkpoint") {
   auto m2 = s2->setup(make_net(99));
   auto opt2 = std::make_shared<torch::optim::Adam>(s2->module()->parameters(), torch::optim::AdamOptions(1e-2));
   s2->add_optimizer(opt2);
-  state::StateDict target = s2->state_dict(StateDictType::Sharded);
+  state::StateDict target = as_dict(s2->state(StateDictType::Sharded));
   checkpoint::load(target, path, *c);
-  s2->load_state_dict(target);
-  const state::StateDict back = s2->state_dict(StateDictType::Full);
+  s2->load_state(from_dict(target));
+  const state::StateDict back = as_dict(s2->state(StateDictType::Full));
   for (const auto& [key, t] : want) {
     const auto& got = std::get<at::Tensor>(*[&] {
       for (const auto& [k, v] : back.flatten())

@@ -31,6 +31,24 @@ using namespace tessera::strategy;
 
 namespace {
 
+// The strategy's typed state as one dict checkpoint::save/load take: "model" and one
+// "optimizer_<i>" per optimizer; and back.
+state::StateDict as_dict(const StrategyState& st) {
+  state::StateDict out;
+  out.set("model", std::make_shared<state::StateDict>(st.module));
+  for (const auto& [i, sd] : st.optimizers)
+    out.set("optimizer_" + std::to_string(i), std::make_shared<state::StateDict>(sd));
+  return out;
+}
+StrategyState from_dict(const state::StateDict& sd) {
+  StrategyState st;
+  st.module = sd.dict("model");
+  for (const auto& k : sd.keys())
+    if (k.rfind("optimizer_", 0) == 0) st.optimizers[std::stoul(k.substr(10))] = sd.dict(k);
+  return st;
+}
+
+
 at::ScalarType g_seen_weight_dtype = at::kFloat;  // dtype of q.weight during the last forward
 int64_t g_block_forwards = 0;                      // Block::forward calls (recomputation counts)
 
@@ -271,7 +289,7 @@ Trace train(const std::string& kind, int steps, double clip, double lr, int micr
   if (fsdp && fsdp->options().prefetch && fsdp->shard_comm()->size() > 1)
     WCHECK(fsdp->prefetches() > 0, kind, ": no prefetch issued");
   if (ddp && kind == "ddp_small_buckets") WCHECK(ddp->buckets().size() >= 3, kind, ": ", ddp->buckets().size(), " buckets");
-  auto sd = strat->state_dict(StateDictType::Full, false);
+  auto sd = strat->module_state(StateDictType::Full);
   for (auto& key : sd.keys()) t.params[key] = sd.tensor(key);
   if (out_strategy) *out_strategy = strat.get();
   if (keep) *keep = std::move(strat);
@@ -496,7 +514,7 @@ SCENARIO("strategy_fp64") {
     opt.zero_grad();
   }
   for (auto& p : strat.module()->parameters()) WCHECK(p.scalar_type() == at::kDouble, "a shard is ", p.scalar_type());
-  auto sd = strat.state_dict(StateDictType::Full, false);
+  auto sd = strat.module_state(StateDictType::Full);
   for (auto& [k, v] : want_params) {
     WCHECK(sd.tensor(k).scalar_type() == at::kDouble, k, " is ", sd.tensor(k).scalar_type());
     WCHECK(rel(sd.tensor(k), v) <= 1e-12, k, " differs by ", rel(sd.tensor(k), v));
@@ -556,7 +574,7 @@ SCENARIO("strategy_explicit_units") {
   const int64_t per_step = strat.gathers() - g0;
   WCHECK(per_step == (c->size() > 1 ? 4 : 0), per_step, " all-gathers in one step at world size ", c->size());
   WCHECK(!strat.any_gathered(), "parameters still gathered after backward");
-  auto sd = strat.state_dict(StateDictType::Full, false);
+  auto sd = strat.module_state(StateDictType::Full);
   for (auto& [k, v] : want.params) WCHECK(rel(sd.tensor(k), v) <= 1e-5, k);
   std::printf("explicit units ok rank %d\n", c->rank());
   return 0;
@@ -581,7 +599,7 @@ SCENARIO("strategy_resume") {
     std::vector<double> losses;
     train_steps(*strat, m, *opt, 0, a, &losses);
     for (int s = 0; s < a; ++s) WCHECK(rel(losses[s], want.losses[s]) <= 1e-5, "step ", s);
-    const state::StateDict saved = strat->state_dict(StateDictType::Sharded);
+    const state::StateDict saved = as_dict(strat->state(StateDictType::Sharded));
     checkpoint::save(saved, dir, *c);
     // Read back into zeros of the same layout: every bit of this rank's state returns.
     state::StateDict back = zeroed_copy(saved);
@@ -598,18 +616,18 @@ SCENARIO("strategy_resume") {
   for (auto& p : strat->module()->parameters()) p.mutable_grad() = at::zeros_like(p);
   opt->step();
   opt->zero_grad();
-  state::StateDict target = strat->state_dict(StateDictType::Sharded);
+  state::StateDict target = as_dict(strat->state(StateDictType::Sharded));
   auto res = checkpoint::load(target, dir, *c);
   WCHECK(res.missing.empty() && res.unexpected.empty() && res.mismatched.empty(), "checkpoint load: ",
          res.missing.size(), " missing, ", res.unexpected.size(), " unexpected, ", res.mismatched.size(), " mismatched");
-  auto rest = strat->load_state_dict(target);
+  auto rest = strat->load_state(from_dict(target));
   WCHECK(rest.empty(), rest.size(), " keys not consumed, first ", rest.empty() ? "" : rest[0]);
   std::vector<double> losses;
   train_steps(*strat, m, *opt, a, a + b, &losses);
   for (int s = 0; s < b; ++s)
     WCHECK(rel(losses[s], want.losses[a + s]) <= 1e-5, kind, " resumed step ", a + s, " loss ", losses[s], " vs ",
            want.losses[a + s]);
-  auto sd = strat->state_dict(StateDictType::Full, false);
+  auto sd = strat->module_state(StateDictType::Full);
   for (auto& [k, v] : want.params) WCHECK(rel(sd.tensor(k), v) <= 1e-5, kind, " final ", k);
   std::printf("resumed ok rank %d\n", c->rank());
   return 0;
