@@ -43,7 +43,8 @@ struct Reg : trainer::TrainingModule {
   trainer::OptimizerConfig configure_optimizers() override {
     auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(lr).momentum(momentum));
     if (sched == "step") return {opt, std::make_shared<trainer::StepLR>(opt, 2, 0.5)};
-    if (sched == "epoch") return {opt, std::make_shared<trainer::LambdaLR>(opt, [](int64_t e) { return 1.0 / (1 + e); }), "epoch"};
+    if (sched == "epoch") return {opt, std::make_shared<trainer::LambdaLR>(opt, [](int64_t e) { return 1.0 / (1 + e); }),
+                                trainer::Interval::Epoch};
     return opt;
   }
   at::Tensor mse(const trainer::Batch& b) { return (model().forward<at::Tensor>(b.inputs) - b.targets).pow(2).mean(); }
@@ -479,6 +480,47 @@ TEST(TrainerCallbacks, UserCallbackSeesHooksInOrderAndKeepsState) {
   EXPECT_EQ(rec2->batches, 4);  // 2 restored + 2 in epoch 1
 }
 
+// setup / teardown get the stage that runs, Trainer::stage() is that stage inside it
+// (validation in fit is part of fit) and Stage::None outside; to_string gives the
+// words logs and messages print.
+TEST(TrainerCallbacks, SeeTheRunningStage) {
+  struct StageRecorder : trainer::Callback {
+    std::vector<std::string> events;
+    void setup(trainer::Trainer& t, trainer::TrainingModule&, trainer::Stage stage) override {
+      events.push_back(std::string("setup ") + trainer::to_string(stage) + " " + trainer::to_string(t.stage()));
+    }
+    void teardown(trainer::Trainer&, trainer::TrainingModule&, trainer::Stage stage) override {
+      events.push_back(std::string("teardown ") + trainer::to_string(stage));
+    }
+    void on_validation_end(trainer::Trainer& t, trainer::TrainingModule&) override {
+      events.push_back(std::string("validation_end ") + trainer::to_string(t.stage()));
+    }
+    void on_test_end(trainer::Trainer& t, trainer::TrainingModule&) override {
+      events.push_back(std::string("test_end ") + trainer::to_string(t.stage()));
+    }
+  };
+  TempDir tmp;
+  auto rec = std::make_shared<StageRecorder>();
+  auto o = local_options(tmp.path);
+  o.max_epochs = 1;
+  o.callbacks.push_back(rec);
+  trainer::Trainer t(o);
+  Reg m;
+  EXPECT_EQ(t.stage(), trainer::Stage::None);
+  t.fit(m, regression_data(8), regression_data(4));
+  EXPECT_EQ(t.stage(), trainer::Stage::None);
+  t.validate(m, regression_data(4));
+  t.test(m, regression_data(4));
+  EXPECT_EQ(t.stage(), trainer::Stage::None);
+  EXPECT_EQ(rec->events, (std::vector<std::string>{"setup fit fit", "validation_end fit", "teardown fit",
+                                                   "setup validate validate", "validation_end validate",
+                                                   "teardown validate", "setup test test", "test_end test",
+                                                   "teardown test"}));
+  EXPECT_STREQ(trainer::to_string(trainer::Stage::None), "none");
+  EXPECT_STREQ(trainer::to_string(trainer::Interval::Step), "step");
+  EXPECT_STREQ(trainer::to_string(trainer::Interval::Epoch), "epoch");
+}
+
 TEST(TrainerConfig, RefusesBadOptionsNamingThem) {
   TempDir tmp;
   auto expect_refused = [&](const std::function<void(trainer::TrainerOptions&)>& change, const std::string& part) {
@@ -547,7 +589,8 @@ TEST(TrainerConfig, RefusesBadOptionsNamingThem) {
   struct BadSched : Reg {
     trainer::OptimizerConfig configure_optimizers() override {
       auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
-      return {opt, std::make_shared<trainer::StepLR>(opt, 1), "batch"};
+      // Neither Interval::Step nor Interval::Epoch (a value cast from an integer).
+      return {opt, std::make_shared<trainer::StepLR>(opt, 1), static_cast<trainer::Interval>(7)};
     }
   };
   trainer::Trainer t2(local_options(tmp.path));

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "tessera/state/state_dict.h"
+#include "tessera/trainer/stage.h"
 
 namespace tessera::trainer {
 
@@ -32,9 +33,9 @@ class Callback {
   virtual state::StateDict state_dict() const { return {}; }
   virtual void load_state_dict(const state::StateDict& state) {}
 
-  // stage: "fit", "validate", "test".
-  virtual void setup(Trainer& trainer, TrainingModule& module, const std::string& stage) {}
-  virtual void teardown(Trainer& trainer, TrainingModule& module, const std::string& stage) {}
+  // stage: Stage::Fit, Stage::Validate or Stage::Test.
+  virtual void setup(Trainer& trainer, TrainingModule& module, Stage stage) {}
+  virtual void teardown(Trainer& trainer, TrainingModule& module, Stage stage) {}
   virtual void on_fit_start(Trainer& trainer, TrainingModule& module) {}
   virtual void on_fit_end(Trainer& trainer, TrainingModule& module) {}
   virtual void on_train_start(Trainer& trainer, TrainingModule& module) {}

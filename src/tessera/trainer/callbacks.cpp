@@ -129,9 +129,9 @@ void ModelCheckpoint::load_state_dict(const state::StateDict& sd) {
   last_path_ = sd.string("last_model_path");
 }
 
-void ModelCheckpoint::setup(Trainer& trainer, TrainingModule&, const std::string& stage) {
+void ModelCheckpoint::setup(Trainer& trainer, TrainingModule&, Stage stage) {
   dirpath_ = o_.dirpath.empty() ? (fs::path(trainer.options().default_root_dir) / "checkpoints").string() : o_.dirpath;
-  if (stage == "fit") fit_has_val_ = trainer.fit_has_validation();
+  if (stage == Stage::Fit) fit_has_val_ = trainer.fit_has_validation();
 }
 
 std::string ModelCheckpoint::format_name(const Metrics& metrics) const {
@@ -272,7 +272,7 @@ void ModelCheckpoint::on_train_batch_end(Trainer& trainer, TrainingModule& modul
 }
 
 void ModelCheckpoint::on_validation_end(Trainer& trainer, TrainingModule& module) {
-  if (trainer.stage() != "fit" || o_.every_n_train_steps > 0 || o_.every_n_epochs == 0) return;
+  if (trainer.stage() != Stage::Fit || o_.every_n_train_steps > 0 || o_.every_n_epochs == 0) return;
   if ((trainer.current_epoch() + 1) % o_.every_n_epochs == 0) save(trainer, module);
 }
 
@@ -317,12 +317,12 @@ void EarlyStopping::load_state_dict(const state::StateDict& sd) {
   if (sd.contains("best_score")) best_ = sd.number("best_score");
 }
 
-void EarlyStopping::setup(Trainer& trainer, TrainingModule&, const std::string& stage) {
-  if (stage == "fit") on_train_epoch_end_ = o_.check_on_train_epoch_end.value_or(!trainer.fit_has_validation());
+void EarlyStopping::setup(Trainer& trainer, TrainingModule&, Stage stage) {
+  if (stage == Stage::Fit) on_train_epoch_end_ = o_.check_on_train_epoch_end.value_or(!trainer.fit_has_validation());
 }
 
 void EarlyStopping::on_validation_end(Trainer& trainer, TrainingModule&) {
-  if (trainer.stage() == "fit" && !on_train_epoch_end_) check(trainer);
+  if (trainer.stage() == Stage::Fit && !on_train_epoch_end_) check(trainer);
 }
 
 void EarlyStopping::on_train_epoch_end(Trainer& trainer, TrainingModule&) {
@@ -394,7 +394,7 @@ std::vector<std::string> LearningRateMonitor::keys(const Trainer& trainer) {
 }
 
 void LearningRateMonitor::on_train_batch_start(Trainer& trainer, TrainingModule& module, const Batch&, int64_t) {
-  if (trainer.stage() != "fit" || trainer.global_step() == last_step_) return;
+  if (trainer.stage() != Stage::Fit || trainer.global_step() == last_step_) return;
   last_step_ = trainer.global_step();
   const std::vector<std::string> k = keys(trainer);
   size_t i = 0;

@@ -49,7 +49,7 @@ class ModelCheckpoint : public Callback {
   std::string state_key() const override;
   state::StateDict state_dict() const override;
   void load_state_dict(const state::StateDict& state) override;
-  void setup(Trainer& trainer, TrainingModule& module, const std::string& stage) override;
+  void setup(Trainer& trainer, TrainingModule& module, Stage stage) override;
   void on_train_batch_end(Trainer& trainer, TrainingModule& module, const at::Tensor& loss, const Batch& batch,
                           int64_t batch_idx) override;
   void on_validation_end(Trainer& trainer, TrainingModule& module) override;
@@ -113,7 +113,7 @@ class EarlyStopping : public Callback {
   std::string state_key() const override;
   state::StateDict state_dict() const override;
   void load_state_dict(const state::StateDict& state) override;
-  void setup(Trainer& trainer, TrainingModule& module, const std::string& stage) override;
+  void setup(Trainer& trainer, TrainingModule& module, Stage stage) override;
   void on_validation_end(Trainer& trainer, TrainingModule& module) override;
   void on_train_epoch_end(Trainer& trainer, TrainingModule& module) override;
 

@@ -8,7 +8,7 @@
 
 namespace tessera::trainer {
 
-LRScheduler::LRScheduler(fabric::OptimizerPtr optimizer) : optimizer_(std::move(optimizer)) {
+LRScheduler::LRScheduler(OptimizerPtr optimizer) : optimizer_(std::move(optimizer)) {
   TESSERA_CHECK(optimizer_ != nullptr, "LRScheduler: the optimizer is null");
   for (auto& g : optimizer_->param_groups()) base_lrs_.push_back(g.options().get_lr());
   TESSERA_CHECK(!base_lrs_.empty(), "LRScheduler: the optimizer has no param groups");
@@ -57,7 +57,7 @@ void LRScheduler::load_state_dict(const state::StateDict& sd) {
   apply();
 }
 
-StepLR::StepLR(fabric::OptimizerPtr optimizer, int64_t step_size, double gamma)
+StepLR::StepLR(OptimizerPtr optimizer, int64_t step_size, double gamma)
     : LRScheduler(std::move(optimizer)), step_size_(step_size), gamma_(gamma) {
   TESSERA_CHECK(step_size >= 1, "StepLR: step_size must be at least 1, got ", step_size);
   TESSERA_CHECK(gamma > 0, "StepLR: gamma must be positive, got ", gamma);
@@ -68,7 +68,7 @@ double StepLR::lr_at(double base, int64_t count) const {
   return base * std::pow(gamma_, static_cast<double>(count / step_size_));
 }
 
-WarmupCosineLR::WarmupCosineLR(fabric::OptimizerPtr optimizer, int64_t warmup_steps, int64_t total_steps,
+WarmupCosineLR::WarmupCosineLR(OptimizerPtr optimizer, int64_t warmup_steps, int64_t total_steps,
                                double min_lr_ratio)
     : LRScheduler(std::move(optimizer)), warmup_(warmup_steps), total_(total_steps), min_ratio_(min_lr_ratio) {
   TESSERA_CHECK(warmup_steps >= 0, "WarmupCosineLR: warmup_steps must be >= 0, got ", warmup_steps);
@@ -85,7 +85,7 @@ double WarmupCosineLR::lr_at(double base, int64_t count) const {
   return base * (min_ratio_ + (1.0 - min_ratio_) * 0.5 * (1.0 + std::cos(M_PI * p)));
 }
 
-LambdaLR::LambdaLR(fabric::OptimizerPtr optimizer, std::function<double(int64_t)> factor)
+LambdaLR::LambdaLR(OptimizerPtr optimizer, std::function<double(int64_t)> factor)
     : LRScheduler(std::move(optimizer)), factor_(std::move(factor)) {
   TESSERA_CHECK(static_cast<bool>(factor_), "LambdaLR: the factor function is empty");
   init();

@@ -8,24 +8,29 @@
 //   auto opt = std::make_shared<torch::optim::AdamW>(params, torch::optim::AdamWOptions(3e-4));
 //   auto sched = std::make_shared<trainer::WarmupCosineLR>(opt, /*warmup_steps=*/100, /*total_steps=*/5000);
 //   return trainer::OptimizerConfig(opt, sched);            // stepped after every optimizer step
-//   return trainer::OptimizerConfig(opt, sched, "epoch");   // or once per epoch
+//   return trainer::OptimizerConfig(opt, sched, trainer::Interval::Epoch);   // or once per epoch
 #pragma once
+#include <torch/optim/optimizer.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "tessera/fabric/fabric.h"
 #include "tessera/state/state_dict.h"
 
 namespace tessera::trainer {
+
+// The optimizer a scheduler drives (the same type as fabric::OptimizerPtr; spelled here
+// so this header needs only the optimizer base class, not all of fabric.h).
+using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
 
 class LRScheduler {
  public:
   // Records the optimizer's current lr of each param group as the base lrs and applies
   // lr_at(base, 0) (call from the subclass constructor through init()).
-  explicit LRScheduler(fabric::OptimizerPtr optimizer);
+  explicit LRScheduler(OptimizerPtr optimizer);
   virtual ~LRScheduler() = default;
 
   // Advances the count by one and sets every param group's lr.
@@ -34,7 +39,7 @@ class LRScheduler {
   const std::vector<double>& base_lrs() const { return base_lrs_; }
   // The lrs set by the last step() (or at construction / load).
   std::vector<double> last_lr() const;
-  const fabric::OptimizerPtr& optimizer() const { return optimizer_; }
+  const OptimizerPtr& optimizer() const { return optimizer_; }
   virtual std::string name() const = 0;  // "StepLR", "WarmupCosineLR", "LambdaLR"
 
   // {"name", "count", "groups", "base_lr_<i>"}. load_state_dict checks the
@@ -50,7 +55,7 @@ class LRScheduler {
 
  private:
   void apply();
-  fabric::OptimizerPtr optimizer_;
+  OptimizerPtr optimizer_;
   std::vector<double> base_lrs_;
   int64_t count_ = 0;
 };
@@ -59,7 +64,7 @@ using LRSchedulerPtr = std::shared_ptr<LRScheduler>;
 // lr = base * gamma ^ floor(count / step_size).
 class StepLR : public LRScheduler {
  public:
-  StepLR(fabric::OptimizerPtr optimizer, int64_t step_size, double gamma = 0.1);
+  StepLR(OptimizerPtr optimizer, int64_t step_size, double gamma = 0.1);
   std::string name() const override { return "StepLR"; }
 
  protected:
@@ -76,7 +81,7 @@ class StepLR : public LRScheduler {
 // (so lr reaches base * r at count == total_steps and stays there).
 class WarmupCosineLR : public LRScheduler {
  public:
-  WarmupCosineLR(fabric::OptimizerPtr optimizer, int64_t warmup_steps, int64_t total_steps, double min_lr_ratio = 0.0);
+  WarmupCosineLR(OptimizerPtr optimizer, int64_t warmup_steps, int64_t total_steps, double min_lr_ratio = 0.0);
   std::string name() const override { return "WarmupCosineLR"; }
 
  protected:
@@ -91,7 +96,7 @@ class WarmupCosineLR : public LRScheduler {
 // re-evaluated after a restore).
 class LambdaLR : public LRScheduler {
  public:
-  LambdaLR(fabric::OptimizerPtr optimizer, std::function<double(int64_t)> factor);
+  LambdaLR(OptimizerPtr optimizer, std::function<double(int64_t)> factor);
   std::string name() const override { return "LambdaLR"; }
 
  protected:
@@ -101,10 +106,23 @@ class LambdaLR : public LRScheduler {
   std::function<double(int64_t)> factor_;
 };
 
+// When the Trainer steps a scheduler: after every optimizer step (Step) or after each
+// training epoch (Epoch).
+enum class Interval { Step, Epoch };
+
+// "step", "epoch".
+inline const char* to_string(Interval interval) {
+  switch (interval) {
+    case Interval::Step: return "step";
+    case Interval::Epoch: return "epoch";
+  }
+  return "?";
+}
+
 // One scheduler and when the Trainer steps it.
 struct SchedulerConfig {
   LRSchedulerPtr scheduler;
-  std::string interval = "step";  // "step": after every optimizer step of its optimizer; "epoch": after each epoch
+  Interval interval = Interval::Step;  // Step: after every optimizer step; Epoch: after each epoch
   int64_t frequency = 1;          // every n steps / epochs
   std::string name;               // LearningRateMonitor key ("lr-<name>"); default: the optimizer's name
 };
@@ -113,17 +131,17 @@ struct SchedulerConfig {
 // LR schedulers (each bound to one of the optimizers). Converts implicitly from one
 // optimizer or a vector of them.
 struct OptimizerConfig {
-  std::vector<fabric::OptimizerPtr> optimizers;
+  std::vector<OptimizerPtr> optimizers;
   std::vector<SchedulerConfig> schedulers;
 
   OptimizerConfig() = default;
-  OptimizerConfig(std::vector<fabric::OptimizerPtr> opts) : optimizers(std::move(opts)) {}  // NOLINT(implicit)
+  OptimizerConfig(std::vector<OptimizerPtr> opts) : optimizers(std::move(opts)) {}  // NOLINT(implicit)
   template <typename O, typename = std::enable_if_t<std::is_base_of<torch::optim::Optimizer, O>::value>>
   OptimizerConfig(std::shared_ptr<O> opt) : optimizers{std::move(opt)} {}  // NOLINT(implicit)
   template <typename O, typename = std::enable_if_t<std::is_base_of<torch::optim::Optimizer, O>::value>>
-  OptimizerConfig(std::shared_ptr<O> opt, LRSchedulerPtr scheduler, std::string interval = "step",
+  OptimizerConfig(std::shared_ptr<O> opt, LRSchedulerPtr scheduler, Interval interval = Interval::Step,
                   int64_t frequency = 1)
-      : optimizers{std::move(opt)}, schedulers{{std::move(scheduler), std::move(interval), frequency, ""}} {}
+      : optimizers{std::move(opt)}, schedulers{{std::move(scheduler), interval, frequency, ""}} {}
 };
 
 }  // namespace tessera::trainer

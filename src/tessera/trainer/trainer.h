@@ -42,158 +42,12 @@
 #include "tessera/trainer/callback.h"
 #include "tessera/trainer/logger.h"
 #include "tessera/trainer/lr_scheduler.h"
+#include "tessera/trainer/options.h"
 #include "tessera/trainer/progress_bar.h"
+#include "tessera/trainer/stage.h"
+#include "tessera/trainer/training_module.h"
 
 namespace tessera::trainer {
-
-using Metrics = std::map<std::string, double>;
-
-// A dataset of aligned tensors: sample i is (inputs[i], targets[i]).
-struct TensorData {
-  at::Tensor inputs, targets;
-  int64_t size() const { return inputs.defined() ? inputs.size(0) : 0; }
-  bool empty() const { return size() == 0; }
-};
-
-// One batch of this rank's samples.
-struct Batch {
-  at::Tensor inputs, targets;
-  std::vector<size_t> indices;  // dataset indices of the rows
-  int64_t size() const { return static_cast<int64_t>(indices.size()); }
-};
-
-// A number of batches (an integer) or a fraction of the available batches (a floating
-// point value in [0, 1]): `o.limit_val_batches = 5;` or `o.limit_val_batches = 0.25;`.
-struct BatchCount {
-  BatchCount(int n) : batches(n) {}  // NOLINT(implicit)
-  BatchCount(int64_t n) : batches(n) {}  // NOLINT(implicit)
-  BatchCount(double f) : fraction(f) {}  // NOLINT(implicit)
-  std::optional<int64_t> batches;
-  std::optional<double> fraction;
-  // How many of `available` batches (min(batches, available), or floor(fraction * available)
-  // but at least 1 when fraction > 0).
-  int64_t of(int64_t available) const;
-};
-
-class Trainer;
-
-class TrainingModule {
- public:
-  virtual ~TrainingModule() = default;
-  // Builds the model; called once per Trainer (the first fit/validate/test), before
-  // configure_optimizers. A torch::nn::Sequential can be returned as
-  // AnyModule(strategy::WrappedModule(seq)). Build large pieces (transformer blocks)
-  // through init_module() so FSDP shards each one as soon as it exists.
-  virtual torch::nn::AnyModule configure_model() = 0;
-  // Optimizers over the model's parameters (called after the model is set up), with
-  // optional LR schedulers. Returning one optimizer or a vector of them converts.
-  virtual OptimizerConfig configure_optimizers() = 0;
-  // The loss of one batch (averaged over the batch). Forward through model().
-  virtual at::Tensor training_step(const Batch& batch, int64_t batch_idx) = 0;
-  // Called for every validation / test batch (model in eval mode, no autograd); report
-  // with log(). The defaults throw: giving validation (test) data without overriding
-  // validation_step (test_step) is an error.
-  virtual void validation_step(const Batch& batch, int64_t batch_idx);
-  virtual void test_step(const Batch& batch, int64_t batch_idx);
-
-  // Hooks (every rank).
-  virtual void on_fit_start() {}
-  virtual void on_fit_end() {}
-  virtual void on_train_start() {}
-  virtual void on_train_end() {}
-  virtual void on_train_epoch_start(int64_t epoch) {}
-  virtual void on_train_epoch_end(int64_t epoch) {}
-  virtual void on_train_batch_start(const Batch& batch, int64_t batch_idx) {}
-  virtual void on_train_batch_end(const at::Tensor& loss, const Batch& batch, int64_t batch_idx) {}
-  virtual void on_before_backward(const at::Tensor& loss) {}
-  virtual void on_after_backward() {}
-  virtual void on_before_optimizer_step(torch::optim::Optimizer& optimizer) {}
-  virtual void on_before_zero_grad(torch::optim::Optimizer& optimizer) {}
-  virtual void on_validation_start() {}
-  virtual void on_validation_end() {}
-  virtual void on_validation_epoch_start() {}
-  virtual void on_validation_epoch_end() {}
-  virtual void on_test_start() {}
-  virtual void on_test_end() {}
-  // Extra state saved with / restored from checkpoints (plain values).
-  virtual void on_save_checkpoint(state::StateDict& extra) {}
-  virtual void on_load_checkpoint(const state::StateDict& extra) {}
-  // Hyper-parameters written by the loggers (hparams.yaml) and saved in checkpoints.
-  virtual std::map<std::string, std::string> hparams() const { return {}; }
-
-  // The set-up model (valid from configure_optimizers on).
-  torch::nn::AnyModule& model();
-  // Logs a scalar. In training: a metric of the current step (the value of the last
-  // micro-batch when accumulating), written by the loggers every log_every_n_steps. In
-  // validation / test: averaged over the loop's samples (weighted by batch size) and
-  // recorded at the current global step when the loop ends. prog_bar: shown by the
-  // progress bar. sync_dist: averaged over ranks too (in training immediately, a
-  // collective; in validation / test once at the end of the loop) — every rank must
-  // then log the same names. Every logged value is in Trainer::callback_metrics().
-  void log(const std::string& name, double value, bool prog_bar = false, bool sync_dist = false);
-  void log(const std::string& name, const at::Tensor& value, bool prog_bar = false, bool sync_dist = false);
-  void log_dict(const Metrics& metrics, bool prog_bar = false, bool sync_dist = false);
-  fabric::Fabric& fabric();
-  Trainer& trainer();
-  // The strategy's module-init context, for configure_model(): builds one piece of the
-  // model and returns it ready to register. FSDP shards the piece's parameters at once
-  // (it becomes an FSDP unit), so a model larger than one rank's memory is never
-  // materialized whole; the other strategies return the piece as built. Only valid
-  // inside configure_model().
-  torch::nn::AnyModule init_module(const std::function<torch::nn::AnyModule()>& build);
-  int64_t global_step() const { return global_step_; }
-  int64_t current_epoch() const { return epoch_; }
-
- private:
-  friend class Trainer;
-  Trainer* trainer_ = nullptr;
-  torch::nn::AnyModule model_;
-  int64_t global_step_ = 0, epoch_ = 0;
-};
-
-struct TrainerOptions {
-  // Strategy, devices, precision... Trainer checkpoints default to Full (consolidated)
-  // unless fabric.state_dict_type says otherwise (Sharded: a directory per checkpoint).
-  fabric::FabricOptions fabric;
-  int64_t max_epochs = -1;  // -1: no limit (max_steps must be set then); default 1000 if both unset
-  int64_t max_steps = -1;   // optimizer steps; -1: no limit
-  int64_t batch_size = 32;  // per rank, per micro-batch
-  int64_t eval_batch_size = 0;  // per rank for validation and test; 0: batch_size
-  bool shuffle = true;      // training data only; validation / test data is never shuffled
-  uint64_t seed = 0;        // sampler seed (epoch e uses seed + e)
-  // Micro-batches per optimizer step; backward of all but the last runs without
-  // gradient synchronization; each micro-batch's loss is divided by the number of
-  // micro-batches in its step (so k micro-batches equal one batch k times larger).
-  int64_t accumulate_grad_batches = 1;
-  std::optional<double> gradient_clip_val;       // clip before every optimizer step
-  std::string gradient_clip_algorithm = "norm";  // "norm" (global norm over every rank) or "value"
-  // Validate every n training batches (integer) or after this fraction of the epoch's
-  // batches (floating point, (0, 1]); counted within an epoch.
-  BatchCount val_check_interval = 1.0;
-  int64_t check_val_every_n_epoch = 1;  // validate in epochs e with (e + 1) % n == 0
-  BatchCount limit_train_batches = 1.0, limit_val_batches = 1.0, limit_test_batches = 1.0;
-  // Validation batches run before training starts (no metrics recorded, catches bugs in
-  // validation_step early); 0 disables.
-  int64_t num_sanity_val_steps = 0;
-  // Deterministic algorithms (at::globalContext().setDeterministicAlgorithms).
-  bool deterministic = false;
-  int64_t log_every_n_steps = 50;
-  std::string default_root_dir = ".";  // logs and checkpoints below it
-  // Adds ModelCheckpoint(dirpath=<root>/checkpoints, save_last=true, save_top_k=0,
-  // every_n_train_steps=checkpoint_every_n_train_steps) unless `callbacks` has a
-  // ModelCheckpoint already.
-  bool enable_checkpointing = true;
-  int64_t checkpoint_every_n_train_steps = 0;
-  // The default ModelCheckpoint writes in the background (ModelCheckpointOptions::async_save).
-  bool checkpoint_async = false;
-  std::vector<CallbackPtr> callbacks;
-  // No loggers given and enable_logger: one CsvLogger(default_root_dir).
-  bool enable_logger = true;
-  std::vector<LoggerPtr> loggers;
-  // Rank zero only.
-  bool enable_progress_bar = true;
-  ProgressBarOptions progress_bar;
-};
 
 class ModelCheckpoint;
 class EarlyStopping;
@@ -246,8 +100,9 @@ class Trainer {
   int64_t current_epoch() const { return epoch_; }
   bool is_global_zero() const { return fabric_->is_global_zero(); }
   int world_size() const { return fabric_->world_size(); }
-  // "fit", "validate", "test" or "" (outside them); "sanity_check" during sanity batches.
-  const std::string& stage() const { return stage_; }
+  // Stage::Fit (its validation and sanity batches too), Stage::Validate, Stage::Test, or
+  // Stage::None outside them.
+  Stage stage() const { return stage_; }
   // Set by callbacks (EarlyStopping) to end fit after the current batch; must be set on
   // every rank alike.
   bool should_stop() const { return should_stop_; }
@@ -287,35 +142,65 @@ class Trainer {
   // however it ends.
   struct StageScope {
     TrainingModule* module;
-    std::string& stage;
+    Stage& stage;
     ~StageScope() {
       module->trainer_ = nullptr;
-      stage.clear();
+      stage = Stage::None;
     }
   };
   struct EvalAcc {
     double sum = 0, weight = 0;
     bool sync = false, prog_bar = false;
   };
+  // The fit loop's inputs and running sums (defined in fit_loop.cpp).
+  struct FitContext;
+
+  // trainer.cpp: the module, its model and optimizers, loggers, metrics, batches.
   void attach(TrainingModule& module);
   void setup_model(TrainingModule& module, bool with_optimizers);
   void setup_loggers(TrainingModule& module);
+  void log_metric(const std::string& name, double value, bool prog_bar, bool sync_dist);
+  void log_to_loggers(const Metrics& metrics, int64_t step);
+  Batch make_batch(const TensorData& data, const std::vector<size_t>& idx) const;
+  void step_schedulers(Interval interval);
+  template <typename F>
+  void each_callback(F&& f) {
+    for (auto& c : callbacks_) f(*c);
+  }
+  // Tells every callback (ignoring their own errors) before the exception propagates.
+  void notify_exception(TrainingModule& module, const std::exception& e);
+
+  // fit_loop.cpp: the steps of fit.
+  void prepare_fit(FitContext& fit, const std::string& ckpt_path);
+  bool fit_done() const;
+  void run_epoch(FitContext& fit);
+  void start_epoch(FitContext& fit);
+  void train_batch(FitContext& fit, const Batch& batch, int64_t batch_idx);
+  void backward(FitContext& fit, const at::Tensor& loss, int64_t group, bool last);
+  void optimizer_step(FitContext& fit, int64_t group);
+  void clip_gradients();
+  void show_train_progress(int64_t batch_idx);
+  void validate_in_fit(FitContext& fit);
+  void end_epoch(FitContext& fit);
+  void finish_fit(FitContext& fit);
+
+  // eval_loop.cpp: validation and test loops.
+  int64_t eval_batches(const TensorData& data, const BatchCount& limit) const;
+  Metrics evaluate(TrainingModule& module, const TensorData& data, const std::string& ckpt_path, Stage stage);
+  Metrics run_eval(TrainingModule& module, const TensorData& data, Stage stage, int64_t batches, bool sanity);
+  void eval_start_hooks(TrainingModule& module, Stage stage);
+  void eval_end_hooks(TrainingModule& module, Stage stage);
+  Metrics eval_averages();
+
+  // trainer_checkpoint.cpp: what a checkpoint holds and how it is restored.
   fabric::FabricState make_state();
   fabric::FabricState checkpoint_state(const std::string& path);
   void write_checkpoint(const std::string& path, bool async);
-  void load_checkpoint(const std::string& path, bool weights_only);
   std::string resolve_ckpt_path(const std::string& ckpt_path);
-  void log_metric(const std::string& name, double value, bool prog_bar, bool sync_dist);
-  void log_to_loggers(const Metrics& metrics, int64_t step);
-  int64_t eval_batches(const TensorData& data, const BatchCount& limit) const;
-  Metrics run_eval(TrainingModule& module, const TensorData& data, const std::string& stage, int64_t batches,
-                   bool sanity);
-  Metrics evaluate(TrainingModule& module, const TensorData& data, const std::string& ckpt_path,
-                   const std::string& stage);
-  Batch make_batch(const TensorData& data, const std::vector<size_t>& idx) const;
-  void step_schedulers(const std::string& interval);
-  template <typename F>
-  void each_callback(F&& f);
+  void load_checkpoint(const std::string& path, bool weights_only);
+  void restore_loop(const std::string& path, const fabric::FabricState& st, const state::StateDict& rest);
+  void restore_schedulers(const std::string& path, const state::StateDict& rest);
+  void restore_callbacks(const state::StateDict& rest);
 
   TrainerOptions options_;
   std::unique_ptr<fabric::Fabric> fabric_;
@@ -331,7 +216,7 @@ class Trainer {
   std::map<std::string, EvalAcc> eval_acc_;
   int64_t eval_rows_ = 0;
   bool in_eval_ = false;
-  std::string stage_;
+  Stage stage_ = Stage::None;
   int64_t global_step_ = 0, epoch_ = 0, num_training_batches_ = 0;
   bool should_stop_ = false, optimizer_stepped_ = false, fitted_ = false, has_val_ = false;
   // Loop state saved in checkpoints: the epoch's end hooks already ran (only the switch
