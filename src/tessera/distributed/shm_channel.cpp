@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 
 namespace tessera::distributed {
 
@@ -143,12 +144,6 @@ void combine(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Re
 
 int64_t clamp_len(int64_t count, int64_t from, int64_t chunk) {
   return std::max<int64_t>(0, std::min(chunk, count - from));
-}
-
-std::vector<int64_t> offsets_of(const std::vector<int64_t>& counts) {
-  std::vector<int64_t> off(counts.size() + 1, 0);
-  for (size_t r = 0; r < counts.size(); ++r) off[r + 1] = off[r] + counts[r];
-  return off;
 }
 
 // FNV-1a over the per-rank counts: ranks that split a collective differently disagree.
@@ -386,7 +381,7 @@ void ShmChannel::all_gather(const at::Tensor& local, const std::vector<int64_t>&
   run_op([&] {
     const at::ScalarType dt = local.scalar_type();
     const int64_t isz = local.element_size(), e = static_cast<int64_t>(chunk_) / isz;
-    const std::vector<int64_t> off = offsets_of(counts);
+    const std::vector<int64_t> off = core::exclusive_offsets(counts);
     const Desc d{kAllGather, static_cast<int32_t>(dt), off.back(), 0, layout_hash(counts)};
     const char* src = static_cast<const char*>(local.data_ptr());
     char* dst = static_cast<char*>(out.data_ptr());
@@ -423,7 +418,7 @@ void ShmChannel::reduce_scatter(const at::Tensor& in, const std::vector<int64_t>
     TESSERA_CHECK(per >= 1, "shared-memory channel: a ", chunk_, "-byte slot cannot hold one ", dt,
                   " element for each of ", size_, " ranks");
     const int64_t region = per >= 16 ? per / 16 * 16 : per;
-    const std::vector<int64_t> off = offsets_of(counts);
+    const std::vector<int64_t> off = core::exclusive_offsets(counts);
     const Desc d{kReduceScatter, static_cast<int32_t>(dt), off.back(), static_cast<int64_t>(op), layout_hash(counts)};
     char* src = static_cast<char*>(in.data_ptr());
     char* dst = static_cast<char*>(out.data_ptr());
