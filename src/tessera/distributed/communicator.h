@@ -2,7 +2,7 @@
 // tensors where this libtorch has it; between the ranks of one host, CPU all-reduce,
 // all-gather, reduce-scatter, broadcast and barrier go through a shared-memory channel
 // instead (shm_channel.h; such collectives are complete when the *_async call returns).
-// Everything above `dist` talks to peers through a Communicator.
+// Everything above `distributed` talks to peers through a Communicator.
 //
 // Semantics every backend provides (emulated where a backend lacks the native op,
 // chosen by trying the native op once and remembering the answer):
@@ -13,6 +13,11 @@
 //    possibly empty), each rank receives the reduction of its piece;
 //  - broadcast, barrier, and byte-string broadcast / all-gather.
 // Failures (timeout, dead peer) raise tessera::CommError naming the collective.
+//
+// Inside: communicator.cpp is the front (checks the arguments, then sends each call
+// down the shared-memory channel or the c10d routes); process_group.h makes the
+// Gloo / NCCL groups after the rendezvous (rendezvous.h); c10d_routes.h runs a
+// collective through them, natively or emulated.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -24,40 +29,10 @@
 #include <vector>
 
 #include "tessera/core/error.h"
+#include "tessera/distributed/types.h"  // ReduceOp, CommOptions
 #include "tessera/distributed/world.h"
 
-namespace c10d {
-class Store;
-}
-
 namespace tessera::distributed {
-
-enum class ReduceOp { Sum, Avg, Min, Max };
-const char* to_string(ReduceOp op);
-
-struct CommOptions {
-  // Deadline for rendezvous and for every collective.
-  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
-  // "auto" (Gloo for CPU tensors, plus NCCL for CUDA tensors when available), "gloo", "nccl".
-  std::string backend = "auto";
-  // Gloo worker threads per process group.
-  int gloo_threads = 2;
-  // When every rank of a group is on one host, CPU all-reduce, all-gather, reduce-scatter,
-  // broadcast and barrier go through a shared-memory segment instead of Gloo's TCP
-  // loopback (see shm_channel.h); Gloo still carries the rest. TESSERA_SHM=0 or 1
-  // overrides this. Falls back to Gloo, with a warning, when the segment cannot be made.
-  bool shared_memory = true;
-  // Bytes each rank moves per round of a shared-memory collective; the segment holds
-  // two such slots per rank (capped so that it stays under 64 MiB).
-  size_t shm_chunk_bytes = size_t{1} << 20;
-  // Gloo (CPU, no shared-memory channel) all-gather and reduce-scatter of even pieces:
-  // false sends each piece point to point (no padding, no staging buffer); true uses
-  // Gloo's own single-tensor collectives where this libtorch has them (torch 2.x:
-  // all_gather_single / reduce_scatter_single; 1.13 has neither and falls back to point
-  // to point). Uneven pieces always go point to point. TESSERA_GLOO_NATIVE=0 or 1
-  // overrides this. bench_collectives measures both (docs/benchmarks.md).
-  bool gloo_native = false;
-};
 
 // An asynchronous collective. wait() blocks, raises CommError on failure, and runs
 // the post-processing (unpadding, local reduction) of emulated collectives. The
@@ -175,8 +150,5 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void attach_shared_memory();
   std::unique_ptr<Impl> impl_;
 };
-
-// A free TCP port on the loopback interface (bind to port 0, read it, close).
-int find_free_port();
 
 }  // namespace tessera::distributed

@@ -17,7 +17,7 @@
 #include <cstring>
 
 #include "tessera/core/error.h"
-#include "tessera/distributed/communicator.h"
+#include "tessera/distributed/rendezvous.h"  // find_free_port
 
 extern char** environ;
 

@@ -1,5 +1,10 @@
 #include "tessera/distributed/rendezvous.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -111,6 +116,24 @@ void throw_join_failure(const World& w, c10d::Store& store, std::chrono::millise
   }
   throw CommError(concat("creating the process group on rank ", w.rank, " of ", w.world_size, " at ", where(w),
                          " failed (", count, ", timeout ", seconds(timeout), "): ", short_error(cause)));
+}
+
+int find_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TESSERA_CHECK(fd >= 0, "socket() failed while looking for a free port");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    throw Error("bind() to a free loopback port failed");
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
 }
 
 }  // namespace tessera::distributed

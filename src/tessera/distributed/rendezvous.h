@@ -1,7 +1,8 @@
 // Rendezvous of a job's ranks at MASTER_ADDR:MASTER_PORT: the TCPStore every rank
 // connects to (rank 0 hosts it unless torchrun's agent does), a count of the ranks
 // that reached it, and the one-line errors when it fails (libtorch's own messages
-// carry a C++ backtrace and rarely say which address, rank or timeout was involved).
+// carry a C++ backtrace and rarely say which address, rank or timeout was involved),
+// and a free port to hold it on.
 #pragma once
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -22,6 +23,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& world, std::chrono::m
 // ranks reached the store, when the store still answers.
 [[noreturn]] void throw_join_failure(const World& world, c10d::Store& store, std::chrono::milliseconds timeout,
                                      std::chrono::milliseconds waited, const std::exception& cause);
+
+// A free TCP port on the loopback interface (bind to port 0, read it, close): the
+// MASTER_PORT `tessera run` gives a one-node job when none is named.
+int find_free_port();
 
 // The first line of an exception's message, without the backtrace libtorch appends.
 std::string short_error(const std::exception& e);

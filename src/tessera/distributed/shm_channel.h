@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "tessera/distributed/communicator.h"
+#include "tessera/distributed/types.h"
 
 namespace tessera::distributed {
 
