@@ -6,8 +6,6 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +15,7 @@
 #include <cstring>
 
 #include "tessera/core/error.h"
+#include "tessera/distributed/launch_guard.h"
 #include "tessera/distributed/rendezvous.h"  // find_free_port
 
 extern char** environ;
@@ -173,117 +172,6 @@ void signal_all(std::vector<Child>& children, int sig) {
   }
 }
 
-// The guard: a small process forked before the ranks, in a process group of its own and
-// deaf to INT/TERM/HUP, that outlives a launcher killed without warning (SIGKILL, the OOM
-// killer, a crash) and then kills the ranks' process groups. The ranks themselves die
-// with the launcher (parent-death signal), but what they started would otherwise run on,
-// reparented to init. It learns the groups over a socket only the launcher writes:
-// +pgid when a rank starts, -pgid once the launcher has reaped it and killed its group,
-// 0 when the launch ends normally. End of file without the 0: the launcher is gone.
-class Guard {
- public:
-  explicit Guard(int max_groups) : slots_(static_cast<size_t>(max_groups)) {}
-  Guard(const Guard&) = delete;
-  Guard& operator=(const Guard&) = delete;
-  ~Guard() { finish(); }
-
-  // Returns false (and the launch goes on unguarded) when the guard cannot be started.
-  bool start() {
-    int sv[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return false;
-    sigset_t all, old_mask;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old_mask);
-    pid_t pid = ::fork();
-    if (pid == 0) run(sv[1]);  // never returns
-    pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
-    ::close(sv[1]);
-    if (pid < 0) {
-      ::close(sv[0]);
-      return false;
-    }
-    pid_ = pid;
-    fd_ = sv[0];
-    return true;
-  }
-  int fd() const { return fd_; }
-  void add(pid_t pgid) { send(static_cast<int32_t>(pgid)); }
-  void remove(pid_t pgid) { send(-static_cast<int32_t>(pgid)); }
-  // The launch ended normally: the guard exits without killing anything.
-  void finish() {
-    if (fd_ < 0) return;
-    send(0);
-    ::close(fd_);
-    fd_ = -1;
-    int st = 0;
-    while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
-    }
-    pid_ = -1;
-  }
-
- private:
-  void send(int32_t v) {
-    if (fd_ < 0) return;
-    // MSG_NOSIGNAL: a guard that was killed must not take the launcher down with SIGPIPE.
-    while (::send(fd_, &v, sizeof v, MSG_NOSIGNAL) < 0 && errno == EINTR) {
-    }
-  }
-
-  // The guard process: only async-signal-safe calls (the launcher may have threads).
-  [[noreturn]] void run(int fd) {
-    ::setpgid(0, 0);  // not stopped by a signal sent to the launcher's process group
-    struct sigaction ign {};
-    ign.sa_handler = SIG_IGN;
-    sigemptyset(&ign.sa_mask);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGTSTP, SIGTTIN, SIGTTOU}) sigaction(sig, &ign, nullptr);
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    // Hold nothing of the launcher's open: a pipe reader waiting for end of file on the
-    // launcher's output must not wait for the guard.
-    if (fd != 0) {
-      ::dup2(fd, 0);
-      fd = 0;
-    }
-#ifdef SYS_close_range
-    if (::syscall(SYS_close_range, 1u, ~0u, 0u) != 0)
-#endif
-      for (int i = 1; i < 65536; ++i) ::close(i);
-    size_t n = 0;
-    unsigned char buf[256];
-    size_t have = 0;
-    for (;;) {
-      ssize_t k = ::read(fd, buf + have, sizeof buf - have);
-      if (k < 0 && errno == EINTR) continue;
-      if (k <= 0) break;  // the launcher is gone
-      have += static_cast<size_t>(k);
-      size_t off = 0;
-      for (; off + sizeof(int32_t) <= have; off += sizeof(int32_t)) {
-        int32_t v;
-        std::memcpy(&v, buf + off, sizeof v);
-        if (v == 0) ::_exit(0);
-        if (v > 0 && n < slots_.size()) {
-          slots_[n++] = v;
-        } else if (v < 0) {
-          for (size_t i = 0; i < n; ++i) {
-            if (slots_[i] != -v) continue;
-            slots_[i] = slots_[--n];
-            break;
-          }
-        }
-      }
-      std::memmove(buf, buf + off, have - off);
-      have -= off;
-    }
-    for (size_t i = 0; i < n; ++i) ::kill(-slots_[i], SIGKILL);
-    ::_exit(0);
-  }
-
-  std::vector<pid_t> slots_;  // allocated before fork: the guard does not allocate
-  pid_t pid_ = -1;
-  int fd_ = -1;
-};
-
 }  // namespace
 
 LaunchResult launch(const LaunchOptions& o) {
@@ -317,7 +205,7 @@ LaunchResult launch(const LaunchOptions& o) {
     sigaction(SIGHUP, &sa, &old_hup);
   }
 
-  Guard guard(o.nproc_per_node);
+  LaunchGuard guard(o.nproc_per_node);
   if (!guard.start()) {
     std::fprintf(stderr, "tessera run: warning: cannot start the guard process (%s); if this launcher is "
                  "killed, processes started by the ranks may outlive it\n", std::strerror(errno));
