@@ -51,10 +51,11 @@ Fabric::StateParts Fabric::parts_of(const FabricState& st, const char* what) con
         check_is_setup_module(st.module(name), concat(what, ": module '", name, "'"));
         parts.modules.push_back(name);
         break;
-      case FabricState::Kind::Optimizer:
-        parts.optimizers.emplace_back(
-            name, static_cast<size_t>(optimizer_index(st.optimizer(name).get(), concat(what, ": optimizer '", name, "'"))));
+      case FabricState::Kind::Optimizer: {
+        const int i = optimizer_index(st.optimizer(name).get(), concat(what, ": optimizer '", name, "'"));
+        parts.optimizers.emplace_back(name, static_cast<size_t>(i));
         break;
+      }
       case FabricState::Kind::Value:
         parts.values.push_back(name);
         break;

@@ -173,10 +173,11 @@ class Fabric {
   void barrier();
 
   // --- checkpoints ---
-  // Writes the state's module (strategy state dict), optimizers and values to `path`:
-  // a sharded directory or one consolidated file, per FabricOptions.state_dict_type
-  // (by default the strategy's default_state_dict_type(): Sharded for FSDP). A consolidated save streams each sharded tensor to
-  // rank 0 in bounded slices, so no rank ever holds more than its shards and one slice.
+  // Writes the state's module and optimizers (the strategy's typed state) and values to
+  // `path`: a sharded directory or one consolidated file, per
+  // FabricOptions.state_dict_type (by default the strategy's default_state_dict_type():
+  // Sharded for FSDP). A consolidated save streams each sharded tensor to rank 0 in
+  // bounded slices, so no rank ever holds more than its shards and one slice.
   // Waits for an async save in flight first. Collective.
   void save(const std::string& path, const FabricState& state);
   // The same save, written in the background: returns once every rank has copied its
@@ -217,7 +218,8 @@ class Fabric {
   StateParts parts_of(const FabricState& st, const char* what) const;
   // The strategy's state of the module (when `parts` names one) and of the optimizers
   // `parts` names.
-  strategy::StrategyState strategy_state_of(const StateParts& parts, strategy::StateDictType type, const char* what);
+  strategy::StrategyState strategy_state_of(const StateParts& parts, strategy::StateDictType type,
+                                            const char* what);
   // The checkpoint save() and save_async() write (the state dict and its save mode).
   std::pair<state::StateDict, checkpoint::SaveOptions> checkpoint_of(const FabricState& st);
 
