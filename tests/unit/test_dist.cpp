@@ -7,6 +7,7 @@
 
 #include "harness.h"
 #include "tessera/distributed/communicator.h"
+#include "tessera/distributed/rendezvous.h"  // find_free_port
 
 using namespace tessera;
 using tessera::testing::run_ranks;
