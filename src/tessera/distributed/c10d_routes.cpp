@@ -143,9 +143,7 @@ Pending C10dRoutes::all_reduce(const at::Tensor& tensor, ReduceOp op) {
 // ---------------------------------------------------------------- all_gather
 Pending C10dRoutes::all_gather(const at::Tensor& local, const std::vector<int64_t>& sizes, const at::Tensor& out) {
   const int n = place_.size, me = place_.rank;
-  const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
-  const auto off = core::exclusive_offsets(sizes);
-  const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; });
+  const Pieces p(sizes);
   auto& c = caps(local);
   auto& be = backend(local);
   return with_bf16_retry("all_gather", local, [&](bool as_half) {
@@ -153,7 +151,7 @@ Pending C10dRoutes::all_gather(const at::Tensor& local, const std::vector<int64_
     at::Tensor out_w = bits(out, as_half);
     WorkList works;
     at::Tensor buf;  // the padded path's landing buffer
-    if (even && c.allgather_base != 0 && (!local.is_cpu() || gloo_native_)) {
+    if (p.even && c.allgather_base != 0 && (!local.is_cpu() || gloo_native_)) {
       // NCCL (or Gloo when asked): the native all-gather into one tensor, straight into `out`.
       try {
         works.push_back(be._allgather_base(out_w, send_w));
@@ -169,27 +167,27 @@ Pending C10dRoutes::all_gather(const at::Tensor& local, const std::vector<int64_
       // padding of uneven pieces and no staging buffer on either side).
       works = exchange(
           be, me, n, next_p2p_tag(), [&](int) { return send_w; },
-          [&](int from) { return out_w.narrow(0, off[from], sizes[from]); });
-      if (sizes[me] > 0) out_w.narrow(0, off[me], sizes[me]).copy_(send_w);
+          [&](int from) { return out_w.narrow(0, p.off[from], sizes[from]); });
+      if (sizes[me] > 0) out_w.narrow(0, p.off[me], sizes[me]).copy_(send_w);
     } else if (works.empty()) {
       // Uneven pieces on a device backend: the list form into equal, padded pieces.
       at::Tensor padded = send_w;
-      if (!even) {
-        padded = at::zeros(rest_shape(send_w, maxs), send_w.options());
+      if (!p.even) {
+        padded = at::zeros(rest_shape(send_w, p.maxs), send_w.options());
         if (sizes[me] > 0) padded.narrow(0, 0, sizes[me]).copy_(send_w);
       }
-      buf = at::empty(rest_shape(send_w, maxs * n), send_w.options());
+      buf = at::empty(rest_shape(send_w, p.maxs * n), send_w.options());
       std::vector<std::vector<at::Tensor>> outs(1);
-      for (int r = 0; r < n; ++r) outs[0].push_back(buf.narrow(0, r * maxs, maxs));
+      for (int r = 0; r < n; ++r) outs[0].push_back(buf.narrow(0, r * p.maxs, p.maxs));
       std::vector<at::Tensor> ins{padded};
       works.push_back(be.allgather(outs, ins));
       send_w = padded;
     }
-    return Pending([this, works, send_w, buf, out_w, out, sizes, off, maxs, local, n]() {
+    return Pending([this, works, send_w, buf, out_w, out, sizes, p, local, n]() {
       for (auto& w : works) wait_work(w, "all_gather", local);
       if (buf.defined()) {
         for (int r = 0; r < n; ++r)
-          if (sizes[r] > 0) out_w.narrow(0, off[r], sizes[r]).copy_(buf.narrow(0, r * maxs, sizes[r]));
+          if (sizes[r] > 0) out_w.narrow(0, p.off[r], sizes[r]).copy_(buf.narrow(0, r * p.maxs, sizes[r]));
       }
       return out;
     });
@@ -200,9 +198,7 @@ Pending C10dRoutes::all_gather(const at::Tensor& local, const std::vector<int64_
 Pending C10dRoutes::reduce_scatter(const at::Tensor& full, const std::vector<int64_t>& sizes, ReduceOp op) {
   const int n = place_.size, me = place_.rank;
   const int64_t mine = sizes[me];
-  const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
-  const auto off = core::exclusive_offsets(sizes);
-  const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; });
+  const Pieces p(sizes);
   auto& c = caps(full);
   auto& be = backend(full);
   return with_bf16_retry("reduce_scatter", full, [&](bool upcast) {
@@ -211,14 +207,14 @@ Pending C10dRoutes::reduce_scatter(const at::Tensor& full, const std::vector<int
     WorkList works;
     at::Tensor out;
     bool emulated = false;
-    if (c.reduce_scatter_base != 0 && (!full.is_cpu() || (even && gloo_native_))) {
+    if (c.reduce_scatter_base != 0 && (!full.is_cpu() || (p.even && gloo_native_))) {
       at::Tensor src = in;
-      if (!even) {
-        src = at::zeros(rest_shape(in, maxs * n), in.options());
+      if (!p.even) {
+        src = at::zeros(rest_shape(in, p.maxs * n), in.options());
         for (int r = 0; r < n; ++r)
-          if (sizes[r] > 0) src.narrow(0, r * maxs, sizes[r]).copy_(in.narrow(0, off[r], sizes[r]));
+          if (sizes[r] > 0) src.narrow(0, r * p.maxs, sizes[r]).copy_(in.narrow(0, p.off[r], sizes[r]));
       }
-      out = at::empty(rest_shape(in, maxs), in.options());
+      out = at::empty(rest_shape(in, p.maxs), in.options());
       c10d::ReduceScatterOptions o;
       o.reduceOp = to_c10d(op);
       o.timeout = timeout_;
@@ -239,7 +235,7 @@ Pending C10dRoutes::reduce_scatter(const at::Tensor& full, const std::vector<int
       out = at::empty(rest_shape(in, mine * n), in.options());
       if (full.is_cpu()) {
         works = exchange(
-            be, me, n, next_p2p_tag(), [&](int to) { return in.narrow(0, off[to], sizes[to]); },
+            be, me, n, next_p2p_tag(), [&](int to) { return in.narrow(0, p.off[to], sizes[to]); },
             [&](int from) { return out.narrow(0, from * mine, mine); });
       } else {
         std::vector<int64_t> out_splits(n, mine);
@@ -249,12 +245,12 @@ Pending C10dRoutes::reduce_scatter(const at::Tensor& full, const std::vector<int
         works.push_back(be.alltoall_base(out, in, out_splits, in_splits, o));
       }
     }
-    return Pending([this, works, in, out, off, emulated, mine, me, n, op, full, upcast]() {
+    return Pending([this, works, in, out, p, emulated, mine, me, n, op, full, upcast]() {
       for (auto& w : works) wait_work(w, "reduce_scatter", full);
       at::Tensor r;
       if (emulated) {
         auto part = [&](int k) {
-          return full.is_cpu() && k == me ? in.narrow(0, off[me], mine) : out.narrow(0, k * mine, mine);
+          return full.is_cpu() && k == me ? in.narrow(0, p.off[me], mine) : out.narrow(0, k * mine, mine);
         };
         r = at::empty(rest_shape(in, mine), in.options());
         for (int k = 1; k < n; ++k) {

@@ -4,11 +4,13 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <exception>
 #include <string>
 #include <vector>
 
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 #include "tessera/distributed/types.h"
 
 namespace tessera::distributed {
@@ -47,6 +49,17 @@ inline std::vector<int64_t> rest_shape(const at::Tensor& t, int64_t dim0) {
   s[0] = dim0;
   return s;
 }
+
+// How per-rank dim-0 pieces of `sizes` rows lie end to end.
+struct Pieces {
+  explicit Pieces(const std::vector<int64_t>& sizes)
+      : off(core::exclusive_offsets(sizes)),
+        maxs(sizes.empty() ? 0 : *std::max_element(sizes.begin(), sizes.end())),
+        even(std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == maxs; })) {}
+  std::vector<int64_t> off;  // where each piece starts, the total at the back
+  int64_t maxs;              // the largest piece
+  bool even;                 // all pieces of one size
+};
 
 // Per-rank element counts of dim-0 pieces whose rows hold `row` elements each.
 inline std::vector<int64_t> element_counts(const std::vector<int64_t>& sizes, int64_t row) {
