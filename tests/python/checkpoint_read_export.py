@@ -2,7 +2,7 @@
 
 usage: checkpoint_read_export.py OUT.pt OUT.safetensors
        checkpoint_read_export.py --safetensors-only OUT.safetensors
-Expected values follow tests/worker/checkpoint_scenarios.cpp (full_value, iteration 0).
+Expected values follow tests/checkpoint/checkpoint_scenarios.cpp (full_value, iteration 0).
 Reads the .pt file with torch.load and the safetensors file with the safetensors library.
 """
 import json

@@ -5,7 +5,7 @@ usage: checkpoint_read_sharded.py CKPT_DIR
 Checks: every data file opens with safetensors.safe_open; each chunk named by
 tessera-checkpoint.json is a tensor of that file with the chunk's dtype and box, stored at
 the chunk's byte_range; the chunks rebuild every tensor of the known worker state
-(tests/worker/checkpoint_scenarios.cpp) exactly. Prints "ok N" (tensors checked).
+(tests/checkpoint/checkpoint_scenarios.cpp) exactly. Prints "ok N" (tensors checked).
 """
 import json
 import os

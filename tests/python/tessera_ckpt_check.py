@@ -7,8 +7,8 @@ usage: tessera_ckpt_check.py CKPT [--torch REF.pt] [--safetensors REF.safetensor
 
   --torch REF.pt            `tessera ckpt export --format torch` of CKPT, read by torch.load
   --safetensors REF         a consolidated file read by the safetensors library
-  --state worker            the known state of tests/worker/checkpoint_scenarios.cpp (ckpt_save)
-  --state special           the state tests/unit/test_python_package.cpp saves (dtypes, NaN/-0 bits,
+  --state worker            the known state of tests/checkpoint/checkpoint_scenarios.cpp (ckpt_save)
+  --state special           the state tests/checkpoint/test_python_package.cpp saves (dtypes, NaN/-0 bits,
                             integer extremes, multi-block tensors, a column-sharded tensor)
 Every tensor is compared bit for bit (NaN payloads and -0.0 included); plain values by their
 IEEE-754 bits. Prints "ok N" (keys checked).
@@ -80,7 +80,7 @@ NAN_PAYLOAD = 0x7FF8000000000123
 
 
 def special_state():
-    """Mirrors special_state() in tests/unit/test_python_package.cpp."""
+    """Mirrors special_state() in tests/checkpoint/test_python_package.cpp."""
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     s = {
         "model.f16": (torch.arange(12, dtype=torch.float32) * 0.5 - 2).reshape(3, 4).to(torch.float16),

@@ -1,4 +1,4 @@
-"""The known state tests/worker/checkpoint_scenarios.cpp saves (full_value, iteration 0):
+"""The known state tests/checkpoint/checkpoint_scenarios.cpp saves (full_value, iteration 0):
 each key's FQN, shape and dtype, and the value every element must have; and the real
 safetensors reader the checks read Tessera's files with."""
 import torch

@@ -1,0 +1,149 @@
+// Reliability: two "hosts" on one machine. Two network namespaces joined by a veth
+// pair; one `tessera run --nnodes 2 --node-rank i -n 2` in each, so the rendezvous and
+// every Gloo connection between the nodes cross the veth link (the master address
+// exists only in the first namespace). The 4 ranks use hybrid sharding (shard inside a
+// node, replicate across nodes):
+//  - training matches a one-process run (strategy_parity);
+//  - a sharded checkpoint saved by both nodes (one writer per box) verifies, reads back
+//    bit for bit, and resumes across the two nodes and at other world sizes.
+// Needs root and iproute2 (`ip netns`, installed by scripts/setup.sh). Without root it
+// is skipped with the reason; as root (CI) a setup failure is a test failure, never a
+// skip, so the test cannot silently stop running.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <filesystem>
+#include <iostream>
+
+#include "support/harness.h"
+#include "reliability/reliability_util.h"
+#include "support/test_util.h"
+#include "tessera/checkpoint/offline.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+class ReliabilityTwoHosts : public ::testing::Test {
+ protected:
+  std::string ip_path, a, b, va, vb, ip_a, ip_b;
+
+  void SetUp() override {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to create network namespaces (ip netns add)";
+    // As root from here on: every failure to set up fails the test.
+    auto [ip_rc, path] = run_command("command -v ip");
+    ASSERT_EQ(ip_rc, 0) << "running as root but iproute2 (the `ip` tool) is missing: install it (scripts/setup.sh "
+                           "does) — this test must run where it can";
+    ip_path = path;
+    while (!ip_path.empty() && std::isspace(static_cast<unsigned char>(ip_path.back()))) ip_path.pop_back();
+    const std::string tag = std::to_string(::getpid() % 100000);
+    const std::string net = "10.211." + std::to_string(::getpid() % 250) + ".";
+    ip_a = net + "1";
+    ip_b = net + "2";
+    va = "tva" + tag;
+    vb = "tvb" + tag;
+    const std::vector<std::pair<std::string*, std::string>> spaces = {{&a, "tsA" + tag}, {&b, "tsB" + tag}};
+    for (auto& [slot, name] : spaces) {
+      auto [rc, out] = run_command("ip netns add " + name);
+      ASSERT_EQ(rc, 0) << "running as root but cannot create network namespace " << name
+                       << " (does the container lack CAP_NET_ADMIN?): " << out;
+      *slot = name;  // removed in TearDown
+    }
+    const std::vector<std::string> setup = {"ip link add " + va + " type veth peer name " + vb,
+                                            "ip link set " + va + " netns " + a,
+                                            "ip link set " + vb + " netns " + b,
+                                            "ip -n " + a + " addr add " + ip_a + "/24 dev " + va,
+                                            "ip -n " + b + " addr add " + ip_b + "/24 dev " + vb,
+                                            "ip -n " + a + " link set " + va + " up",
+                                            "ip -n " + b + " link set " + vb + " up",
+                                            "ip -n " + a + " link set lo up",
+                                            "ip -n " + b + " link set lo up"};
+    for (const auto& cmd : setup) {
+      auto [c, o] = run_command(cmd);
+      ASSERT_EQ(c, 0) << "running as root but cannot set up the veth pair (" << cmd << "): " << o;
+    }
+  }
+
+  void TearDown() override {
+    // Deleting a namespace deletes the veth end inside it (and so the pair).
+    if (!a.empty()) run_command("ip netns del " + a);
+    if (!b.empty()) run_command("ip netns del " + b);
+  }
+
+  struct Nodes {
+    std::string text[2];
+    bool ok[2] = {false, false};
+    std::string both() const { return "--- node 0:\n" + text[0] + "\n--- node 1:\n" + text[1]; }
+  };
+
+  // One `tessera run` per namespace (2 ranks each) running the worker with `args`.
+  Nodes run_nodes(const std::vector<std::string>& args) {
+    const std::string port = std::to_string(free_port());
+    auto node = [&](int i) {
+      std::vector<std::string> cmd = {ip_path,     "netns", "exec",         i == 0 ? a : b,        TESSERA_CLI,
+                                      "run",       "--nnodes", "2",         "--node-rank",         std::to_string(i),
+                                      "-n",        "2",     "--master-addr", ip_a,                 "--master-port",
+                                      port,        "--deadline", "240",     "--",                  TESSERA_WORKER};
+      cmd.insert(cmd.end(), args.begin(), args.end());
+      return spawn(cmd, {{"GLOO_SOCKET_IFNAME", i == 0 ? va : vb}, {"TESSERA_TEST_TIMEOUT_MS", "60000"}});
+    };
+    Child n0 = node(0), n1 = node(1);
+    Nodes r;
+    EXPECT_GT(n0.pid, 0);
+    EXPECT_GT(n1.pid, 0);
+    if (n0.pid <= 0 || n1.pid <= 0) return r;
+    int st[2] = {n0.wait_exit(300000), n1.wait_exit(300000)};
+    Child* c[2] = {&n0, &n1};
+    for (int i = 0; i < 2; ++i) {
+      if (st[i] == -1) ::kill(-c[i]->pid, SIGKILL), c[i]->wait_exit(10000);
+      r.text[i] = c[i]->text;
+      r.ok[i] = st[i] != -1 && WIFEXITED(st[i]) && WEXITSTATUS(st[i]) == 0;
+    }
+    EXPECT_TRUE(r.ok[0] && r.ok[1]) << "a node failed or did not finish\n" << r.both();
+    return r;
+  }
+};
+
+}  // namespace
+
+TEST_F(ReliabilityTwoHosts, HybridShardingAcrossTwoNetworkNamespacesMatchesOneProcess) {
+  const int64_t t0 = steady_ms();
+  Nodes n = run_nodes({"strategy_parity", "hybrid", "10"});
+  // Global ranks 0, 1 on node 0 and 2, 3 on node 1, each at parity with one process.
+  for (int r : {0, 1}) EXPECT_NE(n.text[0].find("parity ok rank " + std::to_string(r)), std::string::npos) << n.both();
+  for (int r : {2, 3}) EXPECT_NE(n.text[1].find("parity ok rank " + std::to_string(r)), std::string::npos) << n.both();
+  EXPECT_NE(n.text[1].find("hybrid n=4"), std::string::npos) << n.both();
+  std::cout << "[twohosts] 2 namespaces x 2 ranks, hybrid sharding, 10 steps: " << steady_ms() - t0 << " ms"
+            << std::endl;
+}
+
+// HYBRID_SHARD with its default layout (one shard group per node, from the launcher's
+// LOCAL_WORLD_SIZE): 2 replica groups, one per host. The sharded save writes each box
+// once (the hosts share the writing), every rank reads its state back bit for bit, and
+// the checkpoint resumes on the two hosts and on one host at world sizes 1 and 3.
+TEST_F(ReliabilityTwoHosts, HybridShardedCheckpointAcrossTwoHostsSavesAndResumes) {
+  const std::string dir = temp_dir("tessera-twohosts-ckpt"), ckpt = dir + "/ckpt";
+  const int64_t t0 = steady_ms();
+  Nodes s = run_nodes({"strategy_resume", "save", "hybrid_local", ckpt, "3"});
+  for (int r = 0; r < 4; ++r)
+    EXPECT_NE(s.text[r / 2].find("saved rank " + std::to_string(r)), std::string::npos) << s.both();
+  EXPECT_NE(s.text[0].find("shard group 2 of 4, replica group size 2"), std::string::npos) << s.both();
+  auto v = checkpoint::verify(ckpt);
+  std::string problems;
+  for (const auto& p : v.problems) problems += p + "\n";
+  EXPECT_TRUE(v.ok) << problems;
+  Nodes l = run_nodes({"strategy_resume", "load", "hybrid_local", ckpt, "3", "3"});
+  for (int r = 0; r < 4; ++r)
+    EXPECT_NE(l.text[r / 2].find("resumed ok rank " + std::to_string(r)), std::string::npos) << l.both();
+  for (auto [n, kind] : std::vector<std::pair<int, std::string>>{{1, "single"}, {3, "full"}}) {
+    auto res = run_ranks(n, {"strategy_resume", "load", kind, ckpt, "3", "3"}, 240);
+    EXPECT_RANKS_OK(res);
+    for (int r = 0; r < n; ++r)
+      EXPECT_FALSE(res.out[r].empty() || res.out[r].back() != "resumed ok rank " + std::to_string(r))
+          << res.all_output();
+  }
+  std::cout << "[twohosts] hybrid sharded checkpoint over 2 namespaces, saved and resumed: " << steady_ms() - t0
+            << " ms" << std::endl;
+}

@@ -1,0 +1,183 @@
+// Sharding specs and ShardedTensor: validation errors, single-process behaviour, and
+// round trips with real rank processes at world sizes 1..4.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "support/harness.h"
+#include "support/test_util.h"
+#include "tessera/sharding/sharded_tensor.h"
+
+using namespace tessera;
+using namespace tessera::sharding;
+using tessera::testing::run_ranks;
+
+using namespace tessera::testing;
+
+namespace {
+
+std::shared_ptr<distributed::Communicator> solo() { return distributed::Communicator::create(distributed::World{}); }
+
+ShardMetadata shard(std::vector<int64_t> off, std::vector<int64_t> size, int rank = 0) {
+  return ShardMetadata{Box{std::move(off), std::move(size)}, Placement{rank}};
+}
+
+
+bool bits_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+  auto as = c10::elementSize(a.scalar_type()) == 2 ? at::kShort : at::kInt;
+  return at::equal(a.contiguous().view(as), b.contiguous().view(as));
+}
+
+
+}  // namespace
+
+TEST(ShardingSpec, ChunkOverRanksFollowsTorchChunk) {
+  auto shards = build_shards(ChunkSpec::over_ranks(0, 4), {6, 3});
+  ASSERT_EQ(shards.size(), 4u);
+  std::vector<int64_t> rows;
+  for (auto& s : shards) rows.push_back(s.box.sizes[0]);
+  EXPECT_EQ(rows, (std::vector<int64_t>{2, 2, 2, 0}));
+  EXPECT_EQ(shards[3].box.offsets[0], 6);
+  EXPECT_EQ(shards[2].placement.rank, 2);
+  auto cols = build_shards(ChunkSpec::over_ranks(-1, 2), {6, 3});
+  EXPECT_EQ(cols[1].box, (Box{{0, 2}, {6, 1}}));
+  EXPECT_EQ(to_string(ShardingSpec(ChunkSpec::over_ranks(1, 2))), "chunk(dim=1, [rank:0/cpu, rank:1/cpu])");
+  EXPECT_EQ(Placement{3}.to_string(), "rank:3/cpu");
+}
+
+TEST(ShardingSpec, ValidationErrorsNameTheShard) {
+  EXPECT_CONTAINS(error_of([] { build_shards(ChunkSpec::over_ranks(2, 2), {4, 4}); }), "dimension 2");
+  EXPECT_CONTAINS(error_of([] { build_shards(ChunkSpec{0, {}}, {4}); }), "no placements");
+  EXPECT_THROW(ChunkSpec::over_ranks(0, 0), Error);
+  // Wrong rank.
+  EXPECT_CONTAINS(error_of([] { validate_shards({shard({0, 0}, {2, 4}), shard({2}, {2})}, {4, 4}); }),
+                  "shard 1 [2:4] on rank:0/cpu has 1 dimensions");
+  // Outside.
+  EXPECT_CONTAINS(error_of([] { validate_shards({shard({0, 0}, {2, 4}), shard({2, 1}, {2, 4})}, {4, 4}); }),
+                  "shard 1 [2:4, 1:5] on rank:0/cpu lies outside");
+  // Overlap.
+  EXPECT_CONTAINS(
+      error_of([] { validate_shards({shard({0, 0}, {2, 4}), shard({2, 0}, {2, 2}), shard({1, 2}, {3, 2}, 1)}, {4, 4}); }),
+      "shard 2 [1:4, 2:4] on rank:1/cpu overlaps shard 0 [0:2, 0:4] on rank:0/cpu in [1:2, 2:4]");
+  // Gap.
+  EXPECT_CONTAINS(error_of([] { validate_shards({shard({0, 0}, {2, 4}), shard({2, 0}, {2, 3})}, {4, 4}); }),
+                  "shards cover 14 of the 16 elements");
+  // Negative.
+  EXPECT_CONTAINS(error_of([] { validate_shards({shard({-1, 0}, {2, 4})}, {4, 4}); }), "shard 0 [-1:1, 0:4]");
+  // Empty shards anywhere are fine, also on a zero-size tensor.
+  EXPECT_NO_THROW(validate_shards({shard({0, 0}, {4, 4}), shard({4, 0}, {0, 4}, 1), shard({0, 0}, {0, 0}, 2)}, {4, 4}));
+  EXPECT_NO_THROW(build_shards(ChunkSpec::over_ranks(0, 3), {0, 5}));
+  EXPECT_EQ(to_string(ShardingSpec(EnumerableSpec{{shard({0}, {2}), shard({2}, {1}, 1)}})),
+            "enumerable([[0:2]@rank:0/cpu, [2:3]@rank:1/cpu])");
+}
+
+TEST(ShardedTensor, SeveralShardsOnOneRankRoundTripBitExact) {
+  auto c = solo();
+  EnumerableSpec grid{{shard({0, 0}, {2, 3}), shard({0, 3}, {2, 2}), shard({2, 0}, {3, 5}), shard({5, 0}, {0, 5})}};
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    at::Generator g = at::detail::createCPUGenerator(3);
+    at::Tensor full = at::randn({5, 5}, g).to(dt);
+    full[0][0] = -0.0;
+    ShardedTensor st = ShardedTensor::scatter(full, grid, 0, c);
+    ASSERT_EQ(st.local_shards().size(), 4u);
+    EXPECT_EQ(st.local_numel(), 25);
+    EXPECT_THROW(st.local_tensor(), Error);
+    EXPECT_TRUE(at::equal(st.gather(0), full));
+    at::Tensor back = st.reshard(ChunkSpec::over_ranks(1, 1)).reshard(grid).full_tensor();
+    EXPECT_TRUE(bits_equal(back, full)) << "bit-exact, -0.0 included";
+    EXPECT_TRUE(at::equal(back, full));
+    ShardedTensor copy = ShardedTensor::zeros(grid, {5, 5}, at::TensorOptions().dtype(dt), c);
+    copy.copy_from(st.reshard(ChunkSpec::over_ranks(0, 1)));
+    EXPECT_TRUE(at::equal(copy.full_tensor(), full));
+    EXPECT_TRUE(copy.same_layout(st));
+    EXPECT_FALSE(copy.same_layout(st.reshard(ChunkSpec::over_ranks(0, 1))));
+  }
+}
+
+TEST(ShardedTensor, RandIsTheSliceOfOneFullDraw) {
+  auto c = solo();
+  at::Generator g = at::detail::createCPUGenerator(9);
+  at::Tensor want = at::rand({4, 6}, g);
+  for (ShardingSpec spec : {ShardingSpec(ChunkSpec::over_ranks(0, 1)),
+                            ShardingSpec(EnumerableSpec{{shard({0, 0}, {4, 1}), shard({0, 1}, {4, 5})}})}) {
+    auto st = ShardedTensor::rand(spec, {4, 6}, 9, at::kFloat, c);
+    EXPECT_TRUE(at::equal(st.full_tensor(), want)) << to_string(spec);
+  }
+  auto other = ShardedTensor::rand(ChunkSpec::over_ranks(0, 1), {4, 6}, 10, at::kFloat, c);
+  EXPECT_FALSE(at::equal(other.full_tensor(), want));
+}
+
+TEST(ShardedTensor, ConstructorsAndLocalHelpers) {
+  auto c = solo();
+  auto z = ShardedTensor::zeros(ChunkSpec::over_ranks(0, 1), {3, 2}, at::kDouble, c);
+  EXPECT_EQ(z.dtype(), at::kDouble);
+  EXPECT_EQ(z.numel(), 6);
+  EXPECT_TRUE(at::equal(z.local_tensor(), at::zeros({3, 2}, at::kDouble)));
+  auto o = ShardedTensor::ones(ChunkSpec::over_ranks(0, 1), {3, 2}, at::kFloat, c);
+  auto twice = o.clone().apply_([](at::Tensor& t) { t.mul_(2); });
+  EXPECT_TRUE(at::equal(o.full_tensor(), at::ones({3, 2})));
+  EXPECT_TRUE(at::equal(twice.full_tensor(), at::full({3, 2}, 2.0)));
+  EXPECT_EQ(o.to(at::kBFloat16).local_tensor().scalar_type(), at::kBFloat16);
+  EXPECT_THROW(o.apply_([](at::Tensor& t) { t = t.flatten(); }), Error);
+  EXPECT_CONTAINS(error_of([&] { z.copy_from(o); }), "dtype");
+  EXPECT_CONTAINS(error_of([&] { ShardedTensor::empty(ChunkSpec::over_ranks(0, 2), {4}, at::kFloat, c); }),
+                  "shard 1 [2:4] is placed on rank:1/cpu but the communicator has 1 ranks");
+  EXPECT_CONTAINS(error_of([&] { z.gather(1); }), "destination rank 1");
+  EXPECT_FALSE(ShardedTensor().defined());
+  // Zero-size tensors.
+  auto e = ShardedTensor::rand(ChunkSpec::over_ranks(0, 1), {0, 4}, 1, at::kFloat, c);
+  EXPECT_EQ(e.full_tensor().sizes(), at::IntArrayRef({0, 4}));
+  EXPECT_EQ(e.describe(), "ShardedTensor(shape=[0, 4], dtype=Float, shards=[[0:0, 0:4]@rank:0/cpu])");
+}
+
+TEST(ShardedTensor, FromPartsAndFromLocalShardsValidate) {
+  auto c = solo();
+  std::vector<ShardMetadata> all{shard({0}, {2}), shard({2}, {2})};
+  EXPECT_NO_THROW(ShardedTensor::from_parts({Shard{at::ones({2}), all[0]}, Shard{at::ones({2}), all[1]}}, all, {4},
+                                            at::kFloat, c));
+  EXPECT_CONTAINS(error_of([&] { ShardedTensor::from_parts({Shard{at::ones({2}), all[0]}}, all, {4}, at::kFloat, c); }),
+                  "lacks the data of shard 1 [2:4]");
+  EXPECT_CONTAINS(error_of([&] {
+                    ShardedTensor::from_parts({Shard{at::ones({2}), all[0]}, Shard{at::ones({3}), all[1]}}, all, {4},
+                                              at::kFloat, c);
+                  }),
+                  "shard 1 [2:4] holds a tensor of shape [3]");
+  EXPECT_CONTAINS(error_of([&] {
+                    ShardedTensor::from_local_shards({Shard{at::ones({2}), all[0]}, Shard{at::ones({2}), all[0]}},
+                                                     {4}, c);
+                  }),
+                  "overlaps");
+  EXPECT_CONTAINS(error_of([&] { ShardedTensor::from_local_shards({Shard{at::ones({2}), shard({0}, {2}, 1)}}, {2}, c); }),
+                  "is placed on rank:1/cpu but was passed by rank 0");
+  auto st = ShardedTensor::from_local_shards({Shard{at::arange(2.0), all[0]}, Shard{at::arange(2.0) + 2, all[1]}}, {4}, c);
+  EXPECT_TRUE(at::equal(st.full_tensor(), at::arange(4.0)));
+}
+
+class ShardedRanks : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShardedRanks, GatherFullTensorReshardRoundTripsBitExact) {
+  const int n = GetParam();
+  auto res = run_ranks(n, {"sharded_roundtrip"}, 240);
+  EXPECT_RANKS_OK(res);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_FALSE(res.out[r].empty()) << res.all_output();
+    EXPECT_EQ(res.out[r].back(), "sharded roundtrip ok rank " + std::to_string(r) + " checks 288");
+  }
+}
+
+TEST_P(ShardedRanks, FromLocalShardsRejectsBadShardsOnEveryRank) {
+  const int n = GetParam();
+  std::vector<std::pair<std::string, std::string>> modes{{"overlap", n > 1 ? "overlaps shard" : "negative offset"},
+                                                         {"shape", concat("rank ", n - 1, ": local shard 0")}};
+  if (n > 1) modes.emplace_back("dtype", concat("rank ", n - 1, " holds dtype Double but an earlier rank Float"));
+  for (auto& [mode, part] : modes) {
+    auto res = run_ranks(n, {"from_local_shards", mode});
+    EXPECT_RANKS_OK(res);
+    for (int r = 0; r < n; ++r) {
+      ASSERT_FALSE(res.out[r].empty()) << res.all_output();
+      EXPECT_CONTAINS(res.out[r].back(), part);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShardedRanks, ::testing::Values(1, 2, 3, 4));
