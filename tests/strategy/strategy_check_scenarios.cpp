@@ -1,5 +1,5 @@
 // Rank programs that check what the strategies do rather than only what they compute
-// (the parity tests in strategy_scenarios.cpp would pass if no_sync, SHARD_GRAD_OP or
+// (the parity tests in strategy_parity_scenarios.cpp would pass if no_sync, SHARD_GRAD_OP or
 // CPU offload were ignored): collectives counted per kind, where tensors live and what is
 // kept between steps, and DDP's find_unused_parameters with ranks using different
 // parameters.

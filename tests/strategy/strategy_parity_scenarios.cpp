@@ -1,91 +1,25 @@
-// Rank programs for the strategy tests: DDP and FSDP (every sharding strategy)
-// trained on a small attention model with uneven parameter sizes, compared step by
-// step with single-process training on the same global batch (computed in-process
-// by every rank: the model is tiny).
+// Rank programs for the strategy tests: DDP and FSDP (every sharding strategy, bf16 and
+// float64, explicit units) trained on the shared attention model with uneven parameter
+// sizes, compared step by step with single-process training on the same global batch
+// (computed in-process by every rank: the model is tiny).
 #include <ATen/ATen.h>
-#include <torch/nn/functional/activation.h>
-#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
-#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
-#include <torch/optim/sgd.h>
-#include <torch/serialize.h>
 
-#include <cmath>
-#include <functional>
 #include <cstdio>
-#include <iostream>
 #include <sstream>
 
+#include "strategy/strategy_scenario_util.h"
 #include "support/scenario.h"
-#include "state/state_util.h"
-#include "tessera/checkpoint/checkpoint.h"
-#include "tessera/sharding/chunk.h"
 #include "tessera/strategy/ddp.h"
 #include "tessera/strategy/fsdp.h"
 
 using namespace tessera;
 using namespace tessera::testing;
+using namespace tessera::testing::strategy_util;
 using namespace tessera::strategy;
 
 namespace {
-
-// The strategy's typed state as one dict checkpoint::save/load take: "model" and one
-// "optimizer_<i>" per optimizer; and back.
-state::StateDict as_dict(const StrategyState& st) {
-  state::StateDict out;
-  out.set("model", std::make_shared<state::StateDict>(st.module));
-  for (const auto& [i, sd] : st.optimizers)
-    out.set("optimizer_" + std::to_string(i), std::make_shared<state::StateDict>(sd));
-  return out;
-}
-StrategyState from_dict(const state::StateDict& sd) {
-  StrategyState st;
-  st.module = sd.dict("model");
-  for (const auto& k : sd.keys())
-    if (k.rfind("optimizer_", 0) == 0) st.optimizers[std::stoul(k.substr(10))] = sd.dict(k);
-  return st;
-}
-
-
-at::ScalarType g_seen_weight_dtype = at::kFloat;  // dtype of q.weight during the last forward
-int64_t g_block_forwards = 0;                      // Block::forward calls (recomputation counts)
-
-// Pre-norm attention block, model dim 7, MLP dim 13.
-struct BlockImpl : torch::nn::Module {
-  torch::nn::LayerNorm ln{nullptr};
-  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, fc1{nullptr}, fc2{nullptr};
-  BlockImpl() {
-    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({7})));
-    q = register_module("q", torch::nn::Linear(7, 7));
-    // No key bias: its gradient is exactly zero (softmax is shift-invariant), and Adam
-    // would turn rounding noise in it into full-size updates.
-    k = register_module("k", torch::nn::Linear(torch::nn::LinearOptions(7, 7).bias(false)));
-    v = register_module("v", torch::nn::Linear(7, 7));
-    o = register_module("o", torch::nn::Linear(7, 7));
-    fc1 = register_module("fc1", torch::nn::Linear(7, 13));
-    fc2 = register_module("fc2", torch::nn::Linear(13, 7));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    g_seen_weight_dtype = q->weight.scalar_type();
-    ++g_block_forwards;
-    at::Tensor h = ln(x);
-    at::Tensor att = at::softmax(at::matmul(q(h), k(h).transpose(-2, -1)) / std::sqrt(7.0), -1);
-    at::Tensor y = x + o(at::matmul(att, v(h)));
-    return y + fc2(at::gelu(fc1(y)));
-  }
-};
-TORCH_MODULE(Block);
-
-torch::nn::Sequential make_model(uint64_t seed = 7) {
-  at::manual_seed(seed);
-  // Constructed in a fixed order (argument evaluation order is unspecified).
-  torch::nn::Linear in(5, 7);
-  Block b0, b1;
-  torch::nn::Linear head(7, 3);
-  return torch::nn::Sequential(in, b0, b1, head);
-}
 
 // The same model with explicit units built through the strategy's module-init
 // context (each block is sharded as soon as it exists); same FQNs as make_model.
@@ -104,93 +38,6 @@ struct NetImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) { return head(b1.forward(b0.forward(in(x)))); }
 };
 TORCH_MODULE(Net);
-
-constexpr int64_t kBatch = 24, kSeq = 4;  // divisible by 1..4 ranks times 2 micro-batches
-
-std::pair<at::Tensor, at::Tensor> global_batch(int step) {
-  auto gen = at::detail::createCPUGenerator(1000 + step);
-  at::Tensor x = at::randn({kBatch, kSeq, 5}, gen);
-  at::Tensor y = at::randn({kBatch, kSeq, 3}, gen);
-  return {x, y};
-}
-
-at::Tensor rows_of(const at::Tensor& t, int rank, int n) {
-  const int64_t per = t.size(0) / n;
-  return t.narrow(0, rank * per, per);
-}
-
-// A fixed evaluation batch: every rank runs the no-grad forward on all of it.
-std::pair<at::Tensor, at::Tensor> eval_batch() { return global_batch(9999); }
-
-double eval_loss(const std::function<at::Tensor(const at::Tensor&)>& forward) {
-  at::NoGradGuard ng;
-  auto [x, y] = eval_batch();
-  return at::mse_loss(forward(x), y).item<double>();
-}
-
-double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
-double rel(const at::Tensor& a, const at::Tensor& b) {
-  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-12);
-}
-
-struct Trace {
-  std::vector<double> losses, norms;
-  std::vector<double> evals;  // no-grad loss on the evaluation batch after each step
-  std::map<std::string, at::Tensor> params;
-};
-
-// Single-process reference: plain libtorch on the whole global batch.
-Trace reference(int steps, double clip, double lr, int micro = 1) {
-  auto model = make_model();
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(lr));
-  Trace t;
-  for (int s = 0; s < steps; ++s) {
-    auto [x, y] = global_batch(s);
-    at::Tensor loss = at::mse_loss(model->forward(x), y);
-    loss.backward();
-    t.losses.push_back(loss.item<double>());
-    if (clip > 0) t.norms.push_back(torch::nn::utils::clip_grad_norm_(model->parameters(), clip));
-    opt.step();
-    opt.zero_grad();
-    t.evals.push_back(eval_loss([&](const at::Tensor& x) { return model->forward(x); }));
-  }
-  for (auto& kv : model->named_parameters()) t.params[kv.key()] = kv.value().detach().clone();
-  (void)micro;
-  return t;
-}
-
-std::unique_ptr<Strategy> make_strategy(const std::string& kind, std::shared_ptr<distributed::Communicator> c) {
-  if (kind == "ddp") return std::make_unique<DdpStrategy>(c);
-  if (kind == "ddp_grad_copy") {
-    DdpOptions o;
-    o.gradient_as_bucket_view = false;
-    return std::make_unique<DdpStrategy>(c, o);
-  }
-  if (kind == "ddp_small_buckets") {
-    DdpOptions o;
-    o.bucket_cap_bytes = 600;  // several buckets
-    return std::make_unique<DdpStrategy>(c, o);
-  }
-  FsdpOptions o;
-  o.auto_wrap = wrap_by_type<BlockImpl>();
-  if (kind == "full") o.sharding = ShardingStrategy::FullShard;
-  else if (kind == "full_noprefetch") o.prefetch = false;
-  else if (kind == "full_ckpt") o.activation_checkpointing = true;
-  else if (kind == "full_offload") o.cpu_offload = true;
-  else if (kind == "grad_op") o.sharding = ShardingStrategy::ShardGradOp;
-  else if (kind == "no_shard") o.sharding = ShardingStrategy::NoShard;
-  else if (kind == "hybrid") {
-    o.sharding = ShardingStrategy::HybridShard;
-    o.ranks_per_node = c->size() % 2 == 0 ? 2 : 1;
-  } else if (kind == "hybrid_local") {  // one shard group per node (LOCAL_WORLD_SIZE)
-    o.sharding = ShardingStrategy::HybridShard;
-  } else if (kind == "bf16") {
-    o.mixed_precision.param_dtype = at::kBFloat16;
-  } else {
-    throw Error("unknown strategy kind " + kind);
-  }
-  return std::make_unique<FsdpStrategy>(c, o);
-}
 
 std::vector<std::string> split_commas(const std::string& s) {
   std::vector<std::string> out;
@@ -352,78 +199,6 @@ SCENARIO("strategy_parity") {
   return 0;
 }
 
-namespace {
-
-int64_t optimizer_state_bytes(torch::optim::Optimizer& opt) {
-  int64_t b = 0;
-  for (auto& kv : opt.state()) {
-    auto* st = dynamic_cast<torch::optim::AdamParamState*>(kv.second.get());
-    WCHECK(st, "optimizer state is not Adam state");
-    b += (st->exp_avg().numel() + st->exp_avg_sq().numel()) * 4;
-  }
-  return b;
-}
-
-void train_steps(Strategy& strat, torch::nn::AnyModule& m, torch::optim::Optimizer& opt, int from, int to,
-                 std::vector<double>* losses, std::vector<double>* evals = nullptr) {
-  auto c = strat.comm();
-  for (int s = from; s < to; ++s) {
-    auto [gx, gy] = global_batch(s);
-    at::Tensor loss = at::mse_loss(m.forward(rows_of(gx, c->rank(), c->size())), rows_of(gy, c->rank(), c->size()));
-    strat.backward(loss);
-    if (losses) losses->push_back(c->all_reduce_double(loss.item<double>(), distributed::ReduceOp::Avg));
-    strat.optimizer_step(opt);
-    opt.zero_grad();
-    if (evals) evals->push_back(eval_loss([&](const at::Tensor& x) { return m.forward(x); }));
-  }
-}
-
-}  // namespace
-
-// Per-rank bytes of parameter shards + gradient shards + Adam state vs one process.
-SCENARIO("strategy_memory") {
-  at::set_num_threads(1);
-  auto c = comm();
-  const int n = c->size();
-  int64_t single = 0;
-  {
-    auto model = make_model();
-    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-    auto [x, y] = global_batch(0);
-    at::mse_loss(model->forward(x), y).backward();
-    opt.step();
-    for (auto& p : model->parameters()) single += p.numel() * 4 + p.grad().numel() * 4;
-    single += optimizer_state_bytes(opt);
-  }
-  for (std::string kind : {"full", "grad_op", "ddp"}) {
-    auto strat = make_strategy(kind, c);
-    auto m = strat->setup(make_model());
-    torch::optim::Adam opt(strat->module()->parameters(), torch::optim::AdamOptions(1e-2));
-    auto [gx, gy] = global_batch(0);
-    strat->backward(at::mse_loss(m.forward(rows_of(gx, c->rank(), n)), rows_of(gy, c->rank(), n)));
-    strat->optimizer_step(opt);
-    int64_t local = optimizer_state_bytes(opt);
-    for (auto& p : strat->module()->parameters()) local += p.numel() * 4 + (p.grad().defined() ? p.grad().numel() * 4 : 0);
-    if (auto* f = dynamic_cast<FsdpStrategy*>(strat.get()))
-      WCHECK(local == f->local_param_bytes() + f->local_grad_bytes() + optimizer_state_bytes(opt), kind);
-    const int64_t total = c->all_reduce_int(local);
-    const int64_t most = c->all_reduce_int(local, distributed::ReduceOp::Max);
-    const double ratio = static_cast<double>(most) * n / single;
-    std::printf("memory %s n=%d rank %d: %lld bytes, single %lld, max rank x n / single = %.3f\n", kind.c_str(), n,
-                c->rank(), static_cast<long long>(local), static_cast<long long>(single), ratio);
-    if (kind == "ddp") {
-      WCHECK(local == single, "ddp holds ", local, " bytes, single ", single);
-    } else {
-      // Sharded: the pieces add up exactly, and the largest rank holds at most 1.4/N
-      // (torch.chunk gives early ranks ceil(rows/N): 7 rows over 4 ranks is 2,2,2,1).
-      WCHECK(total == single, kind, ": ranks hold ", total, " bytes in all, single process ", single);
-      WCHECK(ratio <= 1.4, kind, ": largest rank holds ", most, " bytes = ", ratio, "/N of ", single);
-    }
-  }
-  std::printf("memory ok rank %d\n", c->rank());
-  return 0;
-}
-
 // bf16 compute parameters gathered in bf16 (fp32 master shards and Adam state),
 // gradients reduced in fp32 or bf16; tracks the fp32 single-process run.
 SCENARIO("strategy_bf16") {
@@ -577,58 +352,5 @@ SCENARIO("strategy_explicit_units") {
   auto sd = strat.module_state(StateDictType::Full);
   for (auto& [k, v] : want.params) WCHECK(rel(sd.tensor(k), v) <= 1e-5, k);
   std::printf("explicit units ok rank %d\n", c->rank());
-  return 0;
-}
-
-// Resharded continuation. "save KIND DIR A": train A steps, save a sharded
-// checkpoint (model + optimizer). "load KIND DIR A B": a fresh model and optimizer
-// (any strategy, any world size) load it and train B more steps; every loss and the
-// final parameters equal the uninterrupted single-process run.
-SCENARIO("strategy_resume") {
-  at::set_num_threads(1);
-  auto c = comm();
-  const std::string phase = args.arg(0), kind = args.arg(1), dir = args.arg(2);
-  const int a = static_cast<int>(args.int_arg(3)), b = static_cast<int>(args.int_arg(4, 0));
-  std::unique_ptr<Strategy> strat =
-      kind == "single" ? std::make_unique<SingleDeviceStrategy>() : make_strategy(kind, c);
-  auto m = strat->setup(make_model());
-  auto opt = std::make_shared<torch::optim::Adam>(strat->module()->parameters(), torch::optim::AdamOptions(1e-2));
-  strat->add_optimizer(opt);
-  Trace want = reference(a + b, 0, 1e-2);
-  if (phase == "save") {
-    std::vector<double> losses;
-    train_steps(*strat, m, *opt, 0, a, &losses);
-    for (int s = 0; s < a; ++s) WCHECK(rel(losses[s], want.losses[s]) <= 1e-5, "step ", s);
-    const state::StateDict saved = as_dict(strat->state(StateDictType::Sharded));
-    checkpoint::save(saved, dir, *c);
-    // Read back into zeros of the same layout: every bit of this rank's state returns.
-    state::StateDict back = zeroed_copy(saved);
-    checkpoint::load(back, dir, *c);
-    check_bit_equal(back, saved, concat(kind, " reload of ", dir));
-    if (auto* f = dynamic_cast<FsdpStrategy*>(strat.get()))
-      std::printf("shard group %d of %d, replica group size %d\n", f->shard_comm()->size(), c->size(),
-                  f->replicate_comm()->size());
-    std::printf("saved rank %d\n", c->rank());
-    return 0;
-  }
-  // Materialize Adam's state (a zero-gradient step leaves the parameters unchanged) so
-  // the target state dict names every tensor to load.
-  for (auto& p : strat->module()->parameters()) p.mutable_grad() = at::zeros_like(p);
-  opt->step();
-  opt->zero_grad();
-  state::StateDict target = as_dict(strat->state(StateDictType::Sharded));
-  auto res = checkpoint::load(target, dir, *c);
-  WCHECK(res.missing.empty() && res.unexpected.empty() && res.mismatched.empty(), "checkpoint load: ",
-         res.missing.size(), " missing, ", res.unexpected.size(), " unexpected, ", res.mismatched.size(), " mismatched");
-  auto rest = strat->load_state(from_dict(target));
-  WCHECK(rest.empty(), rest.size(), " keys not consumed, first ", rest.empty() ? "" : rest[0]);
-  std::vector<double> losses;
-  train_steps(*strat, m, *opt, a, a + b, &losses);
-  for (int s = 0; s < b; ++s)
-    WCHECK(rel(losses[s], want.losses[a + s]) <= 1e-5, kind, " resumed step ", a + s, " loss ", losses[s], " vs ",
-           want.losses[a + s]);
-  auto sd = strat->module_state(StateDictType::Full);
-  for (auto& [k, v] : want.params) WCHECK(rel(sd.tensor(k), v) <= 1e-5, kind, " final ", k);
-  std::printf("resumed ok rank %d\n", c->rank());
   return 0;
 }
