@@ -20,6 +20,7 @@
 #include "support/test_util.h"
 
 namespace fs = std::filesystem;
+using tessera::testing::kNoLauncherEnv;
 using tessera::testing::read_bytes;
 using tessera::testing::run_command;
 using tessera::testing::temp_dir;

@@ -32,6 +32,7 @@
 
 namespace fs = std::filesystem;
 namespace ck = tessera::checkpoint;
+using tessera::testing::kNoLauncherEnv;
 using tessera::testing::read_bytes;
 using tessera::testing::run_command;
 using tessera::testing::temp_dir;

@@ -29,7 +29,7 @@ using tessera::testing::write_bytes;
 namespace {
 
 using tessera::testing::gpt::kCli;
-using tessera::testing::gpt::kNoLauncherEnv;
+using tessera::testing::kNoLauncherEnv;
 using tessera::testing::gpt::kGpt;
 using tessera::testing::gpt::train_losses;
 const std::string kPython = TESSERA_PYTHON;

@@ -44,7 +44,7 @@ using tessera::testing::gpt::train_losses;
 const std::string kPython = TESSERA_PYTHON;
 const std::string kPeer = std::string(TESSERA_SOURCE_DIR) + "/bench/peers/gpt_peer.py";
 // Outside any launcher environment the test itself may have inherited.
-const std::string kNoLauncherEnv = tessera::testing::gpt::kNoLauncherEnv + "OMP_NUM_THREADS=1 ";
+const std::string kPeerEnv = tessera::testing::kNoLauncherEnv + "OMP_NUM_THREADS=1 ";
 // A small GPT on gpt's default data (the license texts of base-files), gpt's defaults for
 // everything else (lr 2e-3, warmup 2 of 20 steps, clipping 1.0, seed 1234, 10% held out).
 const std::string kShape = " --n-layer 2 --n-head 2 --d-model 64 --seq-len 32 --batch-size 8 --threads 1";
@@ -76,7 +76,7 @@ double max_relative_diff(const std::vector<double>& peer, const std::map<int64_t
 }
 
 std::string peer_command(const std::string& args) {
-  return kNoLauncherEnv + kCli + " run -n 2 -- " + kPython + " " + kPeer + " --mode fsdp2 --steps " + std::to_string(kSteps) +
+  return kPeerEnv + kCli + " run -n 2 -- " + kPython + " " + kPeer + " --mode fsdp2 --steps " + std::to_string(kSteps) +
          kShape + args;
 }
 
@@ -98,7 +98,7 @@ TEST(Peers, GptFsdpMatchesFsdp2LossesFromTheSameWeights) {
   ASSERT_EQ(fsdp2.size(), static_cast<size_t>(kSteps)) << read_bytes(peer_losses);
 
   // 2. gpt, FSDP at 2 ranks, from the same weights.
-  auto [rc2, out2] = run_command(kNoLauncherEnv + kCli + " run -n 2 -- " + kGpt + " train --strategy fsdp --max-steps " +
+  auto [rc2, out2] = run_command(kPeerEnv + kCli + " run -n 2 -- " + kGpt + " train --strategy fsdp --max-steps " +
                                  std::to_string(kSteps) + kShape + " --init-from " + init +
                                  " --log-every 1 --val-every 0 --no-progress-bar --out " + dir + "/gpt");
   ASSERT_EQ(rc2, 0) << out2;
@@ -146,7 +146,7 @@ TEST(Peers, GptFsdpMatchesFsdp2LossesFromTheSameWeights) {
   //    first 3 steps (same schedule: --lr-decay-steps 20) match the peer's.
   auto [rc6, out6] = run_command(kCli + " ckpt import-dcp " + dir + "/dcp -o " + dir + "/from-dcp.ckpt");
   ASSERT_EQ(rc6, 0) << out6;
-  auto [rc7, out7] = run_command(kNoLauncherEnv + kCli + " run -n 2 -- " + kGpt + " train --strategy fsdp --max-steps 3" +
+  auto [rc7, out7] = run_command(kPeerEnv + kCli + " run -n 2 -- " + kGpt + " train --strategy fsdp --max-steps 3" +
                                  " --lr-decay-steps " + std::to_string(kSteps) + kShape + " --init-from " + dir +
                                  "/from-dcp.ckpt --log-every 1 --val-every 0 --no-progress-bar --out " + dir + "/gpt-dcp");
   ASSERT_EQ(rc7, 0) << out7;

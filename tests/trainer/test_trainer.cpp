@@ -272,7 +272,7 @@ TEST(TrainerLaunch, ExampleRunsAndResumes) {
   const Csv first = read_csv(tmp.path + "/lightning_logs/version_0/metrics.csv");
   EXPECT_EQ(column_of(first, "val_loss").size(), 3u);  // steps 8, 16 and the final validate()
   EXPECT_EQ(column_of(first, "lr-AdamW").size(), 4u);   // logged steps 5, 10, 15, 20
-  auto [rc2, out2] = run_command(env + exe + " --devices 2 --steps 25 --root " + tmp.path + " --resume");
+  auto [rc2, out2] = run_command(kNoLauncherEnv + exe + " --devices 2 --steps 25 --root " + tmp.path + " --resume");
   EXPECT_EQ(rc2, 0) << out2;
   EXPECT_NE(out2.find("[rank 0] finished at step 25"), std::string::npos) << out2;
   const Csv c = read_csv(tmp.path + "/lightning_logs/version_1/metrics.csv");
