@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <functional>
 
+#include "strategy/state_as_dict.h"
 #include "support/scenario.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/core/device.h"
@@ -89,23 +90,6 @@ torch::nn::Sequential make_net(uint64_t seed = 11) {
 std::pair<at::Tensor, at::Tensor> batch(int step, const c10::Device& dev) {
   auto gen = at::detail::createCPUGenerator(500 + step);
   return {at::randn({16, 8}, gen).to(dev), at::randn({16, 4}, gen).to(dev)};
-}
-
-// The strategy's typed state as one dict checkpoint::save/load take: "model" and one
-// "optimizer_<i>" per optimizer; and back.
-state::StateDict as_dict(const StrategyState& st) {
-  state::StateDict out;
-  out.set("model", std::make_shared<state::StateDict>(st.module));
-  for (const auto& [i, sd] : st.optimizers)
-    out.set("optimizer_" + std::to_string(i), std::make_shared<state::StateDict>(sd));
-  return out;
-}
-StrategyState from_dict(const state::StateDict& sd) {
-  StrategyState st;
-  st.module = sd.dict("model");
-  for (const auto& k : sd.keys())
-    if (k.rfind("optimizer_", 0) == 0) st.optimizers[std::stoul(k.substr(10))] = sd.dict(k);
-  return st;
 }
 
 std::unique_ptr<Strategy> make_gpu_strategy(const std::string& kind, const c10::Device& dev) {

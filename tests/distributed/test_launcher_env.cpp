@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "reliability/reliability_util.h"
+#include "support/child_process.h"
 #include "support/test_util.h"
 
 using namespace tessera::testing;
@@ -34,37 +34,7 @@ bool is_launcher_var(const std::string& name) {
 // Starts argv with this process's environment minus every launcher variable, plus `env`
 // (in its own process group, output on a pipe: see Child).
 Child spawn_clean(const std::vector<std::string>& argv_s, const std::map<std::string, std::string>& env) {
-  Child c;
-  int fds[2];
-  if (::pipe(fds) != 0) return c;
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 2);
-  posix_spawn_file_actions_addclose(&fa, fds[0]);
-  posix_spawnattr_t at;
-  posix_spawnattr_init(&at);
-  posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&at, 0);
-  std::vector<std::string> env_s;
-  for (char** e = environ; *e; ++e) {
-    std::string kv = *e;
-    const std::string name = kv.substr(0, kv.find('='));
-    if (!is_launcher_var(name) && !env.count(name)) env_s.push_back(kv);
-  }
-  for (auto& [k, v] : env) env_s.push_back(k + "=" + v);
-  std::vector<std::string> args = argv_s;
-  std::vector<char*> argv, envp;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (auto& e : env_s) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  if (::posix_spawn(&c.pid, argv[0], &fa, &at, argv.data(), envp.data()) != 0) c.pid = -1;
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&at);
-  ::close(fds[1]);
-  c.out = fds[0];
-  return c;
+  return spawn(argv_s, env, is_launcher_var);
 }
 
 // What mpirun sets for rank `rank` of `size`, `per_node` ranks on each host (mapping by

@@ -1,26 +1,11 @@
 // Shared by the reliability tests (test_reliability_*.cpp): the scale knob that selects
-// the short `make test` counts or the long `make soak` ones, the base seed, spawning a
-// program in its own process group with a pipe on its output, and free ports.
+// the short `make test` counts or the long `make soak` ones and the base seed; child
+// processes and free ports come from support/child_process.h.
 #pragma once
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
+#include <cstdint>
 
-#include <chrono>
-#include <cstdlib>
-#include <map>
-#include <string>
-#include <vector>
-
+#include "support/child_process.h"
 #include "tessera/core/env.h"
-
-extern char** environ;
 
 namespace tessera::testing {
 
@@ -29,109 +14,5 @@ inline bool soak() { return env::get_int("TESSERA_SOAK", 0, 1).value_or(0) != 0;
 inline int scaled(int short_count, int soak_count) { return soak() ? soak_count : short_count; }
 // TESSERA_SEED picks the base seed (every failure message prints the seed that failed).
 inline uint64_t base_seed() { return static_cast<uint64_t>(env::get_int("TESSERA_SEED", 0).value_or(20261130)); }
-
-inline int64_t steady_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// A child process in a new process group (pgid == pid) with stdout+stderr on a pipe.
-struct Child {
-  pid_t pid = -1;
-  int out = -1;  // read end
-  std::string text;
-  Child() = default;
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
-  Child(Child&& o) noexcept : pid(o.pid), out(o.out), text(std::move(o.text)) { o.out = -1; }
-  // Reads what is available within `ms` milliseconds; false at EOF.
-  bool pump(int ms) {
-    pollfd p{out, POLLIN, 0};
-    if (::poll(&p, 1, ms) <= 0) return true;
-    char b[4096];
-    ssize_t k = ::read(out, b, sizeof b);
-    if (k <= 0) return false;
-    text.append(b, static_cast<size_t>(k));
-    return true;
-  }
-  // Pumps until `needle` appears in the output (true) or the deadline passes / EOF (false).
-  bool wait_for(const std::string& needle, int timeout_ms) {
-    const int64_t end = steady_ms() + timeout_ms;
-    while (text.find(needle) == std::string::npos && steady_ms() < end)
-      if (!pump(50)) return text.find(needle) != std::string::npos;
-    return text.find(needle) != std::string::npos;
-  }
-  // Waits for exit (bounded); returns the wait status, or -1 on timeout (the process is left running).
-  int wait_exit(int timeout_ms) {
-    const int64_t end = steady_ms() + timeout_ms;
-    while (true) {
-      int st = 0;
-      pid_t r = ::waitpid(pid, &st, WNOHANG);
-      if (r == pid) {
-        while (pump(0)) {
-          pollfd p{out, POLLIN, 0};
-          if (::poll(&p, 1, 0) <= 0) break;
-        }
-        return st;
-      }
-      if (steady_ms() >= end) return -1;
-      if (!pump(20)) ::usleep(20000);
-    }
-  }
-  ~Child() {
-    if (out >= 0) ::close(out);
-  }
-};
-
-// Spawns argv[0] with `env` added to this process's environment, in its own process group.
-inline Child spawn(const std::vector<std::string>& argv_s, const std::map<std::string, std::string>& env = {}) {
-  Child c;
-  int fds[2];
-  if (::pipe(fds) != 0) return c;
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 2);
-  posix_spawn_file_actions_addclose(&fa, fds[0]);
-  posix_spawnattr_t at;
-  posix_spawnattr_init(&at);
-  posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&at, 0);
-  std::vector<std::string> env_s;
-  for (char** e = environ; *e; ++e) {
-    std::string kv = *e;
-    if (!env.count(kv.substr(0, kv.find('=')))) env_s.push_back(kv);
-  }
-  for (auto& [k, v] : env) env_s.push_back(k + "=" + v);
-  std::vector<std::string> args = argv_s;
-  std::vector<char*> argv, envp;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (auto& e : env_s) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  if (::posix_spawn(&c.pid, argv[0], &fa, &at, argv.data(), envp.data()) != 0) c.pid = -1;
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&at);
-  ::close(fds[1]);
-  c.out = fds[0];
-  return c;
-}
-
-// Whether any process is left in process group `pgid`.
-inline bool group_alive(pid_t pgid) { return ::kill(-pgid, 0) == 0; }
-
-// A port that was free a moment ago (bound to 0, read back, closed).
-inline int free_port() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(s);
-  return ntohs(a.sin_port);
-}
 
 }  // namespace tessera::testing

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "checkpoint/checkpoint_test_util.h"
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
@@ -27,18 +28,6 @@ namespace ck = tessera::checkpoint;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::shared_ptr<distributed::Communicator> solo() {
-  static auto c = distributed::Communicator::create(distributed::World{});
-  return c;
-}
-
-state::StateDict state_of(int64_t n, double v) {
-  state::StateDict sd;
-  sd.set("w", at::full({n}, v, at::kFloat));
-  sd.set("step", int64_t(v));
-  return sd;
-}
 
 // The checkpoint at `path` holds state_of(n, v).
 void expect_holds(const std::string& path, int64_t n, double v) {

@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "state/state_util.h"
+#include "strategy/state_as_dict.h"
 #include "strategy/strategy_scenario_util.h"
 #include "support/scenario.h"
 #include "tessera/checkpoint/checkpoint.h"
@@ -19,23 +20,6 @@ using namespace tessera::testing::strategy_util;
 using namespace tessera::strategy;
 
 namespace {
-
-// The strategy's typed state as one dict checkpoint::save/load take: "model" and one
-// "optimizer_<i>" per optimizer; and back.
-state::StateDict as_dict(const StrategyState& st) {
-  state::StateDict out;
-  out.set("model", std::make_shared<state::StateDict>(st.module));
-  for (const auto& [i, sd] : st.optimizers)
-    out.set("optimizer_" + std::to_string(i), std::make_shared<state::StateDict>(sd));
-  return out;
-}
-StrategyState from_dict(const state::StateDict& sd) {
-  StrategyState st;
-  st.module = sd.dict("model");
-  for (const auto& k : sd.keys())
-    if (k.rfind("optimizer_", 0) == 0) st.optimizers[std::stoul(k.substr(10))] = sd.dict(k);
-  return st;
-}
 
 int64_t optimizer_state_bytes(torch::optim::Optimizer& opt) {
   int64_t b = 0;

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <map>
 
+#include "checkpoint/checkpoint_test_util.h"
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
@@ -28,18 +29,6 @@ namespace ck = tessera::checkpoint;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::shared_ptr<distributed::Communicator> solo() {
-  static auto c = distributed::Communicator::create(distributed::World{});
-  return c;
-}
-
-state::StateDict state_of(int64_t n, double v) {
-  state::StateDict sd;
-  sd.set("w", at::full({n}, v, at::kFloat));
-  sd.set("step", int64_t(v));
-  return sd;
-}
 
 // Every file under `path` (or `path` itself) with its bytes.
 std::map<std::string, std::string> snapshot(const std::string& path) {
