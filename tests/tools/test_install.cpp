@@ -11,6 +11,7 @@
 #include <string>
 
 #include "support/test_util.h"
+#include "tessera/config.h"
 
 namespace fs = std::filesystem;
 
@@ -40,4 +41,19 @@ TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
   std::tie(rc, out) = run_command(prefix + "/bin/tessera run -n 2 -- " + build + "/consumer");
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("[rank 1] consumer ok: world 2 sum 6 chunks 4"), std::string::npos) << out;
+
+  // A tool that links one layer (Tessera::tessera_checkpoint) builds and saves and loads
+  // through a Communicator.
+  std::tie(rc, out) = run_command(build + "/ckpt_tool " + (tmp / "ckpt").string());
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("ckpt_tool ok: sum 15"), std::string::npos) << out;
+  // The layers take libtorch's CUDA libraries only as needed: the installed CLI (the
+  // checkpoint layer's offline tools and the launcher, no Communicator) does not load
+  // them; a program linking Tessera::tessera does (on a CUDA build of libtorch).
+  std::tie(rc, out) = run_command("ldd " + prefix + "/bin/tessera");
+  EXPECT_EQ(out.find("libtorch_cuda"), std::string::npos) << out;
+#if TESSERA_HAS_CUDA
+  std::tie(rc, out) = run_command("ldd " + build + "/consumer");
+  EXPECT_NE(out.find("libtorch_cuda"), std::string::npos) << out;
+#endif
 }
