@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/openmpi_env.h"
 #include "support/child_process.h"
 #include "support/test_util.h"
 
@@ -37,21 +38,12 @@ Child spawn_clean(const std::vector<std::string>& argv_s, const std::map<std::st
   return spawn(argv_s, env, is_launcher_var);
 }
 
-// What mpirun sets for rank `rank` of `size`, `per_node` ranks on each host (mapping by
-// slot, the default), plus the rendezvous address the user exports with -x.
-// OMPI_COMM_WORLD_NODE_RANK is the rank among the processes of all jobs on the host.
+// mpirun's variables for one rank on this host, and what every rank of these tests runs with.
 std::map<std::string, std::string> mpirun_env(int rank, int size, int per_node, int port) {
-  const int local = rank % per_node;
-  return {{"OMPI_COMM_WORLD_SIZE", std::to_string(size)},
-          {"OMPI_COMM_WORLD_RANK", std::to_string(rank)},
-          {"OMPI_COMM_WORLD_LOCAL_SIZE", std::to_string(per_node)},
-          {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(local)},
-          {"OMPI_COMM_WORLD_NODE_RANK", std::to_string(local)},
-          {"OMPI_UNIVERSE_SIZE", std::to_string(size)},
-          {"MASTER_ADDR", "127.0.0.1"},
-          {"MASTER_PORT", std::to_string(port)},
-          {"OMP_NUM_THREADS", "1"},
-          {"TESSERA_TEST_TIMEOUT_MS", "30000"}};
+  auto env = openmpi_env(rank, size, per_node, "127.0.0.1", port);
+  env["OMP_NUM_THREADS"] = "1";
+  env["TESSERA_TEST_TIMEOUT_MS"] = "30000";
+  return env;
 }
 
 struct Outcome {

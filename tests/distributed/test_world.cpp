@@ -2,6 +2,7 @@
 
 #include <map>
 
+#include "distributed/openmpi_env.h"
 #include "tessera/core/error.h"
 #include "tessera/distributed/world.h"
 
@@ -95,19 +96,9 @@ TEST(World, OpenMPI) {
   EXPECT_EQ(w.num_nodes, 2);
 }
 
-// The variables mpirun (Open MPI 4.x/5.x) sets for each rank of `mpirun -n 2 prog` on one
-// host: OMPI_COMM_WORLD_NODE_RANK is the rank among all jobs' processes on the node (here
-// equal to the local rank), not the node's index.
+// The variables mpirun sets for each rank of `mpirun -n SIZE prog`, PER_NODE on a host.
 static std::map<std::string, std::string> mpirun_env(int rank, int size, int per_node) {
-  const int local = rank % per_node;
-  return {{"OMPI_COMM_WORLD_SIZE", std::to_string(size)},
-          {"OMPI_COMM_WORLD_RANK", std::to_string(rank)},
-          {"OMPI_COMM_WORLD_LOCAL_SIZE", std::to_string(per_node)},
-          {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(local)},
-          {"OMPI_COMM_WORLD_NODE_RANK", std::to_string(local)},
-          {"OMPI_UNIVERSE_SIZE", std::to_string(size)},
-          {"MASTER_ADDR", "h0"},
-          {"MASTER_PORT", "5000"}};
+  return tessera::testing::openmpi_env(rank, size, per_node, "h0", 5000);
 }
 
 TEST(World, OpenMPIOneHostTwoRanks) {

@@ -41,6 +41,32 @@ bool under(const std::string& key, const std::string& name) {
   return key == name || key.rfind(name + ".", 0) == 0;
 }
 
+// The nested layout a checkpoint of `st` has: a module entry holds the module's state, an
+// optimizer entry its optimizer's state (`optimizers`: each optimizer entry's name and
+// index, in `st`'s order), a value entry the value. `copy`: tensors and shards cloned, so
+// that loading into the result touches nothing live.
+StateDict nest(const FabricState& st, const std::vector<std::pair<std::string, size_t>>& optimizers,
+               const strategy::StrategyState& live, bool copy) {
+  StateDict out;
+  size_t next_opt = 0;
+  for (const auto& name : st.names()) {
+    switch (st.kind(name)) {
+      case FabricState::Kind::Module:
+        out.set(name, std::make_shared<StateDict>(copy ? clone_dict(live.module) : live.module));
+        break;
+      case FabricState::Kind::Optimizer: {
+        const StateDict& sd = live.optimizers.at(optimizers[next_opt++].second);
+        out.set(name, std::make_shared<StateDict>(copy ? clone_dict(sd) : sd));
+        break;
+      }
+      case FabricState::Kind::Value:
+        out.set(name, copy ? clone_value(st.values().at(name)) : st.values().at(name));
+        break;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 Fabric::StateParts Fabric::parts_of(const FabricState& st, const char* what) const {
@@ -81,21 +107,7 @@ std::pair<StateDict, checkpoint::SaveOptions> Fabric::checkpoint_of(const Fabric
   // each sharded tensor to rank 0 slice by slice as it writes (checkpoint::save), where
   // the strategy's Full state would gather every tensor on every rank first.
   const strategy::StrategyState live = strategy_state_of(parts, strategy::StateDictType::Sharded, "save");
-  StateDict out;
-  size_t next_opt = 0;
-  for (const auto& name : st.names()) {
-    switch (st.kind(name)) {
-      case FabricState::Kind::Module:
-        out.set(name, std::make_shared<StateDict>(live.module));
-        break;
-      case FabricState::Kind::Optimizer:
-        out.set(name, std::make_shared<StateDict>(live.optimizers.at(parts.optimizers[next_opt++].second)));
-        break;
-      case FabricState::Kind::Value:
-        out.set(name, st.values().at(name));
-        break;
-    }
-  }
+  StateDict out = nest(st, parts.optimizers, live, /*copy=*/false);
   checkpoint::SaveOptions so;
   so.mode = opts_.state_dict_type == strategy::StateDictType::Sharded ? checkpoint::SaveMode::Sharded
                                                                       : checkpoint::SaveMode::Full;
@@ -143,22 +155,7 @@ StateDict Fabric::load(const std::string& path, FabricState& st, bool strict) {
                         ? strategy::StateDictType::Sharded
                         : opts_.state_dict_type;
   const strategy::StrategyState live = strategy_state_of(parts, type, "load");
-  StateDict target;
-  size_t next_opt = 0;
-  for (const auto& name : st.names()) {
-    switch (st.kind(name)) {
-      case FabricState::Kind::Module:
-        target.set(name, std::make_shared<StateDict>(clone_dict(live.module)));
-        break;
-      case FabricState::Kind::Optimizer:
-        target.set(name,
-                   std::make_shared<StateDict>(clone_dict(live.optimizers.at(parts.optimizers[next_opt++].second))));
-        break;
-      case FabricState::Kind::Value:
-        target.set(name, clone_value(st.values().at(name)));
-        break;
-    }
-  }
+  StateDict target = nest(st, parts.optimizers, live, /*copy=*/true);
 
   checkpoint::LoadOptions lo;
   lo.strict = false;  // strictness applies to what `st` asks for; checked below

@@ -217,8 +217,7 @@ std::string LoadReport::to_string() const {
   std::string s;
   auto list = [&](const char* what, const std::vector<std::string>& v) {
     if (v.empty()) return;
-    s += concat(s.empty() ? "" : "; ", v.size(), " ", what, ": ");
-    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
+    s += concat(s.empty() ? "" : "; ", v.size(), " ", what, ": ", core::join(v));
   };
   list("missing key(s)", missing);
   list("unexpected key(s)", unexpected);

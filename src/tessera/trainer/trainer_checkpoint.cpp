@@ -9,6 +9,7 @@
 
 #include "tessera/checkpoint/metadata.h"
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 #include "tessera/trainer/callbacks.h"
 #include "tessera/trainer/rng_state.h"
 #include "tessera/trainer/trainer.h"
@@ -131,9 +132,8 @@ std::string Trainer::resolve_ckpt_path(const std::string& ckpt_path) {
       }
     }
     if (best.empty()) {
-      std::string list;
-      for (auto& p : tried) list += (list.empty() ? "" : ", ") + p;
-      best = "\n" + (tried.empty() ? std::string("no ModelCheckpoint callback (enable_checkpointing is false)") : list);
+      best = "\n" + (tried.empty() ? std::string("no ModelCheckpoint callback (enable_checkpointing is false)")
+                                    : core::join(tried));
     }
   }
   best = fabric_->broadcast(best, 0);
