@@ -81,6 +81,9 @@ def parse_args(argv):
     p.add_argument("--init-from", help="initial weights: a safetensors file, keys FQNs or model.<FQN>")
     p.add_argument("--save-init", help="write the initial weights (bare FQNs) to this safetensors file")
     p.add_argument("--save-dcp", help="dcp.save {'model': state dict} of the initial model to this directory")
+    p.add_argument("--adamw", choices=("default", "fused"), default="default",
+                   help="torch.optim.AdamW as constructed by default (its for-loop implementation on CPU "
+                        "tensors) or with fused=True (one kernel per parameter)")
     p.add_argument("--losses-out", help="rank 0 writes each step's loss (mean over the ranks), one per line")
     p.add_argument("--timing-skip", type=int, default=1, help="first steps left out of tokens/s")
     a = p.parse_args(argv)
@@ -227,7 +230,9 @@ def main(argv):
         assert params == sum(p.numel() for p in model.parameters())
 
     def make_opt(ps):
-        return torch.optim.AdamW(ps, lr=lr_at(a, 0), betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay)
+        fused = {"fused": True} if a.adamw == "fused" else {}
+        return torch.optim.AdamW(ps, lr=lr_at(a, 0), betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay,
+                                 **fused)
 
     if mode == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh

@@ -17,13 +17,17 @@
 # Tessera's rows include its end-of-run checkpoint save in the peak RSS (gpt always writes
 # last.ckpt); the peers save nothing. FSDP2 builds its model on the meta device and
 # initialises each rank's shards (--init meta), as its documentation advises for models
-# that should not exist whole on one rank; Tessera builds each block sharded.
+# that should not exist whole on one rank; Tessera builds each block sharded. AdamW:
+# Tessera's gpt uses tessera::optim::AdamW (one pass over each parameter), the peers
+# torch.optim.AdamW as constructed by default (for-loop on CPU tensors); torch-ddp-fused
+# is PyTorch DDP with fused=True, the like-for-like comparison of the optimizer.
 #
 #   bench/peers/run.sh [BUILD]          (default build-torch2)
 #     PEERS_ROUNDS   rounds (default 3; the median is reported)
 #     PEERS_RANKS    "2 4" (default)
 #     PEERS_SIZES    "L:H:D:T:STEPS ..." (default "4:4:256:128:40 8:8:512:64:20 12:12:768:32:6")
-#     PEERS_IMPLS    subset of "tessera-fsdp fsdp2 tessera-ddp torch-ddp fabric-ddp fabric-mp fabric-fsdp"
+#     PEERS_IMPLS    subset of "tessera-fsdp fsdp2 tessera-ddp torch-ddp torch-ddp-fused fabric-ddp
+#                    fabric-mp fabric-fsdp" (torch-ddp-fused: PyTorch DDP with AdamW(fused=True))
 #     PEERS_BATCH    global batch (default 16, gpt's)
 #     PEERS_PY       the peers' python (default .venv-torch2/bin/python)
 #     PEERS_OUT, PEERS_NAME   result file and its table's name (default bench/results/peers.json,
@@ -38,7 +42,7 @@ PY=${PEERS_PY:-$ROOT/.venv-torch2/bin/python}
 ROUNDS=${PEERS_ROUNDS:-3}
 RANKS=${PEERS_RANKS:-"2 4"}
 SIZES=${PEERS_SIZES:-"4:4:256:128:40 8:8:512:64:20 12:12:768:32:6"}
-IMPLS=${PEERS_IMPLS:-"tessera-fsdp fsdp2 tessera-ddp torch-ddp fabric-ddp fabric-mp fabric-fsdp"}
+IMPLS=${PEERS_IMPLS:-"tessera-fsdp fsdp2 tessera-ddp torch-ddp torch-ddp-fused fabric-ddp fabric-mp fabric-fsdp"}
 BATCH=${PEERS_BATCH:-16}
 GPT="$BUILD/bin/gpt"
 LAUNCH="$BUILD/bin/tessera"
@@ -69,6 +73,7 @@ measure() {
     *)
       local mode=$impl extra=()
       [ "$impl" = torch-ddp ] && mode=ddp
+      if [ "$impl" = torch-ddp-fused ]; then mode=ddp; extra=(--adamw fused); fi
       case $impl in fsdp2|fabric-mp) extra=(--init meta) ;; esac
       "$LAUNCH" run -n "$n" -- "$PY" "$HERE/gpt_peer.py" --mode "$mode" --steps "$steps" "${model[@]}" \
         --threads 1 "${extra[@]}" > "$log" 2>&1
@@ -147,7 +152,8 @@ def paired(key, mine, peer, i):
     both = sorted(set(a) & set(b))
     return statistics.median(a[r][i] / b[r][i] for r in both), len(both)
 rows = []
-comparisons = [("tessera-fsdp", "fsdp2"), ("tessera-ddp", "torch-ddp"), ("tessera-ddp", "fabric-ddp"),
+comparisons = [("tessera-fsdp", "fsdp2"), ("tessera-ddp", "torch-ddp"), ("tessera-ddp", "torch-ddp-fused"),
+               ("tessera-ddp", "fabric-ddp"),
                ("tessera-fsdp", "fabric-mp"), ("tessera-fsdp", "fabric-fsdp")]
 for key in order:
     L, D, T, n = key
@@ -183,6 +189,7 @@ doc = {"benchmark": os.environ.get("PEERS_NAME", "peers"), "rows": rows,
        "threads": f"one intra-op thread per rank; {cores} cores (4 ranks oversubscribe them)",
        "launcher": "tessera run -n N for both sides (torch.distributed environment; Fabric uses it, no processes of its own)",
        "cpu_allocator": "Tessera: its caching allocator (default); Python: c10's default (glibc malloc)",
+       "adamw": "Tessera: tessera::optim::AdamW (gpt's default: one pass over each parameter); the peers: torch.optim.AdamW as constructed by default (its for-loop implementation on CPU tensors), torch-ddp-fused: with fused=True",
        "tokens/s": "from the end of the first step to the end of the last",
        "peak_rss_mib": "the largest rank's peak resident set (getrusage ru_maxrss); Tessera's includes its end-of-run checkpoint save",
        "fsdp2": "fully_shard on each block and the root, CPU device mesh, gloo, model built on the meta device",

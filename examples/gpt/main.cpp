@@ -71,6 +71,10 @@ int main(int argc, char** argv) {
   train->add_option("--ckpt-every", ta.ckpt_every, "save checkpoints/last.ckpt every K steps (0: after each validation, see --val-every, and at "
                     "the end)")
       ->check(gpt::int_in(0))->capture_default_str();
+  train->add_option("--adamw", ta.adamw,
+                    "AdamW implementation: one-pass (tessera::optim::AdamW, each parameter updated in one pass "
+                    "over its memory) or libtorch (torch::optim::AdamW); the same optimizer state either way")
+      ->check(CLI::IsMember({"one-pass", "libtorch"}));
   train->add_flag("--async-ckpt", ta.async_ckpt, "write checkpoints in the background while training goes on (one in flight)");
   train->add_option("--state-dict", ta.state_dict, "checkpoint kind: sharded|full (default: sharded for fsdp)")
       ->check(CLI::IsMember({"sharded", "full"}));

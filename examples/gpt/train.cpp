@@ -31,6 +31,7 @@
 #include "tessera/core/cpu_allocator.h"
 #include "tessera/core/device.h"
 #include "tessera/distributed/world.h"
+#include "tessera/optim/adam.h"
 #include "tessera/state/module_state.h"
 #include "tessera/strategy/strategy.h"
 #include "tessera/trainer/csv_logger.h"
@@ -52,8 +53,9 @@ at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
   return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, gpt::kVocab}), targets.reshape({-1}));
 }
 
-// The TrainingModule: the model, AdamW with linear warmup + cosine decay (stepped after
-// every optimizer step, saved in checkpoints by the Trainer), next-byte cross-entropy.
+// The TrainingModule: the model, AdamW (one-pass by default, --adamw) with linear warmup +
+// cosine decay (stepped after every optimizer step, saved in checkpoints by the Trainer),
+// next-byte cross-entropy.
 struct GptModule : trainer::TrainingModule {
   TrainArgs args;
   gpt::Config cfg;
@@ -72,8 +74,9 @@ struct GptModule : trainer::TrainingModule {
     return torch::nn::AnyModule(net);
   }
   trainer::OptimizerConfig configure_optimizers() override {
-    opt = std::make_shared<torch::optim::AdamW>(
-        net->parameters(), torch::optim::AdamWOptions(args.lr).betas({0.9, 0.95}).weight_decay(args.weight_decay));
+    const auto options = torch::optim::AdamWOptions(args.lr).betas({0.9, 0.95}).weight_decay(args.weight_decay);
+    if (args.adamw == "libtorch") opt = std::make_shared<torch::optim::AdamW>(net->parameters(), options);
+    else opt = std::make_shared<optim::AdamW>(net->parameters(), options);
     auto sched = std::make_shared<trainer::WarmupCosineLR>(opt, args.warmup_steps, args.decay_steps, args.min_lr_ratio);
     return {opt, sched};
   }

@@ -20,6 +20,7 @@ struct TrainArgs {
   std::vector<std::string> data;
   std::string out = "gpt-run";
   bool tie_weights = false, progress_bar = true, async_ckpt = false;
+  std::string adamw = "one-pass";  // or "libtorch": torch::optim::AdamW's tensor operations
   int threads = 0;  // 0: cores / ranks on this node
   std::set<std::string> given;  // model-shaping settings given on the command line (hparams keys)
 };
