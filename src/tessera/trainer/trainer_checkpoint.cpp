@@ -9,6 +9,7 @@
 
 #include "tessera/checkpoint/metadata.h"
 #include "tessera/core/error.h"
+#include "tessera/core/log.h"
 #include "tessera/core/strings.h"
 #include "tessera/trainer/callbacks.h"
 #include "tessera/trainer/rng_state.h"
@@ -98,9 +99,14 @@ void Trainer::save_checkpoint_async(const std::string& path) { write_checkpoint(
 void Trainer::write_checkpoint(const std::string& path, bool async) {
   const auto t0 = std::chrono::steady_clock::now();
   fabric::FabricState st = checkpoint_state(path);  // Fabric waits for a save in flight
+  const auto t1 = std::chrono::steady_clock::now();
   if (async) fabric_->save_async(path, st);
   else fabric_->save(path, st);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  log::debug("Trainer: ", async ? "async " : "", "checkpoint '", path, "' held the loop ", seconds,
+             " s: its state (loop, callbacks, RNG states, directory) ",
+             std::chrono::duration<double>(t1 - t0).count(), " s, the save call ", seconds -
+             std::chrono::duration<double>(t1 - t0).count(), " s");
   if (ckpt_stats_.saves++ == 0) ckpt_stats_.first_blocking_seconds = seconds;
   ckpt_stats_.blocking_seconds += seconds;
   each_callback([&](Callback& c) { c.on_save_checkpoint(*this, *module_, path); });
