@@ -14,11 +14,15 @@
 #     GPT_BENCH_SIZES    "L:H:D:T ..." (default "4:4:128:64 4:4:256:128 8:8:512:64")
 #     GPT_BENCH_RANKS    "1 2" (default) or a subset
 #     GPT_BENCH_DEMO=0   skips the demo
+#     GPT_BENCH_ALLOCATORS  Tessera's CPU memory policies to run (default "caching system",
+#                        plus tcmalloc when installed)
+#     GPT_BENCH_OUT, GPT_BENCH_NAME  result file and its table's name (default
+#                        bench/results/gpt.json, "gpt"): a partial run keeps its own table
 set -euo pipefail
 BUILD=${1:-build}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-OUT="$ROOT/bench/results/gpt.json"
+OUT=${GPT_BENCH_OUT:-"$ROOT/bench/results/gpt.json"}
 GPT="$BUILD/bin/gpt"
 PY=/usr/bin/python3
 STEPS=${GPT_BENCH_STEPS:-30}
@@ -86,6 +90,7 @@ echo "-- sgemm peak, one thread: $SGEMM GFLOP/s" >&2
 
 allocs="caching system"
 [ -n "$TCMALLOC" ] && allocs="$allocs tcmalloc"
+allocs=${GPT_BENCH_ALLOCATORS:-$allocs}
 # Interleaved so that machine noise hits every implementation alike.
 for size in $SIZES; do
   IFS=: read -r L H D T <<< "$size"
@@ -111,7 +116,7 @@ if [ "${GPT_BENCH_DEMO:-1}" != 0 ]; then
 fi
 
 "$PY" - "$OUT" "$demo_s" "$STEPS" "$SGEMM" "$ROWS" "$(nproc --all)" "$BLAS" <<'EOF'
-import json, sys
+import json, os, sys
 out, demo_s, steps, sgemm, rows_path, cores, blas = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5], int(sys.argv[6]), sys.argv[7]
 raw = [l.split() for l in open(rows_path) if l.strip()]
 py = {}
@@ -128,8 +133,9 @@ for L, H, D, T, impl, strat, n, alloc, tps, rss, params in raw:
                  "strategy": strat, "ranks": ranks, "cpu_allocator": alloc, "tokens/s": float(tps),
                  "vs Python DDP": round(float(tps) / py[(L, D, T, n)], 2),
                  "peak_rss_mib": float(rss), "mfu": round(mfu, 3)})
-doc = {"benchmark": "gpt", "rows": rows,
-       "batch": "16 sequences global (split over the ranks), AdamW, clipping 1.0, fp32",
+doc = {"benchmark": os.environ.get("GPT_BENCH_NAME", "gpt"), "rows": rows,
+       "batch": "16 sequences global (split over the ranks), AdamW (Tessera: tessera::optim::AdamW, gpt's default; "
+                "Python: torch.optim.AdamW's default), clipping 1.0, fp32",
        "threads": f"one intra-op thread per rank, {cores} cores",
        "sgemm_gflops_one_thread": round(sgemm, 1),
        "blas": blas + "; Python torch and the sgemm probe run with the same OPENBLAS_CORETYPE",
