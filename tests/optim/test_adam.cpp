@@ -187,6 +187,24 @@ TEST(OptimAdam, StateMovesBetweenLibtorchsAdamWAndThisOne) {
   EXPECT_EQ(weight.integer("step"), 6);
 }
 
+TEST(OptimAdam, AutogradSeesTheInPlaceUpdate) {
+  // As with libtorch's in-place update: a graph that saved the parameter before the step
+  // refuses to run backward after it, instead of using the changed values silently.
+  for (bool ours : {true, false}) {
+    SCOPED_TRACE(ours ? "tessera::optim::AdamW" : "torch::optim::AdamW");
+    auto p = torch::randn({8}).set_requires_grad(true);
+    auto y = (p * p).sum();  // saves p for backward
+    p.mutable_grad() = torch::ones({8});
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (ours) opt = std::make_unique<tessera::optim::AdamW>(std::vector<at::Tensor>{p}, torch::optim::AdamWOptions(0.1));
+    else opt = std::make_unique<torch::optim::AdamW>(std::vector<at::Tensor>{p}, torch::optim::AdamWOptions(0.1));
+    const auto version = p._version();
+    opt->step();
+    EXPECT_GT(p._version(), version);
+    EXPECT_THROW(y.backward(), c10::Error);
+  }
+}
+
 TEST(OptimAdam, SparseGradientsAreRefusedByName) {
   auto p = torch::zeros({4, 3}).set_requires_grad(true);
   tessera::optim::AdamW opt({p}, torch::optim::AdamWOptions(1e-3));

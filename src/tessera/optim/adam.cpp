@@ -131,6 +131,10 @@ void one_pass(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, 
     else
       update_f64(pp + begin, gp + begin, mp + begin, vp + begin, x, end - begin, c, h.decay, h.amsgrad);
   });
+  // Written in place, as libtorch's in-place operations would: autograd must see the change
+  // (a graph that saved the parameter refuses to run backward, as it would after p.addcdiv_).
+  for (at::Tensor* t : {&p, &m, &v, vmax})
+    if (t != nullptr) t->unsafeGetTensorImpl()->bump_version();
 }
 
 // The same update as tensor operations: devices and dtypes the loop above does not take.
