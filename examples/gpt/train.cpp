@@ -30,6 +30,7 @@
 #include "tessera/core/blas.h"
 #include "tessera/core/cpu_allocator.h"
 #include "tessera/core/device.h"
+#include "tessera/distributed/shm_times.h"
 #include "tessera/distributed/world.h"
 #include "tessera/optim/adam.h"
 #include "tessera/state/module_state.h"
@@ -139,10 +140,16 @@ struct GptModule : trainer::TrainingModule {
   std::optional<Clock::time_point> first_end, last_end, val_start;
   double val_seconds = 0, pending_val = 0;  // pending: validation after the last timed batch
   int64_t timed_batches = 0;
+  // Over the same window: this rank's time in shared-memory collectives (they run in the
+  // training thread: DDP's all-reduces inside backward, FSDP's gathers) and, of it, the
+  // time spent waiting for the other ranks to arrive.
+  distributed::SharedMemoryTimes shm_first, shm_last;
   void on_train_batch_end(const at::Tensor&, const trainer::Batch&, int64_t) override {
     last_end = Clock::now();
+    shm_last = distributed::shared_memory_times();
     if (!first_end) {
       first_end = last_end;
+      shm_first = shm_last;
     } else {
       ++timed_batches;
       val_seconds += pending_val;
@@ -339,6 +346,21 @@ int run_train(TrainArgs a) {
     std::ostringstream c;
     c << std::setprecision(4) << "gpt: checkpoints saves=" << cs.saves << " blocking_s=" << cs.blocking_seconds
       << " first_blocking_s=" << cs.first_blocking_seconds << " async=" << (a.async_ckpt ? 1 : 0);
+    f.print(c.str());
+  }
+  // Shared-memory collectives in the timed steps: the largest rank's time in them and the
+  // largest and smallest rank's time waiting for the others (a rank that reaches a
+  // collective first waits there for the last).
+  if (f.comm()->uses_shared_memory() && m.timed_batches > 0) {
+    const double in_coll = m.shm_last.seconds - m.shm_first.seconds;
+    const double waiting = m.shm_last.waiting_seconds - m.shm_first.waiting_seconds;
+    const double in_max = f.comm()->all_reduce_double(in_coll, distributed::ReduceOp::Max);
+    const double wait_max = f.comm()->all_reduce_double(waiting, distributed::ReduceOp::Max);
+    const double wait_min = f.comm()->all_reduce_double(waiting, distributed::ReduceOp::Min);
+    std::ostringstream c;
+    c << std::setprecision(4) << "gpt: shared-memory collectives=" << m.shm_last.collectives - m.shm_first.collectives
+      << " in_collectives_s=" << in_max << " waiting_for_peers_s_max=" << wait_max
+      << " waiting_for_peers_s_min=" << wait_min << " train_s=" << m.train_seconds();
     f.print(c.str());
   }
   // Host memory: the largest rank's peak resident set (ru_maxrss, KiB on Linux), and the

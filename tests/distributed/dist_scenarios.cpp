@@ -10,6 +10,7 @@
 
 #include "support/scenario.h"
 #include "tessera/core/cpu_allocator.h"
+#include "tessera/distributed/shm_times.h"
 
 using namespace tessera;
 using namespace tessera::testing;
@@ -212,6 +213,31 @@ SCENARIO("collective_mismatch") {
     WCHECK(std::string(e.what()).find("unusable after an earlier failure") != std::string::npos, "unexpected: ", e.what());
   }
   std::cout << "mismatch detected rank " << r << "\n";
+  return 0;
+}
+
+// Rank 1 joins an all-reduce 300 ms after rank 0: rank 0's shared-memory times show the
+// wait, rank 1's (which found rank 0 there) do not; each counts the one collective.
+SCENARIO("shm_times") {
+  auto c = comm();
+  const int r = c->rank();
+  WCHECK(c->uses_shared_memory(), "the shared-memory channel is off");
+  c->barrier();
+  const auto before = distributed::shared_memory_times();
+  if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  at::Tensor t = at::ones({1 << 20});  // 4 MiB: several rounds of the default 1 MiB chunks
+  c->all_reduce(t);
+  const auto after = distributed::shared_memory_times();
+  WCHECK(at::equal(t, at::full({1 << 20}, 2.0f)), "all_reduce result");
+  const double waited = after.waiting_seconds - before.waiting_seconds, in = after.seconds - before.seconds;
+  WCHECK(after.collectives == before.collectives + 1, "collectives ", before.collectives, " -> ", after.collectives);
+  WCHECK(waited >= 0 && in >= waited, "rank ", r, ": in collectives ", in, " s, waiting ", waited, " s");
+  at::Tensor w = at::full({1}, waited, at::kDouble);
+  const at::Tensor both = c->all_gather(w, std::vector<int64_t>{1, 1});
+  const double w0 = both[0].item<double>(), w1 = both[1].item<double>();
+  WCHECK(w0 >= 0.15, "rank 0 waited ", w0, " s for a rank 300 ms late");
+  WCHECK(w1 < w0 / 2, "rank 1 (the late one) waited ", w1, " s, rank 0 ", w0, " s");
+  std::cout << "shm times ok rank " << r << "\n";
   return 0;
 }
 

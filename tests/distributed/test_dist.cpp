@@ -72,6 +72,17 @@ TEST(CollectivesOverGloo, NativeSingleTensorFormsAreOptInAndAgree) {
   }
 }
 
+// distributed::shared_memory_times: the time a rank spent in collectives and, of it,
+// the time it waited for a late peer (what gpt reports for its timed steps).
+TEST(SharedMemory, TimesCountTheWaitForALatePeer) {
+  auto res = run_ranks(2, {"shm_times"});
+  EXPECT_RANKS_OK(res);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(res.out[r].empty()) << res.all_output();
+    EXPECT_EQ(res.out[r].back(), "shm times ok rank " + std::to_string(r)) << res.all_output();
+  }
+}
+
 // Ranks that enter different collectives get an error naming both (Gloo would hang or
 // deliver garbage), and the channel refuses further use. The segment's name is gone
 // from /dev/shm once the ranks have mapped it.

@@ -139,6 +139,13 @@ TEST_F(Gpt, TiedHeadUnderFsdpMatchesOneProcess) {
   expect_close(fsdp["train_loss"], single["train_loss"], 1e-4, "tied train_loss fsdp vs single");
   // One weight fewer than untied: 256 x 32 head weights are not there.
   EXPECT_NE(out1.find("params=" + std::to_string(kTinyUntiedParams - 256 * 32)), std::string::npos) << out1;
+  // The two ranks' gathers and reduce-scatters went through shared memory, and gpt reports
+  // them for its timed steps (one rank has no such line).
+  const std::string shm = "gpt: shared-memory collectives=";
+  EXPECT_EQ(out1.find(shm), std::string::npos) << out1;
+  const auto at = out2.find(shm);
+  ASSERT_NE(at, std::string::npos) << out2;
+  EXPECT_GT(std::stoll(out2.substr(at + shm.size())), 0) << out2;
 }
 
 // A run stopped at step 6 (same LR schedule: --lr-decay-steps 10) and resumed to 10

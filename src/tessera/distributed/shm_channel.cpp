@@ -24,6 +24,7 @@
 
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
+#include "tessera/distributed/shm_times.h"
 
 namespace tessera::distributed {
 
@@ -39,6 +40,10 @@ struct ShmChannel::Desc {
 };
 
 namespace {
+
+// shared_memory_times(): every channel of the process adds to these.
+std::atomic<uint64_t> g_ops{0};
+std::atomic<int64_t> g_op_ns{0}, g_wait_ns{0};
 
 enum Op : int32_t { kAllReduce = 1, kAllGather = 2, kReduceScatter = 3, kBroadcast = 4 };
 constexpr uint64_t kMagic = 0x31534d4853534554ull;  // "TESSHMS1"
@@ -277,6 +282,16 @@ void ShmChannel::post(std::atomic<uint32_t>& word, uint32_t value) {
 
 void ShmChannel::wait_until(std::atomic<uint32_t>& word, uint32_t target, int peer, const Desc* joining) {
   auto what = [&] { return joining ? "to join " + describe(*joining) : std::string("to read this rank's previous data"); };
+  if (reached(word.load(std::memory_order_acquire), target)) return;
+  // The peer is not there yet: from here on this rank waits for it (spinning, then asleep).
+  struct Timed {
+    std::atomic<int64_t>& ns;
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~Timed() {
+      ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+                   std::memory_order_relaxed);
+    }
+  } timed{g_wait_ns};
   for (int i = 0; i < 2000; ++i) {
     if (reached(word.load(std::memory_order_acquire), target)) return;
     cpu_relax();
@@ -354,6 +369,18 @@ void ShmChannel::run_op(F&& f) {
     broken_ = e.what();
     throw;
   }
+  g_op_ns.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - op_start_).count(),
+      std::memory_order_relaxed);
+  g_ops.fetch_add(1, std::memory_order_relaxed);
+}
+
+SharedMemoryTimes shared_memory_times() {
+  SharedMemoryTimes t;
+  t.collectives = g_ops.load(std::memory_order_relaxed);
+  t.seconds = static_cast<double>(g_op_ns.load(std::memory_order_relaxed)) * 1e-9;
+  t.waiting_seconds = static_cast<double>(g_wait_ns.load(std::memory_order_relaxed)) * 1e-9;
+  return t;
 }
 
 void ShmChannel::all_reduce(const at::Tensor& t, ReduceOp op) {
