@@ -15,6 +15,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "../../examples/gpt/model.h"
 #include "tessera/config.h"
 #include "tessera/core/blas.h"
 #include "tessera/optim/adam.h"
@@ -29,23 +30,22 @@ struct Size {
   int layers, d, t;
 };
 
-// examples/gpt's parameters: byte vocabulary (256), untied head, per block ln1, qkv, proj,
-// ln2, fc, fc_out (weights and biases).
+// The parameters of examples/gpt's model itself (gpt::Gpt, untied head), each given a
+// gradient of the scale training produces, so that the benchmark follows the example's
+// architecture.
 std::vector<at::Tensor> gpt_params(const Size& s) {
-  const int64_t d = s.d, v = 256;
-  std::vector<std::vector<int64_t>> shapes{{v, d}, {s.t, d}};
-  for (int l = 0; l < s.layers; ++l) {
-    for (auto sh : std::vector<std::vector<int64_t>>{
-             {d}, {d}, {3 * d, d}, {3 * d}, {d, d}, {d}, {d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}})
-      shapes.push_back(sh);
-  }
-  for (auto sh : std::vector<std::vector<int64_t>>{{d}, {d}, {v, d}}) shapes.push_back(sh);
+  gpt::Config c;
+  c.n_layer = s.layers;
+  c.n_head = s.layers;  // examples/gpt's sizes use as many heads as layers
+  c.d_model = s.d;
+  c.seq_len = s.t;
+  gpt::Gpt model(c);
   std::vector<at::Tensor> ps;
-  for (auto& sh : shapes) {
-    auto p = torch::randn(sh) * 0.02;
-    p.set_requires_grad(true);
-    p.mutable_grad() = torch::randn(sh) * 1e-3;
-    ps.push_back(p);
+  for (auto& p : model->parameters()) {
+    at::Tensor q = p.detach().clone();
+    q.set_requires_grad(true);
+    q.mutable_grad() = torch::randn(q.sizes()) * 1e-3;
+    ps.push_back(q);
   }
   return ps;
 }

@@ -140,19 +140,18 @@ void one_pass(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, 
 // The same update as tensor operations: devices and dtypes the loop above does not take.
 void by_tensor_ops(at::Tensor& p, at::Tensor grad, at::Tensor& m, at::Tensor& v, at::Tensor* vmax, const Hyper& h,
                    int64_t step) {
-  if (h.decay == Decay::Decoupled) p.mul_(1 - h.lr * h.weight_decay);
-  if (h.decay == Decay::L2) grad = grad.add(p, h.weight_decay);
-  const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(step));
-  const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(step));
-  m.mul_(h.beta1).add_(grad, 1 - h.beta1);
-  v.mul_(h.beta2).addcmul_(grad, grad, 1 - h.beta2);
+  const Coefs<double> c = coefs_of<double>(h, step);
+  if (h.decay == Decay::Decoupled) p.mul_(c.decay);
+  if (h.decay == Decay::L2) grad = grad.add(p, c.l2);
+  m.mul_(c.beta1).add_(grad, c.one_minus_beta1);
+  v.mul_(c.beta2).addcmul_(grad, grad, c.one_minus_beta2);
   at::Tensor second = v;
   if (vmax) {
     at::max_out(*vmax, *vmax, v);
     second = *vmax;
   }
-  const at::Tensor denom = (second.sqrt() / std::sqrt(bc2)).add_(h.eps);
-  p.addcdiv_(m, denom, -h.lr / bc1);
+  const at::Tensor denom = (second.sqrt() / c.bc2_sqrt).add_(c.eps);
+  p.addcdiv_(m, denom, c.neg_step_size);
 }
 
 // One step of every parameter with a gradient; State is AdamParamState or
