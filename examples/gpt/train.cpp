@@ -354,9 +354,11 @@ int run_train(TrainArgs a) {
   if (f.comm()->uses_shared_memory() && m.timed_batches > 0) {
     const double in_coll = m.shm_last.seconds - m.shm_first.seconds;
     const double waiting = m.shm_last.waiting_seconds - m.shm_first.waiting_seconds;
-    const double in_max = f.comm()->all_reduce_double(in_coll, distributed::ReduceOp::Max);
-    const double wait_max = f.comm()->all_reduce_double(waiting, distributed::ReduceOp::Max);
-    const double wait_min = f.comm()->all_reduce_double(waiting, distributed::ReduceOp::Min);
+    // One collective: every rank's pair (seconds in collectives, seconds waiting).
+    const at::Tensor all = f.comm()->all_gather(at::tensor({in_coll, waiting}, at::kDouble).view({1, 2}));
+    const double in_max = all.select(1, 0).max().item<double>();
+    const double wait_max = all.select(1, 1).max().item<double>();
+    const double wait_min = all.select(1, 1).min().item<double>();
     std::ostringstream c;
     c << std::setprecision(4) << "gpt: shared-memory collectives=" << m.shm_last.collectives - m.shm_first.collectives
       << " in_collectives_s=" << in_max << " waiting_for_peers_s_max=" << wait_max

@@ -44,6 +44,9 @@ namespace {
 // shared_memory_times(): every channel of the process adds to these.
 std::atomic<uint64_t> g_ops{0};
 std::atomic<int64_t> g_op_ns{0}, g_wait_ns{0};
+int64_t ns_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
 
 enum Op : int32_t { kAllReduce = 1, kAllGather = 2, kReduceScatter = 3, kBroadcast = 4 };
 constexpr uint64_t kMagic = 0x31534d4853534554ull;  // "TESSHMS1"
@@ -287,10 +290,7 @@ void ShmChannel::wait_until(std::atomic<uint32_t>& word, uint32_t target, int pe
   struct Timed {
     std::atomic<int64_t>& ns;
     std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-    ~Timed() {
-      ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
-                   std::memory_order_relaxed);
-    }
+    ~Timed() { ns.fetch_add(ns_since(t0), std::memory_order_relaxed); }
   } timed{g_wait_ns};
   for (int i = 0; i < 2000; ++i) {
     if (reached(word.load(std::memory_order_acquire), target)) return;
@@ -369,9 +369,7 @@ void ShmChannel::run_op(F&& f) {
     broken_ = e.what();
     throw;
   }
-  g_op_ns.fetch_add(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - op_start_).count(),
-      std::memory_order_relaxed);
+  g_op_ns.fetch_add(ns_since(op_start_), std::memory_order_relaxed);
   g_ops.fetch_add(1, std::memory_order_relaxed);
 }
 
