@@ -200,7 +200,8 @@ SCENARIO("ckpt_verify_iter") {
   return 0;
 }
 
-// ckpt_async DIR: two async saves overlapping the caller's collectives, then a load.
+// ckpt_async DIR: the background communicator prepared, then two async saves overlapping
+// the caller's collectives, then a load.
 // DIR must not exist and be the only entry of its parent.
 SCENARIO("ckpt_async") {
   namespace fs = std::filesystem;
@@ -209,6 +210,19 @@ SCENARIO("ckpt_async") {
   const fs::path parent = fs::path(dir).parent_path();
   WCHECK(!fs::exists(dir) && fs::is_empty(parent), dir, " exists or its parent is not empty");
   auto sd = make_state(c, true, false, 1);
+  // The background communicator, created ahead of the first save (what ModelCheckpoint
+  // does at fit start) and created once: a second call returns the same one.
+  auto bg = ck::prepare_async_save(c);
+  WCHECK(bg != nullptr && bg != c && bg->size() == c->size() && bg->rank() == c->rank(),
+         "prepare_async_save did not return a communicator of its own over the same ranks");
+  WCHECK(ck::prepare_async_save(c) == bg, "a second prepare_async_save created another communicator");
+  std::string null_error;
+  try {
+    ck::prepare_async_save(nullptr);
+  } catch (const std::exception& e) {
+    null_error = e.what();
+  }
+  WCHECK(null_error.find("prepare_async_save") != std::string::npos, "prepare_async_save(nullptr): '", null_error, "'");
   // The first save's background thread waits at a gate that this thread opens only after
   // the checks below: save_async must return while the write has not begun. (A save_async
   // that wrote in the calling thread would have committed DIR already, or would run the

@@ -84,7 +84,8 @@ TEST(CheckpointDist, PlainSaveLoadsSharded) {
   EXPECT_EQ(l.launch.exit_code, 0) << l.all_output();
 }
 
-// save_async returns before the write begins (the worker holds each rank's background
+// prepare_async_save creates the background communicator once; save_async returns
+// before the write begins (the worker holds each rank's background
 // write at a test gate and checks that the save is not done and nothing is on disk), the
 // snapshot ignores later changes, the caller's collectives run on, and a second save
 // waits for the first.

@@ -71,11 +71,17 @@ class AsyncSave {
 
 // Snapshots `sd` to host memory (copies of the local tensors), then returns; the
 // snapshot is written in a background thread over a communicator split off `comm`
-// (created, collectively, at the first async save of `comm`), so collectives of the
+// (created, collectively, by prepare_async_save or the first async save of `comm`), so collectives of the
 // caller keep running. A second save (async or not) from this process waits for the
 // previous async save first. Collective: every rank calls it.
 AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<distributed::Communicator> comm,
                      const SaveOptions& options = {});
+// Creates, collectively, the background communicator that save_async(..., comm) writes
+// over, so that the first async save does not pay for it on the training thread (the
+// Trainer's ModelCheckpoint calls it at fit start when it saves asynchronously). Returns
+// that communicator; calling it again for the same `comm` returns the same one without
+// a collective. save_async creates it when nobody did. Collective: every rank calls it.
+std::shared_ptr<distributed::Communicator> prepare_async_save(const std::shared_ptr<distributed::Communicator>& comm);
 // Waits for the async save in flight, if any (rethrows its error).
 void wait_for_pending_save();
 // The same wait, logging the error instead of throwing it (it belongs to the save's

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <limits>
 
+#include "tessera/checkpoint/checkpoint.h"
 #include "tessera/core/error.h"
 
 namespace fs = std::filesystem;
@@ -132,6 +133,10 @@ void ModelCheckpoint::load_state_dict(const state::StateDict& sd) {
 void ModelCheckpoint::setup(Trainer& trainer, TrainingModule&, Stage stage) {
   dirpath_ = o_.dirpath.empty() ? (fs::path(trainer.options().default_root_dir) / "checkpoints").string() : o_.dirpath;
   if (stage == Stage::Fit) fit_has_val_ = trainer.fit_has_validation();
+}
+
+void ModelCheckpoint::on_fit_start(Trainer& trainer, TrainingModule&) {
+  if (o_.async_save) checkpoint::prepare_async_save(trainer.fabric().comm());
 }
 
 std::string ModelCheckpoint::format_name(const Metrics& metrics) const {

@@ -50,6 +50,9 @@ class ModelCheckpoint : public Callback {
   state::StateDict state_dict() const override;
   void load_state_dict(const state::StateDict& state) override;
   void setup(Trainer& trainer, TrainingModule& module, Stage stage) override;
+  // With async_save: creates the async saves' background communicator now
+  // (checkpoint::prepare_async_save), not inside the first save.
+  void on_fit_start(Trainer& trainer, TrainingModule& module) override;
   void on_train_batch_end(Trainer& trainer, TrainingModule& module, const at::Tensor& loss, const Batch& batch,
                           int64_t batch_idx) override;
   void on_validation_end(Trainer& trainer, TrainingModule& module) override;
