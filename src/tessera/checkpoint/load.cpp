@@ -3,11 +3,13 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <chrono>
 #include <set>
 
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/core/error.h"
+#include "tessera/core/log.h"
 #include "tessera/core/strings.h"
 
 namespace tessera::checkpoint {
@@ -111,10 +113,20 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
       for (auto& sh : s->local_shards()) pieces.push_back({&j, sh.tensor, sh.meta.box});
     }
   }
+  // The phases, for TESSERA_LOG_LEVEL=debug: requesting read-ahead (posix_fadvise can
+  // block while the disk's queue is full) and reading + checking + placing the pieces.
+  using Clock = std::chrono::steady_clock;
+  auto sec = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  const auto t_read = Clock::now();
+  double prefetch_s = 0;
+  uint64_t bytes = 0;
   ReadAhead ahead(pieces.size(), [&](size_t i) {
+    const auto t0 = Clock::now();
     const Piece& q = pieces[i];
     uint64_t n = 0;
     for (const auto& c : q.job->e->chunks) n += reader.prefetch(q.job->fqn, *q.job->e, c, q.box);
+    prefetch_s += sec(t0, Clock::now());
+    bytes += n;
     return n;
   });
   for (size_t k = 0; k < pieces.size(); ++k) {
@@ -126,6 +138,9 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
     TESSERA_CHECK(n == p.box.numel(), "loading '", path, "' key '", p.job->fqn, "': only ", n, " of ", p.box.numel(),
                   " elements of ", p.box.to_string(), " found");
   }
+  const double read_s = sec(t_read, Clock::now());
+  log::debug("load('", path, "'): ", pieces.size(), " pieces, ", bytes >> 20, " MiB in ", read_s,
+             " s: requesting read-ahead ", prefetch_s, " s, reading, checking and placing ", read_s - prefetch_s, " s");
   for (const auto& j : jobs) {
     if (std::holds_alternative<double>(*j.v) && std::holds_alternative<int64_t>(j.e->value)) {
       *j.v = static_cast<double>(std::get<int64_t>(j.e->value));

@@ -189,7 +189,8 @@ uint64_t ChunkReader::prefetch(const std::string& fqn, const EntryInfo& e, const
   if (!ov || c.memory.defined()) return 0;
   check_header_entry(fqn, e, c);
   const Range r = range_of(e, c, *ov);
-  reader(c.file).file().will_need(c.begin + r.b0, r.b1 - r.b0);
+  const File& f = reader(c.file).file();
+  if (r.b1 - r.b0 < DirectReader::kMinBytes || !io_.direct(f.path())) f.will_need(c.begin + r.b0, r.b1 - r.b0);
   return r.b1 - r.b0;
 }
 
@@ -215,15 +216,23 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
                           : at::empty({static_cast<int64_t>((b1 - b0) / is)},
                                       at::TensorOptions().dtype(e.dtype).pinned_memory(!view.device().is_cpu()));
   auto* p = static_cast<char*>(buf.data_ptr());
-  r.file().pread_exact(c.begin + b0, p, b1 - b0);
-  if (!c.crcs.empty()) {
-    for (uint64_t off = b0; off < b1; off += block) {
+  // Checks the checksum blocks of the `n` bytes at `at` (from b0; block-aligned).
+  auto check = [&](uint64_t at, const char* q, uint64_t n) {
+    if (c.crcs.empty()) return;
+    for (uint64_t off = b0 + at; off < b0 + at + n; off += block) {
       const uint64_t len = std::min(block, nbytes - off);
       const size_t bi = static_cast<size_t>(off / block);
-      TESSERA_CHECK(crc32c(p + (off - b0), len) == c.crcs[bi], "'", r.path(), "' key '", fqn, "' chunk ",
+      TESSERA_CHECK(crc32c(q + (off - b0 - at), len) == c.crcs[bi], "'", r.path(), "' key '", fqn, "' chunk ",
                     c.box.to_string(), ": checksum mismatch in block ", bi, " (bytes ", c.begin + off, "..",
                     c.begin + off + len, ") — the checkpoint is corrupt");
     }
+  };
+  if (b1 - b0 >= DirectReader::kMinBytes) {
+    // Segments of whole checksum blocks, read and checked two at a time off this thread.
+    io_.read(r.file(), c.begin + b0, p, b1 - b0, c.crcs.empty() ? 1 : block, check);
+  } else {
+    r.file().pread_exact(c.begin + b0, p, b1 - b0);
+    check(0, p, b1 - b0);
   }
   if (direct) return ov->numel();
   at::Tensor src = buf.as_strided(ov->sizes, rg.strides, rg.first - static_cast<int64_t>(b0 / is));

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/checkpoint/direct_reader.h"
 #include "tessera/checkpoint/metadata.h"
 #include "tessera/checkpoint/safetensors.h"
 
@@ -35,7 +36,10 @@ class ChunkReader {
   int64_t copy_into(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, at::Tensor& dst,
                     const sharding::Box& dst_box);
   // Asks the kernel to start reading the bytes copy_into(fqn, e, c, ., dst_box) will
-  // read (read-ahead); returns their count.
+  // read (read-ahead); returns their count. Ranges of DirectReader::kMinBytes and more
+  // are read by copy_into with O_DIRECT, two segments in flight (DirectReader), so no
+  // advice is given for them where the file allows direct reads (it would fill the
+  // page cache with pages the direct reads then pass by).
   uint64_t prefetch(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, const sharding::Box& dst_box);
   // A tensor of `box` (inside the entry's shape) assembled from every chunk.
   at::Tensor read_box(const std::string& fqn, const EntryInfo& e, const sharding::Box& box);
@@ -58,6 +62,7 @@ class ChunkReader {
   Range range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const;
   const CheckpointMetadata& meta_;
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
+  DirectReader io_;  // its worker threads start at the first large read
 };
 
 // Pieces read one after another while the kernel is already reading the pieces after

@@ -1,0 +1,173 @@
+#include "tessera/checkpoint/direct_reader.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "tessera/core/error.h"
+#include "tessera/core/strings.h"
+
+namespace tessera::checkpoint {
+
+namespace {
+constexpr uint64_t kAlign = 4096;  // O_DIRECT: buffer address, offset and length
+
+// A growable buffer aligned for O_DIRECT, one per worker.
+struct Bounce {
+  char* p = nullptr;
+  uint64_t cap = 0;
+  ~Bounce() { std::free(p); }
+  char* ensure(uint64_t n) {
+    if (n > cap) {
+      std::free(p);
+      p = nullptr;
+      cap = 0;
+      void* q = nullptr;
+      TESSERA_CHECK(::posix_memalign(&q, kAlign, n) == 0, "cannot allocate a ", n, "-byte read buffer");
+      p = static_cast<char*>(q);
+      cap = n;
+    }
+    return p;
+  }
+};
+}  // namespace
+
+struct DirectReader::Batch {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t pending = 0;
+  std::exception_ptr error;
+};
+
+struct DirectReader::Job {
+  const File* buffered = nullptr;
+  const File* direct = nullptr;  // nullptr: plain pread
+  uint64_t offset = 0;           // in the file
+  char* dst = nullptr;
+  uint64_t n = 0;
+  uint64_t at = 0;  // of the segment in the range
+  const Check* check = nullptr;
+  Batch* batch = nullptr;
+};
+
+DirectReader::DirectReader(int workers, uint64_t segment_bytes)
+    : segment_(std::max<uint64_t>(kAlign, segment_bytes)), workers_(std::max(1, workers)) {}
+
+DirectReader::~DirectReader() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+const File* DirectReader::direct_file(const std::string& path) {
+  std::lock_guard<std::mutex> lock(files_mu_);
+  auto it = direct_files_.find(path);
+  if (it != direct_files_.end()) return it->second.get();
+  std::unique_ptr<File> f;
+#if defined(O_DIRECT)
+  if (std::getenv("TESSERA_NO_DIRECT_IO") == nullptr) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd >= 0) f = std::make_unique<File>(File::adopt(fd, path));
+  }
+#endif
+  return direct_files_.emplace(path, std::move(f)).first->second.get();
+}
+
+bool DirectReader::direct(const std::string& path) { return direct_file(path) != nullptr; }
+
+void DirectReader::run(Job& job) {
+  thread_local Bounce bounce;
+  bool done = false;
+  if (job.direct != nullptr) {
+    // The aligned superset of the segment, read into the bounce buffer; a read may end
+    // early only at the end of the file, after the segment's last byte.
+    const uint64_t a0 = job.offset / kAlign * kAlign;
+    const uint64_t a1 = (job.offset + job.n + kAlign - 1) / kAlign * kAlign;
+    char* buf = bounce.ensure(a1 - a0);
+    uint64_t got_all = 0;
+    bool refused = false;
+    while (a0 + got_all < job.offset + job.n) {
+      const ssize_t got = ::pread(job.direct->fd(), buf + got_all, static_cast<size_t>(a1 - a0 - got_all),
+                                  static_cast<off_t>(a0 + got_all));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0 && errno == EINVAL) {  // the filesystem refuses this direct read: plain pread below
+        refused = true;
+        break;
+      }
+      TESSERA_CHECK(got >= 0, "cannot read '", job.direct->path(), "' at byte ", a0 + got_all, ": ",
+                    std::strerror(errno));
+      TESSERA_CHECK(got > 0, "'", job.direct->path(), "' is truncated: wanted bytes up to ", job.offset + job.n,
+                    ", the file ends at ", a0 + got_all);
+      got_all += static_cast<uint64_t>(got);
+    }
+    if (!refused) {
+      std::memcpy(job.dst, buf + (job.offset - a0), static_cast<size_t>(job.n));
+      done = true;
+    }
+  }
+  if (!done) job.buffered->pread_exact(job.offset, job.dst, job.n);
+  if (*job.check) (*job.check)(job.at, job.dst, job.n);
+}
+
+void DirectReader::work() {
+  while (true) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and nothing left
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    try {
+      run(*job);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    Batch& b = *job->batch;
+    std::lock_guard<std::mutex> lock(b.mu);
+    if (error && !b.error) b.error = error;
+    if (--b.pending == 0) b.cv.notify_all();
+  }
+}
+
+void DirectReader::read(const File& file, uint64_t offset, void* dst, uint64_t n, uint64_t segment_multiple,
+                        const Check& check) {
+  if (n == 0) return;
+  const uint64_t mult = std::max<uint64_t>(1, segment_multiple);
+  const uint64_t seg = segment_ >= mult ? segment_ / mult * mult : mult;
+  const File* d = direct_file(file.path());
+  Batch batch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (threads_.empty())
+      for (int i = 0; i < workers_; ++i) threads_.emplace_back([this] { work(); });
+    for (uint64_t at = 0; at < n; at += seg) {
+      auto job = std::make_shared<Job>();
+      job->buffered = &file;
+      job->direct = d;
+      job->offset = offset + at;
+      job->dst = static_cast<char*>(dst) + at;
+      job->n = std::min(seg, n - at);
+      job->at = at;
+      job->check = &check;
+      job->batch = &batch;
+      queue_.push_back(std::move(job));
+      ++batch.pending;
+    }
+  }
+  cv_.notify_all();
+  std::unique_lock<std::mutex> lock(batch.mu);
+  batch.cv.wait(lock, [&] { return batch.pending == 0; });
+  if (batch.error) std::rethrow_exception(batch.error);
+}
+
+}  // namespace tessera::checkpoint
