@@ -51,9 +51,13 @@ PYEOF
 # The disk's limit for one I/O pattern, measured right before the Tessera run it is paired
 # with (the disk's speed drifts from minute to minute, so a limit measured seconds apart
 # is the fairer yardstick): direct-I/O dd, 16 MiB blocks, STREAMS files of MIB/STREAMS MiB
-# written (fsync'ed) at once, then read back at once. Prints "WRITE_S READ_S".
+# written (fsync'ed) at once, then read back at once. Prints "WRITE_S READ_S". The files
+# stay until the round ends, like every other file of the round: deleting them here sent
+# the disk 1 GiB of TRIMs (the filesystem is mounted with `discard`) right before the
+# Tessera run they are paired with.
 dd_direct_pair() {
   local streams=$1 dir=$2 t0 t1 t2 j
+  mkdir -p "$dir"
   t0=$(now)
   for ((j = 0; j < streams; j++)); do
     dd if=/dev/zero of="$dir/pair$j.bin" bs=16M count=$((MIB / 16 / streams)) oflag=direct conv=fsync status=none &
@@ -63,7 +67,6 @@ dd_direct_pair() {
     dd if="$dir/pair$j.bin" of=/dev/null bs=16M iflag=direct status=none &
   done
   wait; t2=$(now)
-  rm -f "$dir"/pair*.bin
   echo "$(since "$t0" "$t1") $(since "$t1" "$t2")"
 }
 
@@ -98,9 +101,8 @@ measure() {
       # rank (2 streams), a full save one file from rank 0 (1 stream); both loads read
       # with 2 ranks at once (2 streams).
       [ "$1" = full ] && w_streams=1
-      mkdir -p "$RD/pair"
-      read -r pair_w _ <<<"$(dd_direct_pair "$w_streams" "$RD/pair")"
-      read -r _ pair_r <<<"$(dd_direct_pair 2 "$RD/pair")"
+      read -r pair_w _ <<<"$(dd_direct_pair "$w_streams" "$RD/pair-$1-write")"
+      read -r _ pair_r <<<"$(dd_direct_pair 2 "$RD/pair-$1-read")"
       "$TESSERA" run -n 2 -- "$BENCH" "$1" "$target" "$MIB" | grep '^\[rank 0\] {' | sed 's/^\[rank 0\] //' |
         sed "s/}\$/, \"paired_direct_write_s\": $pair_w, \"paired_direct_read_s\": $pair_r}/"
       true ;;
@@ -115,6 +117,41 @@ measure() {
       echo "{\"seconds\": $(since "$t0" "$t1"), \"peak_rss_kib\": $rss}" ;;
   esac
 }
+
+# The machine the figures belong to (issue 21: runs on different days or machines are
+# compared): when, which boot of which host, CPU, memory, and the disk under WORK_DIR.
+machine_facts() {
+  local src dev mnt
+  src=$(df --output=source "$WORK" | tail -1)
+  mnt=$(df --output=target "$WORK" | tail -1)
+  dev=$(basename "$(readlink -f "$src")")
+  /usr/bin/python3 - "$src" "$mnt" "$dev" <<'PYEOF'
+import json, os, platform, socket, sys, time
+src, mnt, dev = sys.argv[1:4]
+def read(path, default=""):
+    try:
+        return open(path).read().strip()
+    except OSError:
+        return default
+cpu = next((l.split(":", 1)[1].strip() for l in read("/proc/cpuinfo").splitlines() if l.startswith("model name")), "")
+mem_kib = next((int(l.split()[1]) for l in read("/proc/meminfo").splitlines() if l.startswith("MemTotal")), 0)
+opts = next((l.split()[3] for l in read("/proc/mounts").splitlines() if l.split()[1] == mnt), "")
+q = f"/sys/block/{dev}/queue/"
+st = os.statvfs(mnt)
+print(json.dumps({
+    "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "hostname": socket.gethostname(),
+    "boot_id": read("/proc/sys/kernel/random/boot_id"), "kernel": platform.release(),
+    "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kib / 2**20, 1),
+    "disk": {"device": src, "mount": mnt, "mount_options": opts,
+             "size_gib": round(int(read(f"/sys/block/{dev}/size", "0")) * 512 / 2**30, 1),
+             "free_gib": round(st.f_bavail * st.f_frsize / 2**30, 1),
+             "rotational": read(q + "rotational"), "scheduler": read(q + "scheduler"),
+             "max_sectors_kb": read(q + "max_sectors_kb")},
+}))
+PYEOF
+}
+machine_facts > "$WORK/machine.json"
+echo "-- machine: $(cat "$WORK/machine.json")" >&2
 
 peers=(dd sharded full python)
 : > "$WORK/rounds.jsonl"
@@ -132,6 +169,7 @@ for ((r = 0; r < ROUNDS; r++)); do
     echo "{\"round\": $r, \"peer\": \"$p\", \"result\": $(measure "$p")}" >> "$WORK/rounds.jsonl"
   done
   rm -rf "$RD"
+  sync  # the deletion's TRIMs go out now, not during the next round's first peer
 done
 
 # Consolidation memory vs model size: models of 4x to 32x the largest tensor (64 MiB tensors),
@@ -148,9 +186,9 @@ for size in 256 1024 2048; do
   rm -rf "$WORK/size-$size" "$WORK/size-$size.safetensors"
 done
 
-/usr/bin/python3 - "$OUT" "$MIB" "$WORK/rounds.jsonl" "$WORK/sizes.jsonl" <<'PYEOF'
+/usr/bin/python3 - "$OUT" "$MIB" "$WORK/rounds.jsonl" "$WORK/sizes.jsonl" "$WORK/machine.json" <<'PYEOF'
 import json, statistics, sys
-out, mib, path, sizes_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+out, mib, path, sizes_path, machine_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 gib = mib / 1024
 rounds = {}
 for line in open(path):
@@ -180,6 +218,7 @@ res = {
     "benchmark": "checkpoint",
     "bytes": R[0]["sharded"]["bytes"],
     "rounds": len(R),
+    "machine": json.load(open(machine_path)),
     "median_seconds": {
         "dd write (fsync)": med(dd_w), "dd read": med(dd_r),
         "dd write, direct I/O, 16 MiB blocks": med(times("dd", "direct_write_s")),
