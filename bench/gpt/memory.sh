@@ -15,11 +15,13 @@
 #
 #   bench/gpt/memory.sh BUILD_DIR
 #     GPT_MEMORY_BIG=0   skips part 4 (several minutes on 2 cores)
+#     GPT_MEMORY_OUT, GPT_MEMORY_NAME  result file and its table's name (default
+#                        bench/results/gpt-memory.json, "gpt-memory"): a partial run keeps its own table
 set -euo pipefail
 BUILD=${1:-build}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-OUT="$ROOT/bench/results/gpt-memory.json"
+OUT=${GPT_MEMORY_OUT:-"$ROOT/bench/results/gpt-memory.json"}
 GPT="$BUILD/bin/gpt"
 source "$HERE/../common/run_env.sh"
 bench_run_env gpt-memory
@@ -65,7 +67,7 @@ if [ "${GPT_MEMORY_BIG:-1}" != 0 ]; then
 fi
 
 /usr/bin/python3 - "$OUT" "$ROWS" <<'EOF'
-import json, sys
+import json, os, sys
 out, rows_path = sys.argv[1], sys.argv[2]
 r = {}
 for line in open(rows_path):
@@ -104,7 +106,7 @@ if "big-fsdp-4" in r:
                  "goal": f"arithmetic: {share:.0f} MiB of weights+grads+AdamW per rank "
                          f"(a single process would need {b['params'] * 16 / 2**20:.0f}); "
                          f"tensors of 64 KiB and more at their peak: {b['in_use_mib']:.0f} MiB"})
-doc = {"benchmark": "gpt-memory", "rows": rows,
+doc = {"benchmark": os.environ.get("GPT_MEMORY_NAME", "gpt-memory"), "rows": rows,
        "settings": "default settings (caching CPU allocator, one intra-op thread per rank), examples/gpt, "
                    "AdamW, global batch 16 (8 for the large model), ranks sharing this machine",
        "peak_rss_mib": "the largest rank's peak resident set (getrusage ru_maxrss)"}
