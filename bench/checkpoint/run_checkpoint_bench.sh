@@ -81,6 +81,10 @@ measure() {
       local t0 t1 t2 t3 t4 t5 t6 t7 t8 half=$((MIB / 32))
       t0=$(now); dd if=/dev/zero of="$RD/dd.bin" bs=1M count="$MIB" conv=fsync status=none; t1=$(now)
       dd if="$RD/dd.bin" iflag=nocache count=0 status=none  # cold read: drop the file's cached pages
+      # ... which is advice: what stayed in this kernel's page cache is recorded (-1: no fincore).
+      local cached
+      cached=$(fincore -b -n -o RES "$RD/dd.bin" 2>/dev/null | tr -d ' ' || true)
+      [ -n "$cached" ] || cached=-1
       t1=$(now); dd if="$RD/dd.bin" of=/dev/null bs=1M status=none; t2=$(now)
       t3=$(now); dd if=/dev/zero of="$RD/ddd.bin" bs=16M count=$((MIB / 16)) oflag=direct conv=fsync status=none; t4=$(now)
       dd if="$RD/ddd.bin" of=/dev/null bs=16M iflag=direct status=none; t5=$(now)
@@ -91,7 +95,7 @@ measure() {
       dd if="$RD/ddp0.bin" of=/dev/null bs=16M iflag=direct status=none &
       dd if="$RD/ddp1.bin" of=/dev/null bs=16M iflag=direct status=none
       wait; t8=$(now)
-      echo "{\"write_s\": $(since "$t0" "$t1"), \"read_s\": $(since "$t1" "$t2"),"\
+      echo "{\"write_s\": $(since "$t0" "$t1"), \"read_s\": $(since "$t1" "$t2"), \"read_cached_bytes\": $cached,"\
            "\"direct_write_s\": $(since "$t3" "$t4"), \"direct_read_s\": $(since "$t4" "$t5"),"\
            "\"direct2_write_s\": $(since "$t5" "$t6"), \"direct2_read_s\": $(since "$t7" "$t8")}" ;;
     sharded|full)
@@ -204,6 +208,12 @@ def ratio(num, den):
     # Per-round ratio num/den (> 1: the Tessera side is faster), then median/min/max.
     return spread([n / d for n, d in zip(num, den)])
 dd_w, dd_r = times("dd", "write_s"), times("dd", "read_s")
+# What of the buffered dd read's file this kernel still cached before it (DONTNEED is
+# advice). Even with none cached that read is no limit for Tessera's loads: it reads back a
+# file written through the page cache seconds earlier, which the development VM serves
+# 2-4x faster than any direct read of the same round (docs/benchmarks.md, issue 21); the
+# rows against it carry no target.
+dd_cached = [r["dd"].get("read_cached_bytes", -1) for r in R]
 # The disk's limit: the faster of one and two direct-I/O streams, per round.
 dio_w = [min(a, b) for a, b in zip(times("dd", "direct_write_s"), times("dd", "direct2_write_s"))]
 dio_r = [min(a, b) for a, b in zip(times("dd", "direct_read_s"), times("dd", "direct2_read_s"))]
@@ -219,6 +229,8 @@ res = {
     "bytes": R[0]["sharded"]["bytes"],
     "rounds": len(R),
     "machine": json.load(open(machine_path)),
+    "buffered dd read: MiB of its file in the page cache before it, per round (-1: unknown)":
+        [c / 2**20 if c >= 0 else -1 for c in dd_cached],
     "median_seconds": {
         "dd write (fsync)": med(dd_w), "dd read": med(dd_r),
         "dd write, direct I/O, 16 MiB blocks": med(times("dd", "direct_write_s")),
@@ -276,8 +288,8 @@ res["rows"] = [
     row("full save vs dd write", ">= 0.8", dd_w, fu_s),
     row("sharded save vs torch.save", "> 1", py_s, sh_s),
     row("full save vs torch.save", "> 1", py_s, fu_s),
-    row("sharded load vs dd read", ">= 0.8", dd_r, sh_l),
-    row("full load vs dd read", "", dd_r, fu_l),
+    row("sharded load vs dd read (buffered, of a file written buffered)", "", dd_r, sh_l),
+    row("full load vs dd read (buffered, of a file written buffered)", "", dd_r, fu_l),
     row("sharded load vs torch.load", "", py_l, sh_l),
     row("full load vs torch.load", "", py_l, fu_l),
 ]

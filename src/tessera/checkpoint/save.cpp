@@ -282,10 +282,14 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
           if (rank == 0) {
             for (const auto& sh : s->local_shards())
               if (sharding::contains(sh.meta.box, region)) own = &sh;
-            TESSERA_CHECK(own != nullptr, "saving '", path, "' key '", fqn, "': rank 0 lacks its shard of ",
-                          region.to_string());
-            at::Tensor view = sharding::narrow_to(own->tensor, own->meta.box, region);
-            put(view.is_contiguous() ? view : view.contiguous(), true);
+            if (own == nullptr) {  // reported after the loop, which every rank finishes (no hang)
+              if (err.empty())
+                err = concat("key '", fqn, "': rank 0 holds no local shard with rows ", region.to_string(),
+                             " that its shard metadata gives it");
+            } else {
+              at::Tensor view = sharding::narrow_to(own->tensor, own->meta.box, region);
+              put(view.is_contiguous() ? view : view.contiguous(), true);
+            }
           }
           continue;
         }
