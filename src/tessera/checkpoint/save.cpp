@@ -27,6 +27,11 @@ namespace tessera::checkpoint {
 
 namespace {
 
+// Seconds from a to b, for the debug-level phase timers of full and async saves.
+double sec(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
 using state::Value;
 
 // Broadcasts rank 0's outcome ("" = ok) and throws it everywhere when it is an error.
@@ -209,7 +214,6 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
   using Clock = std::chrono::steady_clock;
   const auto t_start = Clock::now();
   double gather_s = 0, wait_s = 0;
-  auto sec = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   const int rank = comm.rank();
   auto flat = flatten_values(sd);
   std::string tmp, err;
@@ -494,7 +498,6 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
     g_pending = st;
   }
   if (log::level() <= log::Level::Debug) {
-    auto sec = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
     int64_t bytes = 0;
     for (const auto& [k, v] : snap->flatten()) {
       if (auto t = std::get_if<at::Tensor>(v)) bytes += static_cast<int64_t>(t->nbytes());
