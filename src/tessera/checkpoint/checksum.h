@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tessera/core/crc32c.h"
@@ -11,6 +12,7 @@
 namespace tessera::checkpoint {
 
 using core::crc32c;
+using core::crc32c_combine;
 using core::crc32c_extend;
 using core::crc_hex;
 using core::parse_crc_hex;
@@ -29,5 +31,27 @@ inline std::vector<uint32_t> block_crcs(const void* data, size_t n, uint64_t blo
   for (size_t off = 0; off < n; off += block) out.push_back(crc32c(p + off, std::min<uint64_t>(block, n - off)));
   return out;
 }
+
+// The checksum of part of one block of a tensor, as one writer of a file that several
+// write together computed it: bytes [begin, begin + len) of tensor `tensor` (offsets
+// from the tensor's first byte), all inside one block.
+struct CrcPiece {
+  uint32_t tensor = 0;
+  uint64_t begin = 0;
+  uint64_t len = 0;
+  uint32_t crc = 0;
+};
+
+// Each tensor's block checksums from the pieces of all writers, in any order
+// (crc32c_combine joins the parts of a block). The pieces of every block must tile it
+// exactly: a gap (bytes nobody wrote), an overlap or a piece outside the tensor is an
+// error naming `file`, the tensor and the byte range. `tensors`: (name, byte size).
+std::vector<std::vector<uint32_t>> assemble_block_crcs(std::vector<CrcPiece> pieces,
+                                                       const std::vector<std::pair<std::string, uint64_t>>& tensors,
+                                                       const std::string& file, uint64_t block = kCrcBlock);
+
+// Binary form of pieces, for exchanging them between ranks (24 bytes each, little-endian).
+std::string pack_crc_pieces(const std::vector<CrcPiece>& pieces);
+std::vector<CrcPiece> unpack_crc_pieces(const std::string& bytes, const std::string& what);
 
 }  // namespace tessera::checkpoint

@@ -148,6 +148,40 @@ uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
   return crc32c_extend_portable(crc, data, n);
 }
 
+namespace {
+// Polynomials over GF(2) modulo the CRC polynomial, in the CRC's reflected bit order:
+// bit 31 holds the coefficient of x^0, bit 0 that of x^31.
+uint32_t mul_mod_poly(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t bit = 1u << 31; bit != 0; bit >>= 1) {  // x^0, x^1, ... of a
+    if (a & bit) product ^= b;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;  // b *= x
+  }
+  return product;
+}
+// x^(2^k) mod P for k = 0..63, by repeated squaring of x.
+const std::array<uint32_t, 64>& x_pow2k() {
+  static const std::array<uint32_t, 64> t = [] {
+    std::array<uint32_t, 64> a{};
+    a[0] = 1u << 30;  // x
+    for (size_t k = 1; k < a.size(); ++k) a[k] = mul_mod_poly(a[k - 1], a[k - 1]);
+    return a;
+  }();
+  return t;
+}
+}  // namespace
+
+// crc(A || B) = crc(A) * x^(8 |B|) + crc(B) (mod P): the pre- and post-inversions of
+// the two CRCs cancel in the sum, so the conditioned values combine directly.
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  uint32_t shift = 1u << 31;  // x^0
+  const auto& t = x_pow2k();
+  uint64_t bits = len_b;
+  for (size_t k = 3; bits != 0 && k < t.size(); ++k, bits >>= 1)  // x^(8 len_b) = x^(len_b 2^3)
+    if (bits & 1) shift = mul_mod_poly(shift, t[k]);
+  return mul_mod_poly(crc_a, shift) ^ crc_b;
+}
+
 std::string crc_hex(uint32_t crc) {
   static const char* d = "0123456789abcdef";
   std::string s(8, '0');

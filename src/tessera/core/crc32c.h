@@ -12,6 +12,9 @@ namespace tessera::core {
 // Start with 0.
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n);
 inline uint32_t crc32c(const void* data, size_t n) { return crc32c_extend(0, data, n); }
+// The checksum of A || B from crc32c(A), crc32c(B) and the length of B: what writers
+// that each checksum their own part of a block need to produce the block's checksum.
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 // The portable implementation, whatever the CPU (for tests).
 uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t n);
 // Whether crc32c_extend uses the CPU instruction.
