@@ -310,3 +310,27 @@ TEST(CheckpointCorruption, LargeTensorChecksBlocksOnlyWhereItReads) {
   t2.set("big", at::zeros({rows, cols}));
   EXPECT_NE(error_of([&] { ck::load_local(t2, dir + "/c"); }).find("checksum mismatch in block 1"), std::string::npos);
 }
+
+// `verify` reads a large chunk in windows of whole blocks (direct I/O, into one reused
+// buffer): a flipped byte in the last block of the second window, and one in a short
+// last block, are each reported with their block, and an intact file verifies.
+TEST(CheckpointCorruption, VerifyFindsDamageInEveryWindowOfALargeChunk) {
+  const std::string dir = temp_dir();
+  const int64_t rows = 43 * 1024 + 5, cols = 256;  // 43 MiB and 5 KiB of float: blocks 0..10
+  state::StateDict sd;
+  sd.set("big", at::arange(rows * cols, at::kFloat).reshape({rows, cols}));
+  ck::save(sd, dir + "/c", *solo(), {ck::SaveMode::Full});
+  EXPECT_TRUE(ck::verify(dir + "/c").ok);
+  const std::string good = read_bytes(dir + "/c");
+  const uint64_t data_start = good.size() - static_cast<uint64_t>(rows * cols * 4);
+  for (auto [at, block] : std::vector<std::pair<uint64_t, int>>{{(39u << 20) + 17, 9}, {(43u << 20) + 100, 10}}) {
+    std::string bad = good;
+    bad[data_start + at] ^= 4;
+    write_bytes(dir + "/c", bad);
+    ck::VerifyReport v = ck::verify(dir + "/c");
+    EXPECT_FALSE(v.ok);
+    std::string all;
+    for (auto& s : v.problems) all += s + "\n";
+    EXPECT_NE(all.find("checksum mismatch in block " + std::to_string(block)), std::string::npos) << all;
+  }
+}

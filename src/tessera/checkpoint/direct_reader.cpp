@@ -1,6 +1,5 @@
 #include "tessera/checkpoint/direct_reader.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,29 +12,6 @@
 
 namespace tessera::checkpoint {
 
-namespace {
-constexpr uint64_t kAlign = 4096;  // O_DIRECT: buffer address, offset and length
-
-// A growable buffer aligned for O_DIRECT, one per worker.
-struct Bounce {
-  char* p = nullptr;
-  uint64_t cap = 0;
-  ~Bounce() { std::free(p); }
-  char* ensure(uint64_t n) {
-    if (n > cap) {
-      std::free(p);
-      p = nullptr;
-      cap = 0;
-      void* q = nullptr;
-      TESSERA_CHECK(::posix_memalign(&q, kAlign, n) == 0, "cannot allocate a ", n, "-byte read buffer");
-      p = static_cast<char*>(q);
-      cap = n;
-    }
-    return p;
-  }
-};
-}  // namespace
-
 struct DirectReader::Batch {
   std::mutex mu;
   std::condition_variable cv;
@@ -43,19 +19,9 @@ struct DirectReader::Batch {
   std::exception_ptr error;
 };
 
-struct DirectReader::Job {
-  const File* buffered = nullptr;
-  const File* direct = nullptr;  // nullptr: plain pread
-  uint64_t offset = 0;           // in the file
-  char* dst = nullptr;
-  uint64_t n = 0;
-  uint64_t at = 0;  // of the segment in the range
-  const Check* check = nullptr;
-  Batch* batch = nullptr;
-};
 
 DirectReader::DirectReader(int workers, uint64_t segment_bytes)
-    : segment_(std::max<uint64_t>(kAlign, segment_bytes)), workers_(std::max(1, workers)) {}
+    : segment_(std::max<uint64_t>(kDirectAlign, segment_bytes)), workers_(std::max(1, workers)) {}
 
 DirectReader::~DirectReader() {
   {
@@ -71,25 +37,20 @@ const File* DirectReader::direct_file(const std::string& path) {
   auto it = direct_files_.find(path);
   if (it != direct_files_.end()) return it->second.get();
   std::unique_ptr<File> f;
-#if defined(O_DIRECT)
-  if (std::getenv("TESSERA_NO_DIRECT_IO") == nullptr) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-    if (fd >= 0) f = std::make_unique<File>(File::adopt(fd, path));
-  }
-#endif
+  if (File d = open_direct(path, false); d.is_open()) f = std::make_unique<File>(std::move(d));
   return direct_files_.emplace(path, std::move(f)).first->second.get();
 }
 
 bool DirectReader::direct(const std::string& path) { return direct_file(path) != nullptr; }
 
 void DirectReader::run(Job& job) {
-  thread_local Bounce bounce;
+  thread_local AlignedBuffer bounce;  // one per worker
   bool done = false;
   if (job.direct != nullptr) {
     // The aligned superset of the segment, read into the bounce buffer; a read may end
     // early only at the end of the file, after the segment's last byte.
-    const uint64_t a0 = job.offset / kAlign * kAlign;
-    const uint64_t a1 = (job.offset + job.n + kAlign - 1) / kAlign * kAlign;
+    const uint64_t a0 = job.offset / kDirectAlign * kDirectAlign;
+    const uint64_t a1 = (job.offset + job.n + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
     char* buf = bounce.ensure(a1 - a0);
     uint64_t got_all = 0;
     bool refused = false;
@@ -118,7 +79,7 @@ void DirectReader::run(Job& job) {
 
 void DirectReader::work() {
   while (true) {
-    std::shared_ptr<Job> job;
+    Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -128,11 +89,11 @@ void DirectReader::work() {
     }
     std::exception_ptr error;
     try {
-      run(*job);
+      run(job);
     } catch (...) {
       error = std::current_exception();
     }
-    Batch& b = *job->batch;
+    Batch& b = *job.batch;
     std::lock_guard<std::mutex> lock(b.mu);
     if (error && !b.error) b.error = error;
     if (--b.pending == 0) b.cv.notify_all();
@@ -151,16 +112,8 @@ void DirectReader::read(const File& file, uint64_t offset, void* dst, uint64_t n
     if (threads_.empty())
       for (int i = 0; i < workers_; ++i) threads_.emplace_back([this] { work(); });
     for (uint64_t at = 0; at < n; at += seg) {
-      auto job = std::make_shared<Job>();
-      job->buffered = &file;
-      job->direct = d;
-      job->offset = offset + at;
-      job->dst = static_cast<char*>(dst) + at;
-      job->n = std::min(seg, n - at);
-      job->at = at;
-      job->check = &check;
-      job->batch = &batch;
-      queue_.push_back(std::move(job));
+      queue_.push_back(Job{&file, d, offset + at, static_cast<char*>(dst) + at, std::min(seg, n - at), at, &check,
+                           &batch});
       ++batch.pending;
     }
   }

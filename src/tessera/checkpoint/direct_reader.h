@@ -53,8 +53,17 @@ class DirectReader {
   static constexpr uint64_t kMinBytes = 1u << 20;
 
  private:
-  struct Job;
   struct Batch;
+  struct Job {  // one segment
+    const File* buffered = nullptr;
+    const File* direct = nullptr;  // nullptr: plain pread
+    uint64_t offset = 0;           // in the file
+    char* dst = nullptr;
+    uint64_t n = 0;
+    uint64_t at = 0;  // of the segment in the range
+    const Check* check = nullptr;
+    Batch* batch = nullptr;
+  };
   void work();
   static void run(Job& job);
   const File* direct_file(const std::string& path);
@@ -64,7 +73,7 @@ class DirectReader {
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<Job>> queue_;
+  std::deque<Job> queue_;
   bool stop_ = false;
   std::mutex files_mu_;
   std::map<std::string, std::unique_ptr<File>> direct_files_;  // nullptr: O_DIRECT refused

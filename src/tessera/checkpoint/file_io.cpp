@@ -21,10 +21,11 @@ std::string err() { return std::strerror(errno); }
 }  // namespace
 
 File::File(const std::string& path, const char* mode) : path_(path) {
-  const bool w = std::string(mode) == "w";
-  fd_ = w ? ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)
-          : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TESSERA_CHECK(fd_ >= 0, "cannot open '", path, "' for ", w ? "writing" : "reading", ": ", err());
+  const std::string m = mode;
+  fd_ = m == "w"   ? ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)
+        : m == "u" ? ::open(path.c_str(), O_WRONLY | O_CLOEXEC)
+                   : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TESSERA_CHECK(fd_ >= 0, "cannot open '", path, "' for ", m == "r" ? "reading" : "writing", ": ", err());
 }
 File::~File() { close(); }
 File::File(File&& o) noexcept : fd_(o.fd_), path_(std::move(o.path_)) { o.fd_ = -1; }
@@ -118,34 +119,39 @@ File File::adopt(int fd, const std::string& path) {
 
 // ------------------------------------------------------------------ StreamWriter
 
-namespace {
-constexpr uint64_t kDirectAlign = 4096;  // O_DIRECT: buffer address, offset and length
-}  // namespace
-
-struct StreamWriter::Buffer {
-  char* data = nullptr;
-  uint64_t size = 0;
-  explicit Buffer(uint64_t n) : size(n) {
-    void* p = nullptr;
-    TESSERA_CHECK(::posix_memalign(&p, kDirectAlign, n) == 0, "cannot allocate a ", n, "-byte write buffer");
-    data = static_cast<char*>(p);
-  }
-  ~Buffer() { std::free(data); }
-};
-
-StreamWriter::StreamWriter(const std::string& path, uint64_t buffer_bytes) : buffered_(path, "w") {
-  const uint64_t n = std::max<uint64_t>(kDirectAlign, buffer_bytes / kDirectAlign * kDirectAlign);
-  buf_[0] = std::make_unique<Buffer>(n);
-  buf_[1] = std::make_unique<Buffer>(n);
+File open_direct(const std::string& path, bool write) {
 #if defined(O_DIRECT)
   if (std::getenv("TESSERA_NO_DIRECT_IO") == nullptr) {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
-    if (fd >= 0) {
-      direct_fd_ = File::adopt(fd, path);
-      direct_ = true;
-    }
+    const int fd = ::open(path.c_str(), (write ? O_WRONLY : O_RDONLY) | O_DIRECT | O_CLOEXEC);
+    if (fd >= 0) return File::adopt(fd, path);
   }
 #endif
+  (void)write;
+  return File();
+}
+
+AlignedBuffer::~AlignedBuffer() { std::free(p_); }
+
+char* AlignedBuffer::ensure(uint64_t n) {
+  if (n > cap_) {
+    std::free(p_);
+    p_ = nullptr;
+    cap_ = 0;
+    void* q = nullptr;
+    TESSERA_CHECK(::posix_memalign(&q, kDirectAlign, n) == 0, "cannot allocate a ", n, "-byte I/O buffer");
+    p_ = static_cast<char*>(q);
+    cap_ = n;
+  }
+  return p_;
+}
+
+StreamWriter::StreamWriter(const std::string& path, uint64_t buffer_bytes, Open open)
+    : buffered_(path, open == Open::Create ? "w" : "u") {
+  const uint64_t n = std::max<uint64_t>(kDirectAlign, buffer_bytes / kDirectAlign * kDirectAlign);
+  buf_[0].ensure(n);
+  buf_[1].ensure(n);
+  direct_fd_ = open_direct(path, true);
+  direct_ = direct_fd_.is_open();
 }
 
 StreamWriter::~StreamWriter() {
@@ -159,11 +165,21 @@ StreamWriter::~StreamWriter() {
 
 void StreamWriter::write_out(const char* p, uint64_t offset, uint64_t n) {
   if (direct_) {
+    // Only whole pages go out directly: a partial first or last page may hold another
+    // writer's bytes (or the rest of the file), so it is written through the page cache.
+    const uint64_t head = std::min<uint64_t>(n, (kDirectAlign - offset % kDirectAlign) % kDirectAlign);
+    if (head > 0) {
+      buffered_.pwrite_exact(offset, p, head);
+      p += head;
+      offset += head;
+      n -= head;
+    }
     // A filesystem may still refuse a direct write (EINVAL from tmpfs or FUSE, others
     // elsewhere): the rest then goes through the page cache, whose own error (a full
     // disk, say) is the one reported.
-    while (n > 0) {
-      ssize_t put = ::pwrite(direct_fd_.fd(), p, static_cast<size_t>(std::min<uint64_t>(n, 1u << 30)),
+    uint64_t whole = n / kDirectAlign * kDirectAlign;
+    while (whole > 0) {
+      ssize_t put = ::pwrite(direct_fd_.fd(), p, static_cast<size_t>(std::min<uint64_t>(whole, 1u << 30)),
                              static_cast<off_t>(offset));
       if (put < 0 && errno == EINTR) continue;
       if (put <= 0) {
@@ -174,18 +190,23 @@ void StreamWriter::write_out(const char* p, uint64_t offset, uint64_t n) {
       p += put;
       offset += static_cast<uint64_t>(put);
       n -= static_cast<uint64_t>(put);
-      if (n > 0 && (static_cast<uint64_t>(put) % kDirectAlign) != 0) {
+      whole -= static_cast<uint64_t>(put);
+      if (whole > 0 && (static_cast<uint64_t>(put) % kDirectAlign) != 0) {
         direct_ = false;  // a short unaligned direct write: finish through the page cache
         direct_fd_.close();
         break;
       }
     }
     if (n == 0) return;
+    if (direct_) {  // the partial last page
+      buffered_.pwrite_exact(offset, p, n);
+      return;
+    }
   }
   buffered_.pwrite_exact(offset, p, n);
   buffered_.start_writeback(offset, n);
-  const uint64_t behind = 2 * buf_[0]->size;
-  if (offset + n >= waited_ + behind + buf_[0]->size) {
+  const uint64_t behind = 2 * buf_[0].size();
+  if (offset + n >= waited_ + behind + buf_[0].size()) {
     buffered_.wait_writeback(waited_, offset + n - behind - waited_);
     waited_ = offset + n - behind;
   }
@@ -197,42 +218,52 @@ void StreamWriter::wait() {
 
 void StreamWriter::submit() {
   wait();  // the other buffer is free again (and an earlier failure surfaces here)
-  Buffer* b = buf_[cur_].get();
-  const uint64_t off = flushed_, n = fill_;
-  inflight_ = std::async(std::launch::async, [this, b, off, n] { write_out(b->data, off, n); });
-  flushed_ += fill_;
-  fill_ = 0;
+  const char* p = buf_[cur_].data() + lead_;
+  const uint64_t off = base_ + lead_, n = fill_ - lead_;
+  inflight_ = std::async(std::launch::async, [this, p, off, n] { write_out(p, off, n); });
   cur_ ^= 1;
+  rebase(base_ + fill_);
+}
+
+void StreamWriter::rebase(uint64_t offset) {
+  base_ = offset / kDirectAlign * kDirectAlign;
+  lead_ = fill_ = offset - base_;
 }
 
 void StreamWriter::append(const void* src, uint64_t n) {
   TESSERA_CHECK(!closed_, "'", buffered_.path(), "': append after finish()");
   const auto* p = static_cast<const char*>(src);
-  const uint64_t cap = buf_[0]->size;
+  const uint64_t cap = buf_[0].size();
   while (n > 0) {
     const uint64_t take = std::min(n, cap - fill_);
-    std::memcpy(buf_[cur_]->data + fill_, p, static_cast<size_t>(take));
+    std::memcpy(buf_[cur_].data() + fill_, p, static_cast<size_t>(take));
     fill_ += take;
-    appended_ += take;
     p += take;
     n -= take;
+    end_ = std::max(end_, base_ + fill_);
     if (fill_ == cap) submit();
   }
 }
 
+void StreamWriter::seek(uint64_t offset) {
+  TESSERA_CHECK(!closed_, "'", buffered_.path(), "': seek after finish()");
+  if (offset == base_ + fill_) return;
+  flush();
+  rebase(offset);
+  waited_ = base_;
+}
+
 void StreamWriter::flush() {
   wait();
-  if (fill_ > 0) {
-    // The tail is not a whole number of aligned blocks: through the page cache.
-    buffered_.pwrite_exact(flushed_, buf_[cur_]->data, fill_);
-    flushed_ += fill_;
-    fill_ = 0;
+  if (fill_ > lead_) {
+    write_out(buf_[cur_].data() + lead_, base_ + lead_, fill_ - lead_);
+    rebase(base_ + fill_);
   }
 }
 
 void StreamWriter::patch(uint64_t offset, const void* src, uint64_t n) {
-  TESSERA_CHECK(offset + n <= appended_, "'", buffered_.path(), "': patch of bytes ", offset, "..", offset + n,
-                " past the ", appended_, " written");
+  TESSERA_CHECK(offset + n <= end_, "'", buffered_.path(), "': patch of bytes ", offset, "..", offset + n,
+                " past the ", end_, " written");
   flush();
   buffered_.pwrite_exact(offset, src, n);
 }
@@ -244,6 +275,20 @@ void StreamWriter::finish() {
   direct_fd_.close();
   buffered_.close();
   closed_ = true;
+}
+
+void File::resize(uint64_t n) {
+  TESSERA_CHECK(::ftruncate(fd_, static_cast<off_t>(n)) == 0, "cannot set the size of '", path_, "' to ", n,
+                " bytes: ", err());
+}
+
+bool File::reserve(uint64_t n) {
+#if defined(__linux__)
+  return n == 0 || ::fallocate(fd_, 0, 0, static_cast<off_t>(n)) == 0;
+#else
+  (void)n;
+  return false;
+#endif
 }
 
 void File::fsync() { TESSERA_CHECK(::fsync(fd_) == 0, "cannot fsync '", path_, "': ", err()); }

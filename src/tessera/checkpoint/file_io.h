@@ -14,7 +14,8 @@ namespace tessera::checkpoint {
 class File {
  public:
   File() = default;
-  // mode: "r" read-only, "w" create/truncate for writing (0644).
+  // mode: "r" read-only, "w" create/truncate for writing (0644), "u" write into an
+  // existing file (neither created nor truncated).
   File(const std::string& path, const char* mode);
   ~File();
   File(File&& o) noexcept;
@@ -40,6 +41,14 @@ class File {
   // Waits until the writeback of [offset, offset+n) started earlier is done, which
   // bounds the dirty pages a large save leaves for the final fsync. Advisory too.
   void wait_writeback(uint64_t offset, uint64_t n);
+  // Sets the file's size (ftruncate): a file that several writers fill at offsets is
+  // given its final size first.
+  void resize(uint64_t n);
+  // Reserves disk blocks for [0, n) (Linux fallocate; advisory: false where the
+  // filesystem cannot, and nothing is written). On ext4, direct writes into reserved
+  // blocks of one file by several writers run side by side; into a hole each takes the
+  // file's lock alone.
+  bool reserve(uint64_t n);
   void fsync();
   void close();
   int fd() const { return fd_; }
@@ -51,10 +60,40 @@ class File {
   std::string path_;
 };
 
-// Writes a new file front to back, for large checkpoint data. append() copies into one
-// of two aligned staging buffers; a full buffer is written by a background task while
-// the caller fills the other, so checksumming and gathering overlap the disk.
-// Where the filesystem allows, buffers go out with O_DIRECT (no page cache): on the
+// O_DIRECT needs the buffer address, the file offset and the length aligned to this.
+constexpr uint64_t kDirectAlign = 4096;
+
+// `path` opened with O_DIRECT for reading or writing (an existing file), or a File that
+// is not open where that is refused (tmpfs, some network filesystems, no O_DIRECT on
+// this system) or TESSERA_NO_DIRECT_IO is set: the caller then uses the page cache.
+File open_direct(const std::string& path, bool write);
+
+// Memory aligned for O_DIRECT, grown on demand (contents are not kept when it grows).
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(uint64_t n) { ensure(n); }
+  ~AlignedBuffer();
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  // At least n bytes.
+  char* ensure(uint64_t n);
+  char* data() const { return p_; }
+  uint64_t size() const { return cap_; }
+
+ private:
+  char* p_ = nullptr;
+  uint64_t cap_ = 0;
+};
+
+// Writes large checkpoint data. append() copies into one of two aligned staging
+// buffers; a full buffer is written by a background task while the caller fills the
+// other, so checksumming and gathering overlap the disk. A writer starts at offset 0 of
+// a new file, or (Existing) at any offset of a file that others may be writing at the
+// same time: seek() moves to another offset, and the pages this writer shares with
+// another one (the first and last page of each run of bytes) go through the page
+// cache, never a direct write, so that neither overwrites the other's bytes.
+// Where the filesystem allows, whole pages go out with O_DIRECT (no page cache): on the
 // development VM, 1 GiB through the page cache plus fsync took 1.1-2.7 s from one
 // minute to the next, the same bytes in 16 MiB O_DIRECT writes 0.6-0.85 s (see
 // docs/benchmarks.md). Where O_DIRECT is refused (tmpfs, some network filesystems) the
@@ -63,35 +102,44 @@ class File {
 // Errors name the path. The destructor waits for a write in flight and never throws.
 class StreamWriter {
  public:
-  explicit StreamWriter(const std::string& path, uint64_t buffer_bytes = 16u << 20);
+  enum class Open { Create, Existing };  // create/truncate, or write into an existing file
+  explicit StreamWriter(const std::string& path, uint64_t buffer_bytes = 16u << 20, Open open = Open::Create);
   ~StreamWriter();
   StreamWriter(const StreamWriter&) = delete;
   StreamWriter& operator=(const StreamWriter&) = delete;
 
   void append(const void* src, uint64_t n);
+  // The next append() writes at `offset` (what was appended before is kept).
+  void seek(uint64_t offset);
   // Overwrites bytes already appended (a header patched at the end). Flushes first.
   void patch(uint64_t offset, const void* src, uint64_t n);
   // Writes what is buffered, fsyncs and closes.
   void finish();
-  uint64_t size() const { return appended_; }
+  // The end of the furthest byte appended.
+  uint64_t size() const { return end_; }
   const std::string& path() const { return buffered_.path(); }
   bool direct() const { return direct_; }
 
  private:
-  struct Buffer;
   void submit();  // hands the filled staging buffer to the background task
   void wait();    // waits for the task in flight; rethrows its error
   void flush();   // everything appended is in the file
-  void write_out(const char* p, uint64_t offset, uint64_t n);  // runs on the task
-  File buffered_;  // regular descriptor: fallback, the unaligned tail, patches, fsync
+  void rebase(uint64_t offset);  // the current buffer starts over at `offset`
+  // Writes [p, p + n) at `offset`; p and offset agree modulo the page size. Runs on the task.
+  void write_out(const char* p, uint64_t offset, uint64_t n);
+  File buffered_;  // regular descriptor: fallback, shared pages, patches, fsync
   File direct_fd_;  // O_DIRECT descriptor of the same file (not open when refused)
   bool direct_ = false;
-  std::unique_ptr<Buffer> buf_[2];
+  AlignedBuffer buf_[2];
   int cur_ = 0;
-  uint64_t fill_ = 0;      // bytes in the current buffer
-  uint64_t appended_ = 0;  // bytes appended in all
-  uint64_t flushed_ = 0;   // file offset of the current buffer's first byte
-  uint64_t waited_ = 0;    // buffered mode: writeback awaited up to here
+  // The current buffer holds file bytes [base_ + lead_, base_ + fill_): base_ is
+  // page-aligned and buffer index i is file offset base_ + i, so whole pages of the
+  // buffer are aligned in memory and in the file alike.
+  uint64_t base_ = 0;
+  uint64_t lead_ = 0;
+  uint64_t fill_ = 0;
+  uint64_t end_ = 0;     // furthest byte appended
+  uint64_t waited_ = 0;  // buffered mode: writeback awaited up to here
   std::future<void> inflight_;
   bool closed_ = false;
 };

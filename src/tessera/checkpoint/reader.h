@@ -63,6 +63,7 @@ class ChunkReader {
   const CheckpointMetadata& meta_;
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
   DirectReader io_;  // its worker threads start at the first large read
+  std::vector<char> verify_buf_;  // verify_chunk's window
 };
 
 // Pieces read one after another while the kernel is already reading the pieces after
