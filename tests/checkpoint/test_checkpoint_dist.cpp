@@ -56,24 +56,39 @@ TEST_P(CheckpointReshard, SaveAtNLoadAtEveryM) {
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CheckpointReshard, ::testing::Values(1, 2, 3, 4));
 
+// A consolidated save from 3 ranks: every rank writes its rows of the dim-0 sharded
+// tensors into the one file (rank 0 gathers the dim-1 sharded ones), or, with
+// TESSERA_FULL_SAVE_ONE_WRITER (what ranks that cannot open rank 0's file fall back
+// to), rank 0 writes everything. Both verify and load at 1, 2 and 4 ranks.
 TEST(CheckpointDist, FullSaveFromShardsLoadsShardedAndPlain) {
-  const std::string file = temp_dir() + "/full.safetensors";
-  auto s = run_ranks(3, {"ckpt_save", file, "full", "sharded"}, 120);
-  ASSERT_EQ(s.launch.exit_code, 0) << s.all_output();
-  EXPECT_TRUE(ck::verify(file).ok);
-  for (int m : {1, 2, 4}) {
-    auto l = run_ranks(m, {"ckpt_load", file, "sharded"}, 120);
-    EXPECT_EQ(l.launch.exit_code, 0) << "full -> " << m << "\n" << l.all_output();
+  for (bool one_writer : {false, true}) {
+    const std::string file = temp_dir() + "/full.safetensors";
+    std::map<std::string, std::string> env = {{"TESSERA_LOG_LEVEL", "debug"}};
+    if (one_writer) env["TESSERA_FULL_SAVE_ONE_WRITER"] = "1";
+    auto s = run_ranks(3, {"ckpt_save", file, "full", "sharded"}, 120, env);
+    ASSERT_EQ(s.launch.exit_code, 0) << s.all_output();
+    const std::string mode = one_writer ? "(rank 0 writes)" : "(every rank writes)";
+    EXPECT_NE(s.all_output().find(mode), std::string::npos) << mode << "\n" << s.all_output();
+    EXPECT_TRUE(ck::verify(file).ok);
+    for (int m : {1, 2, 4}) {
+      auto l = run_ranks(m, {"ckpt_load", file, "sharded"}, 120);
+      EXPECT_EQ(l.launch.exit_code, 0) << "full -> " << m << "\n" << l.all_output();
+    }
   }
 }
 
-// Tensors of 40 MiB are gathered to rank 0 and written as several slices of rows while
-// the next slice is gathered; the file must equal the tensors exactly.
+// Tensors of 40 MiB, each rank's rows written in several slices (by every rank at
+// once, or gathered to rank 0 and written while the next slice is gathered); the file
+// must equal the tensors exactly.
 TEST(CheckpointDist, FullSaveStreamsLargeTensorsInSlices) {
-  const std::string file = temp_dir() + "/big.safetensors";
-  auto s = run_ranks(3, {"ckpt_full_big", file}, 180);
-  ASSERT_EQ(s.launch.exit_code, 0) << s.all_output();
-  EXPECT_TRUE(ck::verify(file).ok);
+  for (bool one_writer : {false, true}) {
+    const std::string file = temp_dir() + "/big.safetensors";
+    std::map<std::string, std::string> env;
+    if (one_writer) env["TESSERA_FULL_SAVE_ONE_WRITER"] = "1";
+    auto s = run_ranks(3, {"ckpt_full_big", file}, 180, env);
+    ASSERT_EQ(s.launch.exit_code, 0) << s.all_output();
+    EXPECT_TRUE(ck::verify(file).ok);
+  }
 }
 
 TEST(CheckpointDist, PlainSaveLoadsSharded) {

@@ -163,4 +163,12 @@ TEST(StrategyResume, HybridWithTwoReplicaGroupsSavesShardedAndLoadsAnywhere) {
 
   expect_ok_lines(4, {"strategy_resume", "save", "full", full_dir, "3"}, "saved");
   expect_ok_lines(4, {"strategy_resume", "load", "hybrid", full_dir, "3", "3"}, "resumed ok");
+
+  // A consolidated save under HYBRID_SHARD: every rank writes its rows into the one
+  // file, each box once although two replica groups hold it (a box written twice or
+  // not at all fails the save's checksum assembly), and it resumes elsewhere.
+  const std::string file = tmp + "/hybrid.safetensors";
+  expect_ok_lines(4, {"strategy_resume", "save", "hybrid", file, "3"}, "saved");
+  EXPECT_TRUE(tessera::checkpoint::verify(file).ok);
+  expect_ok_lines(2, {"strategy_resume", "load", "full", file, "3", "3"}, "resumed ok");
 }

@@ -116,7 +116,6 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
   // The phases, for TESSERA_LOG_LEVEL=debug: requesting read-ahead (posix_fadvise can
   // block while the disk's queue is full) and reading + checking + placing the pieces.
   using Clock = std::chrono::steady_clock;
-  auto sec = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   const auto t_read = Clock::now();
   double prefetch_s = 0;
   uint64_t bytes = 0;
@@ -125,7 +124,7 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
     const Piece& q = pieces[i];
     uint64_t n = 0;
     for (const auto& c : q.job->e->chunks) n += reader.prefetch(q.job->fqn, *q.job->e, c, q.box);
-    prefetch_s += sec(t0, Clock::now());
+    prefetch_s += log::seconds(t0, Clock::now());
     bytes += n;
     return n;
   });
@@ -138,7 +137,7 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
     TESSERA_CHECK(n == p.box.numel(), "loading '", path, "' key '", p.job->fqn, "': only ", n, " of ", p.box.numel(),
                   " elements of ", p.box.to_string(), " found");
   }
-  const double read_s = sec(t_read, Clock::now());
+  const double read_s = log::seconds(t_read, Clock::now());
   log::debug("load('", path, "'): ", pieces.size(), " pieces, ", bytes >> 20, " MiB in ", read_s,
              " s: requesting read-ahead ", prefetch_s, " s, reading, checking and placing ", read_s - prefetch_s, " s");
   for (const auto& j : jobs) {

@@ -210,18 +210,18 @@ at::Tensor SafetensorsReader::read(const std::string& name) const {
 
 // ---------------------------------------------------------------- writer
 
-SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> specs,
-                                     std::map<std::string, std::string> metadata)
-    : path_(path), specs_(std::move(specs)) {
+SafetensorsLayout layout_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+                                     std::map<std::string, std::string> metadata) {
   check_little_endian();
+  SafetensorsLayout L;
   nlohmann::ordered_json h = nlohmann::ordered_json::object();
   uint64_t off = 0, blocks = 0;
   std::map<std::string, int> seen;
-  for (const auto& s : specs_) {
+  for (const auto& s : specs) {
     TESSERA_CHECK(!s.name.empty() && s.name != "__metadata__", "'", path, "': bad tensor name '", s.name, "'");
     TESSERA_CHECK(seen[s.name]++ == 0, "'", path, "': tensor name '", s.name, "' given twice");
     const uint64_t nb = byte_size(s.shape, s.dtype, concat("'", path, "' tensor '", s.name, "'"));
-    written_.push_back({s.name, off, off + nb, {}});
+    L.tensors.push_back({s.name, s.dtype, s.shape, off, off + nb});
     off += nb;
     blocks += num_blocks(nb);
   }
@@ -229,49 +229,65 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> 
   metadata["tessera.version"] = "1";
   metadata["tessera.crc32c_block"] = std::to_string(kCrcBlock);
   metadata["tessera.crc32c"] = std::string(8 * blocks, '0');
-  metadata["tessera.header_crc32c"] = "00000000";  // patched by finish()
+  metadata["tessera.header_crc32c"] = "00000000";  // patched once the data is written
   nlohmann::ordered_json m = nlohmann::ordered_json::object();
   for (auto& [k, v] : metadata) m[k] = v;
   h["__metadata__"] = m;
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    h[specs_[i].name] = {{"dtype", dtype_name(specs_[i].dtype)},
-                         {"shape", specs_[i].shape},
-                         {"data_offsets", {written_[i].begin, written_[i].end}}};
-  }
+  for (const auto& t : L.tensors)
+    h[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
   std::string text = h.dump();
   const std::string marker = "\"tessera.crc32c\":\"";
   const size_t pos = text.find(marker);
   TESSERA_CHECK(pos != std::string::npos, "internal: checksum placeholder not found");
   while (text.size() % 8) text.push_back(' ');
   TESSERA_CHECK(text.size() <= kMaxHeaderBytes, "'", path, "': header of ", text.size(), " bytes is over the limit");
-  data_start_ = 8 + text.size();
-  crc_pos_ = 8 + pos + marker.size();
+  L.crc_pos = 8 + pos + marker.size();
   const size_t hpos = text.find(kHeaderCrcMarker);
   TESSERA_CHECK(hpos != std::string::npos, "internal: header checksum placeholder not found");
-  header_crc_pos_ = 8 + hpos + std::string(kHeaderCrcMarker).size();
-  header_ = text;
-  for (auto& w : written_) {
-    w.begin += data_start_;
-    w.end += data_start_;
-  }
-  out_ = std::make_unique<StreamWriter>(path);
-  unsigned char lenbuf[8];
+  L.header_crc_pos = 8 + hpos + std::string(kHeaderCrcMarker).size();
+  L.prefix.resize(8);
   uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i, n >>= 8) lenbuf[i] = static_cast<unsigned char>(n & 0xff);
-  out_->append(lenbuf, 8);
-  out_->append(text.data(), text.size());
+  for (int i = 0; i < 8; ++i, n >>= 8) L.prefix[i] = static_cast<char>(n & 0xff);
+  L.prefix += text;
+  for (auto& t : L.tensors) {
+    t.begin += L.data_start();
+    t.end += L.data_start();
+  }
+  return L;
+}
+
+std::string SafetensorsLayout::final_prefix(const std::vector<std::vector<uint32_t>>& crcs) const {
+  std::string out = prefix;
+  std::string hex;
+  // Checksums in data-offset order (== spec order).
+  for (const auto& c : crcs)
+    for (uint32_t x : c) hex += crc_hex(x);
+  TESSERA_CHECK(crc_pos + hex.size() <= out.size() && out.compare(crc_pos, hex.size(), std::string(hex.size(), '0')) == 0,
+                "internal: ", hex.size() / 8, " block checksums do not fit the header's placeholder");
+  out.replace(crc_pos, hex.size(), hex);
+  // The header checksum covers the final header: length, text, block checksums included.
+  const auto* len = reinterpret_cast<const unsigned char*>(out.data());
+  const std::string hc = crc_hex(header_crc(len, out.substr(8), header_crc_pos - 8));
+  out.replace(header_crc_pos, 8, hc);
+  return out;
+}
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> specs,
+                                     std::map<std::string, std::string> metadata)
+    : path_(path), specs_(std::move(specs)), layout_(layout_safetensors(path, specs_, std::move(metadata))) {
+  for (const auto& t : layout_.tensors) written_.push_back({t.name, t.begin, t.end, {}});
+  out_ = std::make_unique<StreamWriter>(path);
+  out_->append(layout_.prefix.data(), layout_.prefix.size());
 }
 
 SafetensorsWriter::~SafetensorsWriter() = default;
 
-namespace {
 at::Tensor dense_cpu(const at::Tensor& t) {
   at::Tensor c = t.device().is_cpu() ? t : t.cpu();
   c = c.is_contiguous() && !c.is_conj() && !c.is_neg() ? c : c.contiguous().resolve_conj().resolve_neg();
   if (c.layout() != at::kStrided) c = c.to_dense();
   return c;
 }
-}  // namespace
 
 void SafetensorsWriter::write(const at::Tensor& t) {
   TESSERA_CHECK(!finished_ && next_ < specs_.size(), "'", path_, "': more tensors written than declared");
@@ -329,19 +345,10 @@ void SafetensorsWriter::append(const void* data, uint64_t n) {
 std::vector<SafetensorsWriter::Written> SafetensorsWriter::finish() {
   TESSERA_CHECK(!finished_, "'", path_, "': finish() called twice");
   TESSERA_CHECK(next_ == specs_.size(), "'", path_, "': ", specs_.size() - next_, " declared tensors not written");
-  std::string hex;
-  // Checksums in data-offset order (== declaration order here).
-  for (auto& w : written_)
-    for (uint32_t c : w.crcs) hex += crc_hex(c);
-  if (!hex.empty()) out_->patch(crc_pos_, hex.data(), hex.size());
-  // The header checksum covers the final header: length, text, block checksums included.
-  header_.replace(crc_pos_ - 8, hex.size(), hex);
-  unsigned char lenbuf[8];
-  uint64_t n = header_.size();
-  for (int i = 0; i < 8; ++i, n >>= 8) lenbuf[i] = static_cast<unsigned char>(n & 0xff);
-  const std::string hc = crc_hex(header_crc(lenbuf, header_, header_crc_pos_ - 8));
-  out_->patch(header_crc_pos_, hc.data(), hc.size());
-  header_.clear();
+  std::vector<std::vector<uint32_t>> crcs;
+  for (const auto& w : written_) crcs.push_back(w.crcs);
+  const std::string header = layout_.final_prefix(crcs);
+  out_->patch(0, header.data(), header.size());
   out_->finish();
   finished_ = true;
   return written_;

@@ -65,13 +65,36 @@ class SafetensorsReader {
   uint64_t crc_block_ = 0;
 };
 
+// `t` as dense, contiguous CPU memory (a copy only when it is not already).
+at::Tensor dense_cpu(const at::Tensor& t);
+
+struct TensorSpec {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+};
+
+// Where everything goes in a safetensors file Tessera writes, decided before any data:
+// the header (checksum placeholders included), each tensor's byte range, and where the
+// block checksums and the header checksum are patched in once the data is written.
+struct SafetensorsLayout {
+  std::vector<TensorEntry> tensors;  // in spec order, absolute offsets
+  std::string prefix;                // what goes at offset 0: 8 length bytes and the header text
+  uint64_t crc_pos = 0;              // file offset of tessera.crc32c's hex digits
+  uint64_t header_crc_pos = 0;       // file offset of tessera.header_crc32c's 8 hex digits
+  uint64_t data_start() const { return prefix.size(); }
+  uint64_t file_size() const { return tensors.empty() ? prefix.size() : tensors.back().end; }
+  // The final header (as `prefix`) once every tensor's block checksums are known.
+  std::string final_prefix(const std::vector<std::vector<uint32_t>>& crcs) const;
+};
+// Lays out `specs` (names unique, none "__metadata__"); `metadata` goes into
+// __metadata__ next to Tessera's own keys. Errors name `path`.
+SafetensorsLayout layout_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+                                     std::map<std::string, std::string> metadata);
+
 class SafetensorsWriter {
  public:
-  struct Spec {
-    std::string name;
-    at::ScalarType dtype = at::kFloat;
-    std::vector<int64_t> shape;
-  };
+  using Spec = TensorSpec;
   struct Written {
     std::string name;
     uint64_t begin = 0, end = 0;  // absolute offsets in the file
@@ -96,11 +119,9 @@ class SafetensorsWriter {
   std::unique_ptr<StreamWriter> out_;
   std::string path_;
   std::vector<Spec> specs_;
+  SafetensorsLayout layout_;
   std::vector<Written> written_;
   size_t next_ = 0;
-  uint64_t data_start_ = 0, crc_pos_ = 0;
-  std::string header_;           // the header text as written, checksummed at finish()
-  uint64_t header_crc_pos_ = 0;  // file offset of tessera.header_crc32c's 8 hex digits
   void append(const void* data, uint64_t n);
   uint64_t part_bytes_ = 0;  // bytes of the current tensor written so far
   uint32_t block_crc_ = 0;   // checksum of the current block so far

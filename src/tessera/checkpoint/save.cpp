@@ -8,6 +8,8 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <random>
+#include <sstream>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -26,11 +28,6 @@
 namespace tessera::checkpoint {
 
 namespace {
-
-// Seconds from a to b, for the debug-level phase timers of full and async saves.
-double sec(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
 
 using state::Value;
 
@@ -206,9 +203,73 @@ void save_sharded(const state::StateDict& sd, const std::string& path, distribut
   agree(comm, err, concat("saving '", path, "'"));
 }
 
-// Bytes of a sharded tensor gathered to rank 0 at a time by a consolidated save.
+// Bytes of a tensor handled at a time by a consolidated save: gathered to rank 0, or
+// copied off the device by the rank that writes them.
 constexpr int64_t kGatherSliceBytes = 16 << 20;
 
+// Whether every shard of `s` is a block of whole rows (all dimensions after the first
+// complete): each is then one run of bytes of the consolidated file, which its holder
+// writes itself.
+bool row_blocks(const sharding::ShardedTensor& s) {
+  const std::vector<int64_t>& shape = s.shape();
+  if (shape.empty() || s.numel() == 0) return false;
+  for (const auto& m : s.shards_metadata())
+    for (size_t d = 1; d < shape.size(); ++d)
+      if (m.box.offsets[d] != 0 || m.box.sizes[d] != shape[d]) return false;
+  return true;
+}
+
+// One rank's part of a consolidated file that several ranks write at once: runs of
+// bytes of tensors, each at its offset, checksummed per block of its tensor as it is
+// copied (the pieces rank 0 joins into the header's block checksums).
+class RunWriter {
+ public:
+  // `tensors`: each tensor's (file offset, byte size).
+  RunWriter(const std::string& path, std::vector<std::pair<uint64_t, uint64_t>> tensors)
+      : out_(path, 16u << 20, StreamWriter::Open::Existing), tensors_(std::move(tensors)) {}
+
+  // Writes `t` (any device, layout) at byte `off` of tensor `ti`.
+  void write(size_t ti, uint64_t off, const at::Tensor& t) {
+    const at::Tensor c = dense_cpu(t);
+    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+    uint64_t n = static_cast<uint64_t>(c.numel()) * c.element_size();
+    TESSERA_CHECK(off + n <= tensors_.at(ti).second, "internal: bytes ", off, "..", off + n, " of tensor ", ti,
+                  " past its ", tensors_[ti].second);
+    out_.seek(tensors_[ti].first + off);
+    // Checksummed in 256 KiB steps just before each step is copied, while it is in cache.
+    CrcPiece cur{static_cast<uint32_t>(ti), off, 0, 0};
+    while (n > 0) {
+      const uint64_t take = std::min<uint64_t>({n, kCrcBlock - off % kCrcBlock, 256u << 10});
+      cur.crc = crc32c_extend(cur.crc, p, static_cast<size_t>(take));
+      out_.append(p, take);
+      cur.len += take;
+      p += take;
+      off += take;
+      n -= take;
+      if (off % kCrcBlock == 0 || n == 0) {
+        pieces_.push_back(cur);
+        cur = CrcPiece{static_cast<uint32_t>(ti), off, 0, 0};
+      }
+    }
+  }
+  void finish() { out_.finish(); }
+  const std::vector<CrcPiece>& pieces() const { return pieces_; }
+
+ private:
+  StreamWriter out_;
+  std::vector<std::pair<uint64_t, uint64_t>> tensors_;
+  std::vector<CrcPiece> pieces_;
+};
+
+// A consolidated save. Rank 0 lays the file out (header with placeholders, every
+// tensor's offset) and gives it its final size; when every rank can open that same file
+// (one host, or a filesystem shared by all), each rank writes the rows of the sharded
+// tensors it holds straight into it, so the disk sees as many writers as there are
+// ranks and nothing crosses the network. Otherwise (node-local disks), or for tensors
+// whose shards are not blocks of whole rows, rank 0 gathers the bytes and writes them.
+// Every writer checksums what it writes per block; rank 0 joins the pieces (which must
+// tile every tensor exactly), patches the header, fsyncs and renames. Nothing is
+// renamed unless every rank's part is written and fsync'ed.
 void save_full(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
   // The phases, for TESSERA_LOG_LEVEL=debug: gathering, waiting for the writer, finishing.
   using Clock = std::chrono::steady_clock;
@@ -222,25 +283,97 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
 
   CheckpointMetadata m;
   m.world_size = comm.size();
-  std::vector<SafetensorsWriter::Spec> specs;
+  std::vector<TensorSpec> specs;
   for (const auto& [fqn, v] : flat) {
     EntryInfo e = describe(fqn, *v);
     if (e.is_tensor()) specs.push_back({fqn, e.dtype, e.shape});
     m.keys.push_back(fqn);
     m.entries.emplace(fqn, std::move(e));
   }
-  std::unique_ptr<SafetensorsWriter> w;
+  // Rank 0 creates the file: the header (its checksum placeholder holding a random
+  // value, so that the other ranks recognise this very file) and the final size.
+  SafetensorsLayout layout;
+  std::string info;  // "T<tmp>\n<data start>\n<file size>\n<crc of the header>" or "E<error>"
   if (rank == 0) {
     try {
-      w = std::make_unique<SafetensorsWriter>(tmp, specs, consolidated_header(m));
+      layout = layout_safetensors(path, specs, consolidated_header(m));
+      std::string prefix = layout.prefix;
+      prefix.replace(layout.header_crc_pos, 8, crc_hex(std::random_device{}()));
+      File f(tmp, "w");
+      f.pwrite_exact(0, prefix.data(), prefix.size());
+      f.resize(layout.file_size());
+      f.reserve(layout.file_size());  // lets the ranks' direct writes run side by side (ext4)
+      f.close();
+      info = concat("T", tmp, "\n", layout.data_start(), "\n", layout.file_size(), "\n",
+                    crc32c(prefix.data(), prefix.size()));
     } catch (const std::exception& e) {
-      err = e.what();
+      info = concat("E", e.what());
+      try {
+        remove_all(tmp);
+      } catch (const std::exception&) {
+      }
     }
   }
-  // Rank 0 writes each piece on a second thread while the next one is gathered, one
-  // piece in flight: the disk and the network work at the same time, and the extra
-  // memory stays at two slices of kGatherSliceBytes (a sharded tensor is gathered as
-  // runs of rows, never whole).
+  info = comm.broadcast_bytes(info, 0);
+  TESSERA_CHECK(info[0] == 'T', "saving '", path, "': ", info.substr(1));
+  uint64_t data_start = 0, file_size = 0;
+  uint32_t header_check = 0;
+  {
+    std::istringstream in(info.substr(1));
+    std::getline(in, tmp);
+    in >> data_start >> file_size >> header_check;
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> tensor_bytes;  // (file offset, bytes) of each tensor
+  std::vector<std::pair<std::string, uint64_t>> tensor_names;
+  uint64_t off = data_start;
+  for (const auto& sp : specs) {
+    const uint64_t nb = byte_size(sp.shape, sp.dtype, concat("key '", sp.name, "'"));
+    tensor_bytes.emplace_back(off, nb);
+    tensor_names.emplace_back(sp.name, nb);
+    off += nb;
+  }
+
+  // Who writes: rank 0 always; every other rank when it sees rank 0's file.
+  std::unique_ptr<RunWriter> writer;
+  std::string why_not;
+  const bool one_writer = std::getenv("TESSERA_FULL_SAVE_ONE_WRITER") != nullptr;
+  try {
+    if (rank != 0) {
+      TESSERA_CHECK(!one_writer, "TESSERA_FULL_SAVE_ONE_WRITER is set");
+      File f(tmp, "r");
+      TESSERA_CHECK(f.size() == file_size, "'", tmp, "' has ", f.size(), " bytes, rank 0 wrote ", file_size);
+      std::string head(data_start, '\0');
+      f.pread_exact(0, head.data(), head.size());
+      TESSERA_CHECK(crc32c(head.data(), head.size()) == header_check, "'", tmp, "' is not the file rank 0 wrote");
+    }
+    writer = std::make_unique<RunWriter>(tmp, tensor_bytes);
+  } catch (const std::exception& e) {
+    why_not = e.what();
+    if (rank == 0) err = why_not;  // rank 0 must write; the others only may
+  }
+  const auto able = comm.all_gather_bytes(writer ? "1" : "0");
+  const bool shared = std::all_of(able.begin(), able.end(), [](const std::string& a) { return a == "1"; });
+  if (!shared && rank != 0) {
+    if (!why_not.empty()) log::debug("save_full('", path, "') rank ", rank, ": rank 0 writes alone: ", why_not);
+    writer.reset();
+  }
+
+  // With every rank writing, each distinct box of the row-block tensors goes to one of
+  // its holders (the replica groups of HYBRID_SHARD hold each box several times).
+  std::vector<Piece> held;
+  if (shared) {
+    for (const auto& [fqn, v] : flat)
+      if (auto s = std::get_if<sharding::ShardedTensor>(v); s != nullptr && row_blocks(*s))
+        for (const auto& sh : s->local_shards())
+          if (!sh.meta.box.empty()) held.push_back({fqn, s->dtype(), sh.meta.box, [t = sh.tensor] { return t; }});
+  }
+  std::string plan_err;
+  const std::vector<bool> keep = shared ? plan_writers(held, "", comm, plan_err) : std::vector<bool>{};
+  if (err.empty() && !plan_err.empty()) err = plan_err;
+
+  // Each writer copies and checksums a piece on a second thread while the next one is
+  // gathered or sliced, one piece in flight (the StreamWriter's own task meanwhile
+  // writes the previous buffer): memory stays at a few slices of kGatherSliceBytes.
   std::future<void> writing;
   auto wait_write = [&] {
     if (!writing.valid()) return;
@@ -250,40 +383,53 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
     } catch (const std::exception& e) {
       if (err.empty()) err = e.what();
     }
-    wait_s += sec(t0, Clock::now());
+    wait_s += log::seconds(t0, Clock::now());
   };
-  auto put = [&](at::Tensor piece, bool part) {
+  auto put = [&](at::Tensor piece, size_t ti, uint64_t off) {
+    if (!writer) return;
     wait_write();
     if (!err.empty()) return;
-    writing = std::async(std::launch::async, [&w, piece = std::move(piece), part] {
-      if (part) w->write_part(piece);
-      else w->write(piece);
-    });
+    writing = std::async(std::launch::async,
+                         [&writer, piece = std::move(piece), ti, off] { writer->write(ti, off, piece); });
   };
-  // Every rank takes part in every gather, even after rank 0 failed, so that nobody hangs.
+  // Every rank takes part in every gather, even after a failure, so that nobody hangs.
+  size_t ti = 0, held_i = 0;
   for (const auto& [fqn, v] : flat) {
     if (auto s = std::get_if<sharding::ShardedTensor>(v)) {
       const std::vector<int64_t>& shape = s->shape();
       const int64_t numel = s->numel();
       if (shape.empty() || numel == 0) {
         at::Tensor full = s->gather(0);
-        if (rank == 0) put(full, false);
+        if (rank == 0 && numel > 0) put(full, ti, 0);
+        ++ti;
         continue;
       }
       const int64_t row_bytes = numel / shape[0] * static_cast<int64_t>(c10::elementSize(s->dtype()));
       const int64_t rows = std::max<int64_t>(1, kGatherSliceBytes / std::max<int64_t>(row_bytes, 1));
+      if (shared && row_blocks(*s)) {  // every holder writes its own rows, in slices
+        for (; held_i < held.size() && held[held_i].fqn == fqn; ++held_i) {
+          if (!keep[held_i]) continue;
+          const sharding::Box& box = held[held_i].box;
+          const at::Tensor shard = held[held_i].data();
+          for (int64_t r0 = 0; r0 < box.sizes[0]; r0 += rows)
+            put(shard.narrow(0, r0, std::min(rows, box.sizes[0] - r0)), ti,
+                static_cast<uint64_t>((box.offsets[0] + r0) * row_bytes));
+        }
+        ++ti;
+        continue;
+      }
       for (int64_t r0 = 0; r0 < shape[0]; r0 += rows) {
         sharding::Box region{std::vector<int64_t>(shape.size(), 0), shape};
         region.offsets[0] = r0;
         region.sizes[0] = std::min(rows, shape[0] - r0);
         // A run inside one of rank 0's own shards needs no collective and no copy: rank
         // 0 writes it from the shard (every rank knows the shards, so all skip alike).
-        const sharding::Shard* own = nullptr;
         bool in_rank0 = false;
-        for (const auto& m : s->shards_metadata())
-          in_rank0 |= m.placement.rank == 0 && sharding::contains(m.box, region);
+        for (const auto& sm : s->shards_metadata())
+          in_rank0 |= sm.placement.rank == 0 && sharding::contains(sm.box, region);
         if (in_rank0) {
           if (rank == 0) {
+            const sharding::Shard* own = nullptr;
             for (const auto& sh : s->local_shards())
               if (sharding::contains(sh.meta.box, region)) own = &sh;
             if (own == nullptr) {  // reported after the loop, which every rank finishes (no hang)
@@ -291,33 +437,56 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
                 err = concat("key '", fqn, "': rank 0 holds no local shard with rows ", region.to_string(),
                              " that its shard metadata gives it");
             } else {
-              at::Tensor view = sharding::narrow_to(own->tensor, own->meta.box, region);
-              put(view.is_contiguous() ? view : view.contiguous(), true);
+              put(sharding::narrow_to(own->tensor, own->meta.box, region), ti, static_cast<uint64_t>(r0 * row_bytes));
             }
           }
           continue;
         }
         const auto t0 = Clock::now();
         at::Tensor piece = s->gather_region(region, 0);
-        gather_s += sec(t0, Clock::now());
-        if (rank == 0) put(piece, true);
+        gather_s += log::seconds(t0, Clock::now());
+        if (rank == 0) put(piece, ti, static_cast<uint64_t>(r0 * row_bytes));
       }
+      ++ti;
     } else if (auto t = std::get_if<at::Tensor>(v)) {
-      if (rank == 0) put(*t, false);
+      if (rank == 0 && t->numel() > 0) put(*t, ti, 0);
+      ++ti;
     }
   }
   wait_write();
   const auto t_finish = Clock::now();
+  if (writer && err.empty()) {
+    try {
+      writer->finish();  // this rank's part is on disk
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  // Rank 0 learns every rank's checksum pieces (or its error), joins them and publishes.
+  const auto parts = comm.all_gather_bytes(err.empty() ? "P" + (writer ? pack_crc_pieces(writer->pieces()) : "")
+                                                       : "E" + err);
+  writer.reset();
   if (rank == 0) {
+    err.clear();
+    for (size_t r = 0; r < parts.size(); ++r)
+      if (parts[r][0] == 'E') err += concat(err.empty() ? "" : "; ", "rank ", r, ": ", parts[r].substr(1));
     if (err.empty()) {
       try {
-        w->finish();
+        std::vector<CrcPiece> pieces;
+        for (size_t r = 0; r < parts.size(); ++r) {
+          auto p = unpack_crc_pieces(parts[r].substr(1), concat("rank ", r));
+          pieces.insert(pieces.end(), p.begin(), p.end());
+        }
+        const std::string header = layout.final_prefix(assemble_block_crcs(std::move(pieces), tensor_names, path));
+        File f(tmp, "u");
+        f.pwrite_exact(0, header.data(), header.size());
+        f.fsync();
+        f.close();
         commit_rename(tmp, path);
       } catch (const std::exception& e) {
         err = e.what();
       }
     }
-    w.reset();
     if (!err.empty()) {
       try {
         remove_all(tmp);
@@ -325,8 +494,9 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
       }
     }
   }
-  log::debug("save_full('", path, "') rank ", rank, ": ", sec(t_start, Clock::now()), " s: gathering ", gather_s,
-             " s, waiting for the writer ", wait_s, " s, finishing (fsync, rename) ", sec(t_finish, Clock::now()), " s");
+  log::debug("save_full('", path, "') rank ", rank, ": ", log::seconds(t_start, Clock::now()), " s (",
+             shared ? "every rank writes" : "rank 0 writes", "): gathering ", gather_s, " s, waiting for the writer ",
+             wait_s, " s, finishing (fsync, checksums, rename) ", log::seconds(t_finish, Clock::now()), " s");
   agree(comm, err, concat("saving '", path, "'"));
 }
 
@@ -504,9 +674,11 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
       if (auto s = std::get_if<sharding::ShardedTensor>(v))
         for (const auto& sh : s->local_shards()) bytes += static_cast<int64_t>(sh.tensor.nbytes());
     }
-    log::debug("save_async('", path, "'): returned after ", sec(t0, Clock::now()), " s: waiting for the previous save ",
-               sec(t0, t1), " s, background communicator ", sec(t1, t2), " s, snapshot of ", bytes >> 20, " MiB ",
-               sec(t2, t3), " s, starting the writer ", sec(t3, Clock::now()), " s");
+    using log::seconds;
+    log::debug("save_async('", path, "'): returned after ", seconds(t0, Clock::now()),
+               " s: waiting for the previous save ", seconds(t0, t1), " s, background communicator ", seconds(t1, t2),
+               " s, snapshot of ", bytes >> 20, " MiB ", seconds(t2, t3), " s, starting the writer ",
+               seconds(t3, Clock::now()), " s");
   }
   return AsyncSave(st);
 }

@@ -1,6 +1,7 @@
 // Rank-aware logging to stderr. The level comes from TESSERA_LOG_LEVEL
 // (debug, info, warn, error; default warn).
 #pragma once
+#include <chrono>
 #include <string>
 
 #include "tessera/core/error.h"
@@ -23,5 +24,10 @@ template <typename... Args>
 void warn(const Args&... a) { if (level() <= Level::Warn) write(Level::Warn, concat(a...)); }
 template <typename... Args>
 void error(const Args&... a) { write(Level::Error, concat(a...)); }
+
+// Seconds from a to b, for the phase timers that debug lines report.
+inline double seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 }  // namespace tessera::log
