@@ -10,6 +10,14 @@
 // goes to the disk in segment-sized requests, and with two in flight per process the
 // disk's queue stays busy while a segment is copied and checked.
 //
+// Segments are 4 MiB (one checksum block) by default. A read() returns only when all of
+// its segments are done, so with segments as large as half a piece both workers read,
+// then both copy and check, and the disk idles meanwhile; smaller segments keep the two
+// workers out of step. On the second development VM (virtio disk, max_sectors_kb 4096),
+// 1 GiB at 2 ranks loaded in 0.66-0.68 s with 16 MiB segments, 0.55-0.58 s with 8 MiB,
+// 0.43-0.47 s with 4 MiB and about the same with 2 MiB; three or four workers were
+// slower on its two cores (docs/benchmarks.md, run 8).
+//
 // Where O_DIRECT is refused (tmpfs, some network filesystems, or TESSERA_NO_DIRECT_IO=1)
 // the same workers read with plain pread. Errors name the file and the byte offset.
 #pragma once
@@ -36,7 +44,7 @@ class DirectReader {
   // `data` points to. May throw: read() then rethrows the first error.
   using Check = std::function<void(uint64_t at, const char* data, uint64_t n)>;
 
-  explicit DirectReader(int workers = 2, uint64_t segment_bytes = 16u << 20);
+  explicit DirectReader(int workers = 2, uint64_t segment_bytes = 4u << 20);
   ~DirectReader();
   DirectReader(const DirectReader&) = delete;
   DirectReader& operator=(const DirectReader&) = delete;
