@@ -3,8 +3,9 @@
 //
 //  save(sd, path, comm, {SaveMode::Sharded}): every rank writes what it owns to its own
 //    data file, in parallel; rank 0 writes the metadata last and commits atomically.
-//  save(sd, path, comm, {SaveMode::Full}): one consolidated safetensors file; sharded
-//    tensors are gathered to rank 0 one at a time and streamed to disk.
+//  save(sd, path, comm, {SaveMode::Full}): one consolidated safetensors file, which
+//    every rank writes its rows of at their offsets (where all ranks see the file rank 0
+//    laid out); otherwise sharded tensors are gathered to rank 0 in slices and streamed.
 //  load(target, path, comm, {strict}): the target's entries say what is wanted and how
 //    it is sharded; each rank reads only the byte ranges covering its pieces, from a
 //    sharded directory saved at any world size, a consolidated or foreign safetensors

@@ -176,8 +176,9 @@ class Fabric {
   // Writes the state's module and optimizers (the strategy's typed state) and values to
   // `path`: a sharded directory or one consolidated file, per
   // FabricOptions.state_dict_type (by default the strategy's default_state_dict_type():
-  // Sharded for FSDP). A consolidated save streams each sharded tensor to rank 0 in
-  // bounded slices, so no rank ever holds more than its shards and one slice.
+  // Sharded for FSDP). A consolidated save has every rank write its rows of the one
+  // file (or streams each sharded tensor to rank 0 in bounded slices where the ranks
+  // cannot share it), so no rank ever holds more than its shards and a few slices.
   // Waits for an async save in flight first. Collective.
   void save(const std::string& path, const FabricState& state);
   // The same save, written in the background: returns once every rank has copied its
