@@ -12,9 +12,11 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <map>
 
 #include "checkpoint/checkpoint_test_util.h"
 #include "reliability/reliability_util.h"
+#include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/file_io.h"
@@ -138,6 +140,32 @@ TEST_F(ReliabilityMounts, FullDiskFailsTheSaveAndKeepsThePreviousCheckpoint) {
     ck::save(state_of(1000, 3), p, *solo(), o);
     expect_holds(p, 1000, 3);
     ck::remove_all(p);
+  }
+}
+
+// A consolidated save by two ranks (each writing its rows of the one file, or rank 0
+// writing all of it) on a disk too small: every rank fails naming the path and the
+// cause, the previous file stays as it was, and no temporary file is left behind.
+TEST_F(ReliabilityMounts, FullDiskFailsAConsolidatedSaveOnEveryRankAndKeepsThePreviousFile) {
+  const std::string p = dir_ + "/c.safetensors";
+  ck::save(state_of(1000, 1), p, *solo(), {ck::SaveMode::Full});
+  for (const bool one_writer : {false, true}) {
+    std::map<std::string, std::string> env = {{"TESSERA_LOG_LEVEL", "debug"}};
+    if (one_writer) env["TESSERA_FULL_SAVE_ONE_WRITER"] = "1";
+    const auto s = run_ranks(2, {"ckpt_full_big", p}, 120, env);  // ~100 MB into 256 KB
+    EXPECT_NE(s.launch.exit_code, 0) << s.all_output();
+    EXPECT_CONTAINS(s.all_output(), one_writer ? "(rank 0 writes)" : "(every rank writes)");
+    for (const int r : {0, 1}) {
+      std::string err;
+      if (auto it = s.err.find(r); it != s.err.end())
+        for (const auto& l : it->second) err += l + "\n";
+      EXPECT_CONTAINS(err, "FAILED: ");
+      EXPECT_CONTAINS(err, "No space left on device");
+      EXPECT_CONTAINS(err, dir_);
+    }
+    expect_holds(p, 1000, 1);
+    for (const auto& f : fs::directory_iterator(dir_))
+      EXPECT_EQ(f.path().filename().string().find(".tessera-tmp"), std::string::npos) << f.path();
   }
 }
 
