@@ -160,6 +160,19 @@ void ChunkReader::check_header_entry(const std::string& fqn, const EntryInfo& e,
                 "' disagrees with the metadata (dtype, shape or byte range)");
 }
 
+void ChunkReader::check_blocks(const std::string& path, const std::string& fqn, const ChunkInfo& c, uint64_t base,
+                               const char* data, uint64_t n) const {
+  if (c.crcs.empty()) return;
+  const uint64_t block = meta_.crc_block, nbytes = c.end - c.begin;
+  for (uint64_t off = base; off < base + n; off += block) {
+    const uint64_t len = std::min(block, nbytes - off);
+    const size_t bi = static_cast<size_t>(off / block);
+    TESSERA_CHECK(crc32c(data + (off - base), len) == c.crcs[bi], "'", path, "' key '", fqn,
+                  "' chunk ", c.box.to_string(), ": checksum mismatch in block ", bi, " (bytes ", c.begin + off, "..",
+                  c.begin + off + len, ") — the checkpoint is corrupt");
+  }
+}
+
 ChunkReader::Range ChunkReader::range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const {
   Range r;
   // Row-major strides of the chunk, and the first and last element of the overlap.
@@ -202,7 +215,7 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   check_header_entry(fqn, e, c);
   const SafetensorsReader& r = reader(c.file);
   const Range rg = range_of(e, c, *ov);
-  const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
+  const uint64_t is = itemsize(e.dtype);
   const uint64_t block = rg.block, b0 = rg.b0, b1 = rg.b1;
   // Fast path: the overlap is one contiguous byte range of the chunk (whole rows, or
   // the whole chunk), the range needs no widening to checksum blocks, and the
@@ -217,16 +230,7 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
                                       at::TensorOptions().dtype(e.dtype).pinned_memory(!view.device().is_cpu()));
   auto* p = static_cast<char*>(buf.data_ptr());
   // Checks the checksum blocks of the `n` bytes at `at` (from b0; block-aligned).
-  auto check = [&](uint64_t at, const char* q, uint64_t n) {
-    if (c.crcs.empty()) return;
-    for (uint64_t off = b0 + at; off < b0 + at + n; off += block) {
-      const uint64_t len = std::min(block, nbytes - off);
-      const size_t bi = static_cast<size_t>(off / block);
-      TESSERA_CHECK(crc32c(q + (off - b0 - at), len) == c.crcs[bi], "'", r.path(), "' key '", fqn, "' chunk ",
-                    c.box.to_string(), ": checksum mismatch in block ", bi, " (bytes ", c.begin + off, "..",
-                    c.begin + off + len, ") — the checkpoint is corrupt");
-    }
-  };
+  auto check = [&](uint64_t at, const char* q, uint64_t n) { check_blocks(r.path(), fqn, c, b0 + at, q, n); };
   if (b1 - b0 >= DirectReader::kMinBytes) {
     // Segments of whole checksum blocks, read and checked two at a time off this thread.
     io_.read(r.file(), c.begin + b0, p, b1 - b0, c.crcs.empty() ? 1 : block, check);
@@ -253,15 +257,6 @@ void ChunkReader::verify_chunk(const std::string& fqn, const EntryInfo& e, const
   const uint64_t nbytes = c.end - c.begin;
   if (c.crcs.empty()) return;
   const uint64_t block = meta_.crc_block;
-  auto check = [&](uint64_t base, const char* q, uint64_t n) {  // blocks of [base, base + n) of the chunk
-    for (uint64_t off = base; off < base + n; off += block) {
-      const uint64_t len = std::min(block, nbytes - off);
-      const size_t bi = static_cast<size_t>(off / block);
-      TESSERA_CHECK(crc32c(q + (off - base), len) == c.crcs[bi], "'", r.path(), "' key '", fqn, "' chunk ",
-                    c.box.to_string(), ": checksum mismatch in block ", bi, " (bytes ", c.begin + off, "..",
-                    c.begin + off + len, ") — the checkpoint is corrupt");
-    }
-  };
   // Windows of whole blocks, each read like a load's (direct I/O, two segments in
   // flight, checked as they land) into one reused buffer: the chunk is never held whole.
   const uint64_t window = std::max<uint64_t>(block, (32u << 20) / block * block);
@@ -270,10 +265,11 @@ void ChunkReader::verify_chunk(const std::string& fqn, const EntryInfo& e, const
   for (uint64_t w = 0; w < nbytes; w += window) {
     const uint64_t n = std::min(window, nbytes - w);
     if (n >= DirectReader::kMinBytes) {
-      io_.read(r.file(), c.begin + w, q, n, block, [&](uint64_t at, const char* d, uint64_t k) { check(w + at, d, k); });
+      io_.read(r.file(), c.begin + w, q, n, block,
+               [&](uint64_t at, const char* d, uint64_t k) { check_blocks(r.path(), fqn, c, w + at, d, k); });
     } else {
       r.file().pread_exact(c.begin + w, q, n);
-      check(w, q, n);
+      check_blocks(r.path(), fqn, c, w, q, n);
     }
   }
 }

@@ -50,6 +50,11 @@ class ChunkReader {
 
  private:
   void check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
+  // Checks the checksum blocks of chunk `c` (of data file `path`) that `data` holds: the
+  // n bytes from byte `base` of the chunk (block-aligned; the last block may be the
+  // chunk's short one). Runs on DirectReader's workers: touches no member but meta_.
+  void check_blocks(const std::string& path, const std::string& fqn, const ChunkInfo& c, uint64_t base,
+                    const char* data, uint64_t n) const;
   // The bytes [b0, b1) of chunk `c` (relative to its start) that hold its overlap `ov`,
   // widened to whole checksum blocks.
   struct Range {
