@@ -194,6 +194,12 @@ Runner add_ckpt_command(CLI::App& app) {
       o.skip_non_tensors = a->skip_non_tensors;
       const ck::DcpImportResult r = ck::import_dcp(a->path, a->out, a->force, o);
       for (const auto& [key, why] : r.skipped) std::cerr << "tessera: skipped '" << key << "' (" << why << ")\n";
+      if (!r.ignored.empty()) {
+        std::cerr << "tessera: ignored " << r.ignored.size() << " .distcp file(s) that .metadata does not use:";
+        for (size_t k = 0; k < r.ignored.size() && k < 10; ++k) std::cerr << (k ? ", '" : " '") << r.ignored[k] << "'";
+        if (r.ignored.size() > 10) std::cerr << " and " << r.ignored.size() - 10 << " more";
+        std::cerr << "\n";
+      }
       std::cout << "wrote " << a->out << ": " << r.tensors << " tensors in " << r.chunks << " chunks (" << r.bytes
                 << " bytes), " << r.values << " plain values, from " << r.world_size << " DCP writer(s)\n";
       return 0;

@@ -17,6 +17,11 @@
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 
+#include <limits.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -154,6 +159,34 @@ class RangeAdapter : public caffe2::serialize::ReadAdapterInterface {
   uint64_t offset_, length_;
 };
 
+// The path of the DCP file `name` (".metadata" or a data file) in `dir`, once it is known
+// to be a regular file that lies in `dir`: a symbolic link is followed only when its
+// target is inside the DCP directory; a link that leads out of it (a checkpoint that reads
+// other files of this machine), a FIFO (which would block the open), a device or a
+// directory is refused, naming it.
+std::string dcp_file(const std::string& dir, const std::string& name, const char* what) {
+  const std::string path = join_path(dir, name);
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+    char target[PATH_MAX + 1] = {0};
+    const ssize_t n = ::readlink(path.c_str(), target, PATH_MAX);
+    const std::string to = n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string("?");
+    char* rd = ::realpath(dir.c_str(), nullptr);
+    char* rp = ::realpath(path.c_str(), nullptr);
+    const std::string real_dir = rd ? rd : "", real = rp ? rp : "";
+    ::free(rd);
+    ::free(rp);
+    TESSERA_CHECK(!real.empty(), what, " '", path, "' is a symbolic link to '", to, "', which does not exist");
+    TESSERA_CHECK(!real_dir.empty() && real.size() > real_dir.size() + 1 &&
+                      real.compare(0, real_dir.size() + 1, real_dir + "/") == 0,
+                  what, " '", path, "' is a symbolic link to '", to, "' (", real,
+                  "), outside the DCP directory: refusing to follow it (copy the file into the directory)");
+  }
+  const std::string why = not_regular_file_reason(path);
+  TESSERA_CHECK(why.empty(), what, " '", path, "' ", why);
+  return path;
+}
+
 class ItemReader {
  public:
   explicit ItemReader(std::string dir) : dir_(std::move(dir)) {}
@@ -183,9 +216,7 @@ class ItemReader {
   const File& file(const std::string& name) {
     auto it = files_.find(name);
     if (it == files_.end()) {
-      const std::string path = join_path(dir_, name);
-      const std::string why = not_regular_file_reason(path);
-      TESSERA_CHECK(why.empty(), "DCP data file '", path, "' ", why);
+      const std::string path = dcp_file(dir_, name, "DCP data file");
       it = files_.emplace(name, std::make_unique<File>(path, "r")).first;
     }
     return *it->second;
@@ -221,7 +252,20 @@ std::string flatten_plain(const std::string& key, const Py& v, std::vector<std::
 
 // An output path may be written: absent (in an existing directory), or replaceable
 // with `force` (a Tessera checkpoint or an empty directory; checked by check_replaceable).
+// Never a symbolic link (neither replaced nor written through), and never a name ending
+// in .safetensors: the import is a directory, which such a name would misdescribe.
 void check_output(const std::string& out, bool force) {
+  std::string bare = out;
+  while (bare.size() > 1 && bare.back() == '/') bare.pop_back();
+  struct stat st;
+  TESSERA_CHECK(::lstat(bare.c_str(), &st) != 0 || !S_ISLNK(st.st_mode), "output '", out,
+                "' is a symbolic link: import-dcp neither replaces a link nor writes through one; give the path of "
+                "the directory to write");
+  const std::string suffix = ".safetensors";
+  TESSERA_CHECK(bare.size() < suffix.size() || bare.compare(bare.size() - suffix.size(), suffix.size(), suffix) != 0,
+                "output '", out, "' ends in .safetensors, but import-dcp writes a sharded checkpoint (a directory); "
+                "give a directory name, then `tessera ckpt consolidate DIR -o ", base_name(bare),
+                "` writes one safetensors file");
   if (!path_exists(out)) {
     TESSERA_CHECK(is_directory(parent_dir(out)), "output '", out, "': directory '", parent_dir(out), "' does not exist");
     return;
@@ -242,7 +286,9 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
                            const DcpImportOptions& options) {
   TESSERA_CHECK(is_directory(dir), "'", dir, "' is not a directory (a DCP checkpoint is one)");
   const std::string meta_path = join_path(dir, ".metadata");
-  TESSERA_CHECK(path_exists(meta_path), "'", dir, "' is not a DCP checkpoint: it has no .metadata");
+  struct stat st;
+  TESSERA_CHECK(::lstat(meta_path.c_str(), &st) == 0, "'", dir, "' is not a DCP checkpoint: it has no .metadata");
+  dcp_file(dir, ".metadata", "DCP metadata");
   const std::string text = read_small_file(meta_path, 1ull << 30);
   const std::string mw = "'" + meta_path + "'";
   const PyPtr root = pickle::unpickle(mw, text, metadata_globals());
@@ -250,7 +296,6 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
 
   // storage_data: (fqn, chunk offsets) -> where the item lies.
   std::map<std::pair<std::string, std::vector<int64_t>>, ItemLoc> locs;
-  std::set<int> writers;
   const PyPtr storage = attr(md, "storage_data", mw);
   TESSERA_CHECK(storage->kind == Py::Dict, mw, ": storage_data is a ", kind_text(*storage), ", not a dict");
   for (const auto& [k, v] : storage->dict) {
@@ -279,26 +324,19 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
     TESSERA_CHECK(o >= 0 && n >= 0, where, ": negative offset or length");
     loc.offset = static_cast<uint64_t>(o);
     loc.length = static_cast<uint64_t>(n);
-    writers.insert(loc.writer);
     TESSERA_CHECK(locs.emplace(std::make_pair(fqn->s, offsets), loc).second, where, ": listed twice");
   }
-  // Every writer made its files, also one that holds nothing after deduplication.
-  for (const auto& name : list_dir(dir)) {
-    const int w = writer_of(name);
-    if (w >= 0 && w < (1 << 20)) writers.insert(w);
-  }
-  TESSERA_CHECK(!writers.empty(), "'", dir, "': no __<rank>_<n>.distcp data files");
-  const int world_size = *writers.rbegin() + 1;
+  // The data files the import reads: those .metadata places a value or a non-empty chunk
+  // in (never what the directory's file names suggest), and the ranks that wrote them.
+  std::map<std::string, int> used;  // file -> writer rank
 
   // state_dict_metadata: tensors (their chunks) and non-tensor values, in DCP's order.
   const PyPtr sdm = attr(md, "state_dict_metadata", mw);
   TESSERA_CHECK(sdm->kind == Py::Dict, mw, ": state_dict_metadata is a ", kind_text(*sdm), ", not a dict");
   ItemReader items(dir);
   DcpImportResult res;
-  res.world_size = world_size;
   std::vector<TensorPlan> tensors;
   CheckpointMetadata o;
-  o.world_size = world_size;
   o.crc_block = kCrcBlock;
   auto add_key = [&](const std::string& key, EntryInfo e) {
     TESSERA_CHECK(o.entries.emplace(key, std::move(e)).second, mw, ": key '", key,
@@ -313,6 +351,7 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
     if (v->kind == Py::Object && v->s == kMeta + "BytesStorageMetadata") {
       auto it = locs.find({fqn, {}});
       TESSERA_CHECK(it != locs.end(), where, ": no storage_data entry for this value");
+      used.emplace(it->second.file, it->second.writer);
       PyPtr value;
       std::vector<std::pair<std::string, state::Value>> flat;
       std::string why;
@@ -375,6 +414,7 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
       ci.box = box;
       tiling.chunks.push_back(ci);
       p.chunks.emplace_back(box, it->second);
+      used.emplace(it->second.file, it->second.writer);
     }
     try {
       check_tiling(fqn, tiling);
@@ -387,6 +427,38 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
     tensors.push_back(std::move(p));
   }
 
+  // Every file .metadata uses must be there (all missing ones named at once); the output
+  // has one data file per rank that wrote one of them, in rank order (a gap in the ranks,
+  // a writer left with nothing after DCP's deduplication, leaves no empty file behind), so
+  // that the number of files written is bounded by what the metadata uses, never by a
+  // file name. .distcp files the metadata does not use are left alone and reported.
+  std::vector<std::string> missing;
+  for (const auto& [file, w] : used) {
+    struct stat fst;
+    if (::lstat(join_path(dir, file).c_str(), &fst) != 0) missing.push_back(file);
+  }
+  if (!missing.empty()) {
+    std::string names;
+    for (size_t k = 0; k < missing.size() && k < 10; ++k) names += concat(k ? ", " : "", "'", missing[k], "'");
+    if (missing.size() > 10) names += concat(" and ", missing.size() - 10, " more");
+    throw Error(concat(mw, " places data in ", missing.size(), " file(s) that do not exist in '", dir, "': ", names));
+  }
+  for (const auto& [file, w] : used) dcp_file(dir, file, "DCP data file");
+  std::map<int, int> out_rank;  // DCP writer rank -> output data file
+  for (const auto& [file, w] : used) out_rank.emplace(w, 0);
+  int world_size = 0;
+  for (auto& [w, r] : out_rank) r = world_size++;
+  world_size = std::max(world_size, 1);
+  res.world_size = world_size;
+  o.world_size = world_size;
+  for (const auto& name : list_dir(dir)) {
+    const std::string suffix = ".distcp";
+    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+        !used.count(name))
+      res.ignored.push_back(name);
+  }
+  std::sort(res.ignored.begin(), res.ignored.end());
+
   CheckpointMetadata src;
   src.location = dir;
   offline_check_not_source(dir, src, out);
@@ -396,7 +468,7 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
       std::vector<Piece> pieces;
       for (const auto& p : tensors) {
         for (const auto& [box, loc] : p.chunks) {
-          if (loc.writer != r) continue;
+          if (out_rank.at(loc.writer) != r) continue;
           const TensorPlan* plan = &p;
           const sharding::Box b = box;
           const ItemLoc l = loc;

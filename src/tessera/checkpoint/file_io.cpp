@@ -24,8 +24,19 @@ File::File(const std::string& path, const char* mode) : path_(path) {
   const std::string m = mode;
   fd_ = m == "w"   ? ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)
         : m == "u" ? ::open(path.c_str(), O_WRONLY | O_CLOEXEC)
-                   : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+                   : ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   TESSERA_CHECK(fd_ >= 0, "cannot open '", path, "' for ", m == "r" ? "reading" : "writing", ": ", err());
+  if (m == "r") {
+    // Opened without blocking (a FIFO's open would wait for a writer forever); only a
+    // regular file is read, and then in the ordinary blocking mode (issue 35, dcp).
+    struct stat st;
+    const bool regular = ::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode);
+    if (!regular || ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK) != 0) {
+      const std::string why = regular ? concat("cannot be read: ", err()) : not_regular_file_reason(path);
+      close();
+      throw Error(concat("cannot open '", path, "' for reading: it ", why.empty() ? "is not a regular file" : why));
+    }
+  }
 }
 File::~File() { close(); }
 File::File(File&& o) noexcept : fd_(o.fd_), path_(std::move(o.path_)) { o.fd_ = -1; }
