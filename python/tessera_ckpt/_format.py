@@ -630,6 +630,13 @@ def open_layout(path):
         if os.fstat(fd).st_size >= 4 and pread(fd, 0, 4, p) == b"PK\x03\x04":
             fail("'", path, "' is a torch.save (zip) file, not a Tessera checkpoint: read it with torch.load "
                  "(weights_only=True), or import it with `tessera ckpt`")
+        head = pread(fd, 0, 8, p) if os.fstat(fd).st_size >= 8 else b""
+        if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and \
+                struct.unpack("<Q", head)[0] > os.fstat(fd).st_size - 8:
+            # a pickle's PROTO opcode, read as a safetensors header length, is far beyond the file
+            fail("'", path, "' is a Python pickle, not a zip archive or a safetensors file: the legacy (non-zip) "
+                 "torch.save format is not supported; re-save it with torch.save(obj, path, "
+                 "_use_new_zipfile_serialization=True) (the default since torch 1.6)")
         st = Safetensors(p, fd)
     finally:
         os.close(fd)

@@ -5,6 +5,7 @@
 //   | import-dcp DIR -o OUT [--skip-non-tensors]
 #include <pthread.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -15,8 +16,11 @@
 
 #include "commands.h"
 #include "tessera/checkpoint/dcp_import.h"
+#include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/hf_export.h"
+#include "tessera/checkpoint/metadata.h"
 #include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/reader.h"
 #include "tessera/core/cli_checks.h"
 #include "tessera/core/error.h"
 
@@ -64,6 +68,59 @@ void remove_output_on_interrupt() {
     ::raise(sig);  // ends the process with the signal's status
     ::_exit(128 + sig);
   }).detach();
+}
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// For verify: why `path` is not a Tessera checkpoint at all ("" when it may be one, intact
+// or not): a directory without the metadata file and without Tessera data files (a Hugging
+// Face model directory, a DCP checkpoint, any other directory), or a Python pickle in place
+// of a file. Such an input is an input error (exit 2), not a corrupt checkpoint (exit 1).
+std::string not_a_checkpoint(const std::string& path) {
+  namespace ck = tessera::checkpoint;
+  if (ck::is_regular_file(path)) return ck::pickle_file_reason(path);
+  if (!ck::is_directory(path) || ck::path_exists(ck::join_path(path, ck::kMetadataFile))) return "";
+  int64_t safetensors = 0;
+  bool hf_index = false, dcp = false;
+  std::string first;
+  for (const auto& n : ck::list_dir(path)) {
+    if (n.compare(0, 9, "data-rank") == 0 && ends_with(n, ".safetensors")) return "";  // Tessera's, metadata lost
+    hf_index |= n == "model.safetensors.index.json";
+    dcp |= n == ".metadata";
+    if (ends_with(n, ".safetensors")) {
+      ++safetensors;
+      if (first.empty() || n < first) first = n;
+    }
+  }
+  std::string what, hint;
+  if (hf_index || (safetensors > 0 && !dcp)) {
+    what = hf_index ? concat("a Hugging Face model directory (model.safetensors.index.json and ", safetensors,
+                             " safetensors file(s))")
+                    : concat("a directory of ", safetensors, " safetensors file(s)");
+    if (!first.empty()) hint = concat("; verify its files one by one: tessera ckpt verify ", ck::join_path(path, first));
+  } else if (dcp) {
+    what = "a PyTorch Distributed Checkpoint (.metadata)";
+    hint = concat("; import it first: tessera ckpt import-dcp ", path, " -o OUT");
+  } else {
+    what = "a directory";
+  }
+  return concat("'", path, "' is not a Tessera checkpoint: it is ", what, " without ", ck::kMetadataFile, hint);
+}
+
+// The commands that write refuse an output path that is a symbolic link, naming it: the
+// link is neither replaced (a checkpoint where the link was) nor written through (into
+// its target, somewhere else).
+void check_output_not_link(const std::string& out) {
+  std::string bare = out;
+  while (bare.size() > 1 && bare.back() == '/') bare.pop_back();
+  struct stat st;
+  if (::lstat(bare.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return;
+  char target[4096];
+  const ssize_t n = ::readlink(bare.c_str(), target, sizeof target);
+  throw Error(concat("output '", out, "' is a symbolic link (to '", n > 0 ? std::string(target, n) : "?",
+                     "'): tessera ckpt neither replaces a link nor writes through one; give the path to write "
+                     "(the link's target, or another name)"));
 }
 }  // namespace
 
@@ -150,6 +207,8 @@ Runner add_ckpt_command(CLI::App& app) {
       return 0;
     }
     if (verify->parsed()) {
+      const std::string foreign = not_a_checkpoint(a->path);
+      if (!foreign.empty()) throw Error(foreign);  // exit 2: an input error, not corruption
       ck::VerifyReport r = ck::verify(a->path);
       if (r.ok) {
         std::cout << "OK: " << a->path << ": " << r.chunks_checked << " chunks, " << r.bytes_checked << " bytes";
@@ -160,7 +219,10 @@ Runner add_ckpt_command(CLI::App& app) {
       for (const auto& p : r.problems) std::cerr << "  " << p << "\n";
       return 1;
     }
-    if (consolidate->parsed() || reshard->parsed() || exp->parsed() || import_dcp->parsed()) remove_output_on_interrupt();
+    if (consolidate->parsed() || reshard->parsed() || exp->parsed() || import_dcp->parsed()) {
+      check_output_not_link(a->out);
+      remove_output_on_interrupt();
+    }
     if (consolidate->parsed()) {
       ck::consolidate(a->path, a->out, a->force);
       std::cout << "wrote " << a->out << "\n";

@@ -93,6 +93,23 @@ bool looks_like_zip(const std::string& path) {
 
 }  // namespace
 
+std::string pickle_file_reason(const std::string& path) {
+  // A pickle starts with PROTO (0x80) and its protocol (2 for torch.save's legacy format);
+  // read as a safetensors header length, those bytes and the next six give a number far
+  // beyond the file, which no safetensors file has.
+  File f(path, "r");
+  const uint64_t size = f.size();
+  if (size < 8) return "";
+  unsigned char b[8];
+  f.pread_exact(0, b, 8);
+  uint64_t n = 0;
+  for (int k = 7; k >= 0; --k) n = (n << 8) | b[k];
+  if (b[0] != 0x80 || b[1] < 2 || b[1] > 5 || n <= size - 8) return "";
+  return concat("'", path, "' is a Python pickle, not a zip archive or a safetensors file: the legacy (non-zip) ",
+                "torch.save format is not supported; re-save it with torch.save(obj, path, ",
+                "_use_new_zipfile_serialization=True) (the default since torch 1.6)");
+}
+
 CheckpointMetadata open_checkpoint(const std::string& path) {
   std::string p = path;
   if (!path_exists(p)) {
@@ -129,6 +146,8 @@ CheckpointMetadata open_checkpoint(const std::string& path) {
   const std::string why = not_regular_file_reason(p);
   TESSERA_CHECK(why.empty(), "'", path, "' is neither a checkpoint directory nor a file: it ", why);
   if (looks_like_zip(p)) return import_torch_file(p);
+  const std::string pickled = pickle_file_reason(p);
+  TESSERA_CHECK(pickled.empty(), pickled);
   return from_safetensors(p);
 }
 
