@@ -10,8 +10,8 @@ A checkpoint is a sharded directory (tessera-checkpoint.json + one safetensors d
 rank, any world size) or a consolidated safetensors file (docs/checkpoint-format.md). Tensors
 come back whole, assembled from their chunks, on the CPU; plain values as int, float, bool,
 str, bytes (an empty nested dict as {}). Files are read with plain file I/O, only the byte
-ranges needed; nothing is unpickled or executed. Requires torch; numpy makes the checksums
-faster.
+ranges needed; nothing is unpickled or executed. Requires torch and google-crc32c (hardware
+CRC32C; without it a slow pure-Python CRC is used).
 """
 import ctypes
 import os
@@ -326,7 +326,6 @@ VERIFY_PIECE = 64 << 20  # bytes read at a time by verify()
 
 
 def _verify(ck):
-    torch = _torch()
     lay = ck._layout
     problems = []
     chunks = 0
@@ -346,9 +345,9 @@ def _verify(ck):
                 fd = ck._fd(c.file)
                 for off in range(0, n, piece):
                     length = min(piece, n - off)
-                    if buf is None or buf.numel() < length:
-                        buf = torch.empty(length, dtype=torch.uint8)
-                    view = _tensor_view(buf)[:length]
+                    if buf is None or len(buf) < length:
+                        buf = memoryview(bytearray(length))  # no torch: `python -m tessera_ckpt verify` starts fast
+                    view = buf[:length]
                     pread_into(fd, view, c.begin + off, path)
                     if not c.crcs:
                         continue

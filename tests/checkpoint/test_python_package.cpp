@@ -202,7 +202,7 @@ TEST(PythonPackage, LoadsShardedCheckpointsWrittenAtOneTwoAndThreeRanks) {
 // Every dtype, plain values whose bits matter (a NaN payload, -0.0, infinities, a denormal,
 // int64 extremes), unicode text, bytes with NUL, an empty nested dict, tensors of several
 // 4 MiB checksum blocks (sharded and whole), column pieces and a 0-dim tensor; sharded and
-// consolidated; checksums with the default implementation and with the torch and numpy ones.
+// consolidated; checksums by google-crc32c (the default, and forced).
 TEST(PythonPackage, DtypesPlainValuesAndMultiBlockTensorsLoadBitExact) {
   const std::string dir = temp_dir("tessera-pypkg");
   ck::save(special_state(), dir + "/ckpt", *solo(), {ck::SaveMode::Sharded});
@@ -215,16 +215,12 @@ TEST(PythonPackage, DtypesPlainValuesAndMultiBlockTensorsLoadBitExact) {
                                   "--torch " + dir + "/ckpt.pt --safetensors " + dir +
                                   "/full.safetensors --prefix model --prefix-count 15"));
   EXPECT_EQ(rc, 0) << out;
-  EXPECT_NE(out.find("ok 73 "), std::string::npos) << out;
-  auto [rc2, out2] = run_command("TESSERA_CKPT_CRC=torch " +
+  EXPECT_NE(out.find("ok 73 crc google_crc32c"), std::string::npos) << out;
+  auto [rc2, out2] = run_command("TESSERA_CKPT_CRC=package " +
                                  py("tessera_ckpt_check.py " + dir + "/full.safetensors --state special --kind "
                                     "consolidated --world-size 1"));
   EXPECT_EQ(rc2, 0) << out2;
-  EXPECT_NE(out2.find("ok 29 crc torch"), std::string::npos) << out2;
-  auto [rc3, out3] = run_command("TESSERA_CKPT_CRC=numpy " +
-                                 py("tessera_ckpt_check.py " + dir + "/ckpt --state special --world-size 1"));
-  EXPECT_EQ(rc3, 0) << out3;
-  EXPECT_NE(out3.find("ok 29 crc numpy"), std::string::npos) << out3;
+  EXPECT_NE(out2.find("ok 29 crc google_crc32c"), std::string::npos) << out2;
   // A flipped byte in the last block of the 24 MB tensor (read in 16 MiB pieces, each
   // checksummed on another thread while the next is read): the error names that block.
   const std::string damaged = dir + "/damaged.safetensors";
@@ -239,12 +235,19 @@ TEST(PythonPackage, DtypesPlainValuesAndMultiBlockTensorsLoadBitExact) {
   EXPECT_NE(out4.find("refused:"), std::string::npos) << out4;
 }
 
-TEST(PythonPackage, Crc32cImplementationsAgreeWithTheStandardAndEachOther) {
-  auto [rc, out] = run_command(py("tessera_ckpt_crc.py"));
+// Both CRC32C implementations of the package (google-crc32c's C extension, the pure-Python
+// loop) against the standard's test vectors, each other, and the block checksums this writer
+// put in a sharded checkpoint and a consolidated file (a whole 4 MiB block and a short one).
+TEST(PythonPackage, Crc32cImplementationsAgreeWithTheStandardEachOtherAndTheWriter) {
+  const std::string dir = temp_dir("tessera-pycrc");
+  state::StateDict sd;
+  sd.set("w", at::randn({(4 << 20) / 4 + 1000}));
+  sd.set("b", at::arange(7, at::kDouble));
+  ck::save(sd, dir + "/ckpt", *solo(), {ck::SaveMode::Sharded});
+  ck::save(sd, dir + "/full.safetensors", *solo(), {ck::SaveMode::Full});
+  auto [rc, out] = run_command(py("tessera_ckpt_crc.py --checkpoint " + dir + "/ckpt --file " + dir + "/full.safetensors"));
   EXPECT_EQ(rc, 0) << out;
-  // torch always, numpy and libext2fs where present (both here), the Python loop last
-  EXPECT_NE(out.find("ok torch "), std::string::npos) << out;
-  EXPECT_NE(out.find(" python"), std::string::npos) << out;
+  EXPECT_NE(out.find("ok package python"), std::string::npos) << out;
 }
 
 // Damage of each kind is refused, naming the file (and the key where one is at fault); a
@@ -373,6 +376,11 @@ TEST(PythonPackage, InstallsWithPipAndRunsAsAModule) {
                                  "--disable-pip-version-check --target " + dir + "/site " + src);
   ASSERT_EQ(prc, 0) << pout;
   ASSERT_TRUE(fs::exists(dir + "/site/tessera_ckpt/__init__.py")) << pout;
+  bool crc_dependency = false;  // google-crc32c is declared: pip installs it with the package
+  for (const auto& e : fs::directory_iterator(dir + "/site"))
+    if (e.path().extension() == ".dist-info")
+      crc_dependency |= read_bytes(e.path().string() + "/METADATA").find("Requires-Dist: google-crc32c") != std::string::npos;
+  EXPECT_TRUE(crc_dependency) << pout;
   auto r = run_ranks(2, {"ckpt_save", dir + "/ckpt", "sharded", "sharded"}, 120);
   ASSERT_EQ(r.launch.exit_code, 0) << r.all_output();
   const std::string env = "cd " + dir + " && PYTHONPATH=" + dir + "/site " + TESSERA_PYTHON;
@@ -383,6 +391,7 @@ TEST(PythonPackage, InstallsWithPipAndRunsAsAModule) {
   EXPECT_NE(iout.find("sharded checkpoint, format version 1, world size at save 2"), std::string::npos) << iout;
   EXPECT_NE(iout.find("opt.step"), std::string::npos) << iout;
   EXPECT_NE(iout.find("OK: ckpt: "), std::string::npos) << iout;
+  EXPECT_NE(iout.find("(CRC32C by google_crc32c)"), std::string::npos) << iout;
   auto [brc, bout] = run_command(env + " -m tessera_ckpt verify nowhere");
   EXPECT_EQ(brc, 1) << bout;
   EXPECT_NE(bout.find("'nowhere' does not exist"), std::string::npos) << bout;
