@@ -105,10 +105,11 @@ def _u64(v, what):
 
 
 def _dims(v, what):
+    # As the C++ reader: a dimension (or offset) is an int64, never above 2^63 - 1.
     if not isinstance(v, list):
         fail(what, ": expected an array of dimensions")
     for d in v:
-        if not _is_int(d) or d < 0:
+        if not _is_int(d) or d < 0 or d > INT64_MAX:
             fail(what, ": bad dimension ", json.dumps(d))
     return list(v)
 
@@ -123,15 +124,33 @@ def num_blocks(nbytes, block):
     return (nbytes + block - 1) // block
 
 
+# Checksum block sizes a reader accepts (C++: checksum.h check_crc_block): a multiple of 8, so
+# that every block starts on a whole element of every dtype, and at most 1 GiB.
+MIN_CRC_BLOCK, MAX_CRC_BLOCK = 8, 1 << 30
+
+
+def check_crc_block(block, what):
+    if not MIN_CRC_BLOCK <= block <= MAX_CRC_BLOCK or block % 8:
+        fail(what, ": checksum block size ", block, " is not a multiple of 8 bytes between ", MIN_CRC_BLOCK, " and ",
+             MAX_CRC_BLOCK, " (corrupt or tampered)")
+    return block
+
+
 def byte_size(shape, dtype, what):
-    n = DTYPES[dtype][1]
+    """prod(shape) * itemsize; refused above 2^62 bytes (so the element count fits in int64)."""
     for d in shape:
         if d == 0:
             return 0
+    n = DTYPES[dtype][1]
+    for d in shape:
         n *= d
         if n > 1 << 62:
-            fail(what, ": shape too large")
+            fail(what, ": shape too large (more than 2^62 bytes)")
     return n
+
+
+def shape_string(shape):
+    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def dtype_of(name, what):
@@ -253,6 +272,8 @@ def _overlap(a, b):
 
 
 def check_tiling(fqn, e, where):
+    # The whole tensor's byte size (and element count) is bounded first, as in C++.
+    byte_size(e.shape, e.dtype, f"{where}: key '{fqn}': shape {shape_string(e.shape)}")
     volume = 0
     nonempty = []
     whole = 1
@@ -323,9 +344,7 @@ def parse_metadata(text, directory):
     if "world_size" not in j:
         fail(where, ": no world_size")
     m.world_size = int_in(j["world_size"], 1, MAX_WORLD_SIZE, where + " world_size")
-    m.crc_block = _u64(j.get("crc32c_block"), where + " crc32c_block")
-    if m.crc_block == 0:
-        fail(where, ": crc32c_block is 0")
+    m.crc_block = check_crc_block(_u64(j.get("crc32c_block"), where + " crc32c_block"), where + " crc32c_block")
     if not isinstance(j.get("files"), list):
         fail(where, ": files is not an array")
     for f in j["files"]:
@@ -467,9 +486,7 @@ class Safetensors:
             bs = self.metadata.get("tessera.crc32c_block", "")
             if not bs or not bs.isdigit() or not bs.isascii() or len(bs) >= 12:
                 fail("'", path, "': bad tessera.crc32c_block '", bs, "'")
-            self.crc_block = int(bs)
-            if self.crc_block == 0:
-                fail("'", path, "': tessera.crc32c_block is 0")
+            self.crc_block = check_crc_block(int(bs), f"'{path}': tessera.crc32c_block")
             total = sum(num_blocks(self.tensors[k][3] - self.tensors[k][2], self.crc_block) for k in order)
             if len(crc) != 8 * total:
                 fail("'", path, "': tessera.crc32c holds ", len(crc) // 8, " checksums for ", total, " blocks")

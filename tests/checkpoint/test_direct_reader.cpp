@@ -78,7 +78,7 @@ TEST(DirectReader, ReadsUnalignedRangesInWholeBlockSegments) {
       {size - 1, 1, 1}, {12345, 3 * 12288 + 17, 5000},
   };
   for (const auto& [off, n, mult] : cases) expect_reads(r, f, bytes, off, n, mult, segment);
-  std::cout << "direct I/O under " << dir << ": " << (r.direct(f.path()) ? "yes" : "refused, plain pread") << "\n";
+  std::cout << "direct I/O under " << dir << ": " << (r.direct(f) ? "yes" : "refused, plain pread") << "\n";
 }
 
 TEST(DirectReader, WithoutDirectIoReadsThroughThePageCache) {
@@ -87,7 +87,7 @@ TEST(DirectReader, WithoutDirectIoReadsThroughThePageCache) {
   ck::File f(dir + "/data", "r");
   ::setenv("TESSERA_NO_DIRECT_IO", "1", 1);
   ck::DirectReader r(2, 64 * 1024);
-  const bool direct = r.direct(f.path());
+  const bool direct = r.direct(f);
   ::unsetenv("TESSERA_NO_DIRECT_IO");
   EXPECT_FALSE(direct);
   expect_reads(r, f, bytes, 3, bytes.size() - 3, 4096, 64 * 1024);

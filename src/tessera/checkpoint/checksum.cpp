@@ -6,6 +6,12 @@
 
 namespace tessera::checkpoint {
 
+void check_crc_block(uint64_t block, const std::string& what) {
+  TESSERA_CHECK(block >= kMinCrcBlock && block <= kMaxCrcBlock && block % 8 == 0, what, ": checksum block size ",
+                block, " is not a multiple of 8 bytes between ", kMinCrcBlock, " and ", kMaxCrcBlock,
+                " (corrupt or tampered)");
+}
+
 std::vector<std::vector<uint32_t>> assemble_block_crcs(std::vector<CrcPiece> pieces,
                                                        const std::vector<std::pair<std::string, uint64_t>>& tensors,
                                                        const std::string& file, uint64_t block) {

@@ -20,8 +20,19 @@ using core::parse_crc_hex;
 // Checksum block size of format version 1.
 constexpr uint64_t kCrcBlock = 4u << 20;
 
-// Number of blocks of a byte length.
-inline uint64_t num_blocks(uint64_t bytes, uint64_t block = kCrcBlock) { return (bytes + block - 1) / block; }
+// The checksum block sizes a reader accepts (docs/checkpoint-format.md §1, §3): a multiple
+// of 8, so that every block starts on an element of every dtype (the reader widens a byte
+// range to whole blocks and reads elements from the block's start), and at most 1 GiB,
+// so that reading one element never means reading more than that.
+constexpr uint64_t kMinCrcBlock = 8;
+constexpr uint64_t kMaxCrcBlock = 1ull << 30;
+// Throws tessera::Error naming `what` for a block size outside those bounds.
+void check_crc_block(uint64_t block, const std::string& what);
+
+// Number of blocks of a byte length (no wrap for any block > 0).
+inline uint64_t num_blocks(uint64_t bytes, uint64_t block = kCrcBlock) {
+  return bytes / block + (bytes % block != 0 ? 1 : 0);
+}
 
 // One checksum per `block` bytes of [data, data + n) (the last one may be shorter).
 inline std::vector<uint32_t> block_crcs(const void* data, size_t n, uint64_t block = kCrcBlock) {

@@ -1,5 +1,7 @@
 #include "tessera/checkpoint/direct_reader.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,16 +34,56 @@ DirectReader::~DirectReader() {
   for (auto& t : threads_) t.join();
 }
 
-const File* DirectReader::direct_file(const std::string& path) {
-  std::lock_guard<std::mutex> lock(files_mu_);
-  auto it = direct_files_.find(path);
-  if (it != direct_files_.end()) return it->second.get();
-  std::unique_ptr<File> f;
-  if (File d = open_direct(path, false); d.is_open()) f = std::make_unique<File>(std::move(d));
-  return direct_files_.emplace(path, std::move(f)).first->second.get();
+namespace {
+
+// An O_DIRECT descriptor of the very file `file` has open (`st`: its fstat), never of a
+// file that has since taken its path: reopened through /proc/self/fd/N, else by path with
+// device and inode compared. Not open where O_DIRECT is refused, disabled
+// (TESSERA_NO_DIRECT_IO) or the same file cannot be had: the caller reads through `file`.
+File open_same_direct(const File& file, const struct stat& st) {
+#if defined(O_DIRECT)
+  if (std::getenv("TESSERA_NO_DIRECT_IO") != nullptr) return File();
+  const std::string proc = concat("/proc/self/fd/", file.fd());
+  int fd = ::open(proc.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (fd < 0 && (errno == ENOENT || errno == ENOTDIR || errno == EACCES || errno == ELOOP))  // no /proc
+    fd = ::open(file.path().c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (fd < 0) return File();
+  File d = File::adopt(fd, file.path());
+  struct stat ds;
+  if (::fstat(fd, &ds) != 0 || ds.st_dev != st.st_dev || ds.st_ino != st.st_ino) return File();
+  return d;
+#else
+  (void)file;
+  (void)st;
+  return File();
+#endif
 }
 
-bool DirectReader::direct(const std::string& path) { return direct_file(path) != nullptr; }
+}  // namespace
+
+const File* DirectReader::direct_file(const File& file) {
+  struct stat st;
+  TESSERA_CHECK(::fstat(file.fd(), &st) == 0, "cannot stat '", file.path(), "': ", std::strerror(errno));
+  std::lock_guard<std::mutex> lock(files_mu_);
+  auto it = direct_files_.find(file.path());
+  if (it != direct_files_.end() && it->second.dev == static_cast<uint64_t>(st.st_dev) &&
+      it->second.ino == static_cast<uint64_t>(st.st_ino))
+    return it->second.file.get();
+  Direct d;
+  d.dev = static_cast<uint64_t>(st.st_dev);
+  d.ino = static_cast<uint64_t>(st.st_ino);
+  if (File f = open_same_direct(file, st); f.is_open()) d.file = std::make_unique<File>(std::move(f));
+  Direct& slot = direct_files_[file.path()];
+  slot = std::move(d);
+  return slot.file.get();
+}
+
+bool DirectReader::direct(const File& file) { return direct_file(file) != nullptr; }
+
+void DirectReader::forget(const std::string& path) {
+  std::lock_guard<std::mutex> lock(files_mu_);
+  direct_files_.erase(path);
+}
 
 void DirectReader::run(Job& job) {
   thread_local AlignedBuffer bounce;  // one per worker
@@ -105,7 +147,7 @@ void DirectReader::read(const File& file, uint64_t offset, void* dst, uint64_t n
   if (n == 0) return;
   const uint64_t mult = std::max<uint64_t>(1, segment_multiple);
   const uint64_t seg = segment_ >= mult ? segment_ / mult * mult : mult;
-  const File* d = direct_file(file.path());
+  const File* d = direct_file(file);
   Batch batch;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -49,14 +49,20 @@ class DirectReader {
   DirectReader(const DirectReader&) = delete;
   DirectReader& operator=(const DirectReader&) = delete;
 
-  // Reads [offset, offset + n) of `file` (open for reading; its path is reopened with
-  // O_DIRECT once) into dst. Segments are multiples of `segment_multiple` bytes (the
+  // Reads [offset, offset + n) of `file` (open for reading) into dst. The O_DIRECT
+  // descriptor is opened once per file from `file`'s own descriptor (/proc/self/fd), so it
+  // reads the very file `file` has open even when a new file has since been renamed over
+  // its path (a checkpoint committed while it is read); where that cannot be ensured the
+  // read goes through `file` itself. Segments are multiples of `segment_multiple` bytes (the
   // checksum block, so that no block straddles two segments), except the last. Returns
   // when every segment has landed and been checked.
   void read(const File& file, uint64_t offset, void* dst, uint64_t n, uint64_t segment_multiple, const Check& check);
-  // Whether reads of `path` bypass the page cache (false: plain pread, and read-ahead
+  // Whether reads of `file` bypass the page cache (false: plain pread, and read-ahead
   // advice still helps them).
-  bool direct(const std::string& path);
+  bool direct(const File& file);
+  // Closes the O_DIRECT descriptor kept for `path` (its reader closed its own); a later
+  // read opens it again. Not while a read of it is in progress.
+  void forget(const std::string& path);
   // Ranges shorter than this are better read with one plain pread by the caller.
   static constexpr uint64_t kMinBytes = 1u << 20;
 
@@ -74,7 +80,7 @@ class DirectReader {
   };
   void work();
   static void run(Job& job);
-  const File* direct_file(const std::string& path);
+  const File* direct_file(const File& file);
 
   uint64_t segment_;
   int workers_;
@@ -84,7 +90,11 @@ class DirectReader {
   std::deque<Job> queue_;
   bool stop_ = false;
   std::mutex files_mu_;
-  std::map<std::string, std::unique_ptr<File>> direct_files_;  // nullptr: O_DIRECT refused
+  struct Direct {
+    std::unique_ptr<File> file;  // nullptr: O_DIRECT refused, or not the same file
+    uint64_t dev = 0, ino = 0;   // of the file it was opened for
+  };
+  std::map<std::string, Direct> direct_files_;  // by path
 };
 
 }  // namespace tessera::checkpoint

@@ -271,7 +271,7 @@ HfExportResult export_hf(const std::string& src, const std::string& out_arg, con
         at::Tensor t = in_buf.narrow(0, 0, static_cast<int64_t>(byte_size(e.shape, e.dtype, it.key)))
                            .view(e.dtype)
                            .view(e.shape);
-        for (const auto& c : e.chunks) reader.copy_into(it.key, e, c, t, box);
+        reader.fill_box(it.key, e, t, box, "the export");  // every element read before it is written
         if (it.out_dtype != e.dtype) {
           // copy_ converts as Tensor.to() does (round to nearest even).
           at::Tensor o =

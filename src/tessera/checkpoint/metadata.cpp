@@ -10,6 +10,7 @@
 #include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 
 namespace tessera::checkpoint {
 
@@ -222,6 +223,9 @@ void check_plain_name(const std::string& name, const std::string& what) {
 }
 
 void check_tiling(const std::string& fqn, const EntryInfo& e) {
+  // The whole tensor must be addressable: its byte size (and so its element count) fits
+  // in 2^62, checked without wrapping (byte_size), before any box arithmetic.
+  byte_size(e.shape, e.dtype, concat("key '", fqn, "': shape ", core::shape_string(e.shape)));
   const sharding::Box whole = sharding::full_box(e.shape);
   int64_t volume = 0;
   std::vector<const ChunkInfo*> nonempty;
@@ -232,14 +236,15 @@ void check_tiling(const std::string& fqn, const EntryInfo& e) {
     for (size_t d = 0; d < c.box.dim(); ++d)
       TESSERA_CHECK(c.box.offsets[d] >= 0 && c.box.sizes[d] >= 0, "key '", fqn, "': chunk ", c.box.to_string(),
                     " has negative offsets or sizes");
-    TESSERA_CHECK(sharding::contains(whole, c.box), "key '", fqn, "': chunk ", c.box.to_string(),
+    // Every chunk, empty ones included, lies inside the shape (no offset + size wraps).
+    TESSERA_CHECK(sharding::inside_shape(e.shape, c.box), "key '", fqn, "': chunk ", c.box.to_string(),
                   " lies outside the shape ", whole.to_string());
     if (c.box.empty()) continue;
     for (auto* o : nonempty)
       TESSERA_CHECK(!sharding::intersect(o->box, c.box), "key '", fqn, "': chunks ", o->box.to_string(), " and ",
                     c.box.to_string(), " overlap");
     nonempty.push_back(&c);
-    volume += c.box.numel();
+    volume += c.box.numel();  // inside the shape and disjoint: the sum stays <= whole.numel()
   }
   TESSERA_CHECK(volume == whole.numel(), "key '", fqn, "': the chunks cover ", volume, " of ", whole.numel(),
                 " elements (incomplete checkpoint)");
@@ -320,7 +325,7 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
     TESSERA_CHECK(j.contains("world_size"), where, ": no world_size");
     m.world_size = static_cast<int>(get_int_in(j["world_size"], 1, kMaxWorldSize, where + " world_size"));
     m.crc_block = get_u64(j["crc32c_block"], where + " crc32c_block");
-    TESSERA_CHECK(m.crc_block > 0, where, ": crc32c_block is 0");
+    check_crc_block(m.crc_block, where + " crc32c_block");
     TESSERA_CHECK(j["files"].is_array(), where, ": files is not an array");
     for (const auto& f : j["files"]) {
       TESSERA_CHECK(f.is_object() && f.contains("name") && f["name"].is_string(), where, ": bad files entry");

@@ -146,7 +146,7 @@ void write_consolidated(const CheckpointMetadata& m, const std::string& tmp) {
     const EntryInfo& e = m.entries.at(k);
     const sharding::Box box = sharding::full_box(e.shape);
     at::Tensor t = buffer.narrow(0, 0, static_cast<int64_t>(byte_size(e.shape, e.dtype, k))).view(e.dtype).view(e.shape);
-    for (const auto& c : e.chunks) reader.copy_into(k, e, c, t, box);
+    reader.fill_box(k, e, t, box, "the output");  // every element read before the tensor is written
     w.write(t);
   }
   w.finish();
@@ -203,6 +203,8 @@ VerifyReport verify(const std::string& path) {
   CheckpointMetadata m;
   try {
     m = open_checkpoint(path);
+  } catch (const ResourceError&) {
+    throw;  // out of descriptors: an error of this machine, not a problem of the checkpoint
   } catch (const std::exception& e) {
     rep.ok = false;
     rep.problems.push_back(e.what());
@@ -213,6 +215,8 @@ VerifyReport verify(const std::string& path) {
     for (const auto& [name, size] : m.files) {
       try {
         reader.reader(name);
+      } catch (const ResourceError&) {
+        throw;
       } catch (const std::exception& e) {
         rep.problems.push_back(e.what());
       }
@@ -229,6 +233,8 @@ VerifyReport verify(const std::string& path) {
         reader.verify_chunk(k, e, c);
         rep.chunks_checked++;
         rep.bytes_checked += c.end - c.begin;
+      } catch (const ResourceError&) {
+        throw;
       } catch (const std::exception& ex) {
         rep.problems.push_back(ex.what());
       }

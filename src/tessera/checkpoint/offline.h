@@ -20,7 +20,9 @@ struct VerifyReport {
   bool has_checksums = true;          // false for foreign safetensors / torch files
 };
 // Completeness (metadata, every data file present with its size, headers valid,
-// chunks tiling every tensor) and every checksum. Never throws for a bad checkpoint.
+// chunks tiling every tensor) and every checksum. Never throws for a bad checkpoint; throws
+// ResourceError (safetensors.h) when this process runs out of a resource (descriptors)
+// that says nothing about the checkpoint.
 VerifyReport verify(const std::string& path);
 
 // The most ranks `reshard` writes a checkpoint for (one data file per rank).

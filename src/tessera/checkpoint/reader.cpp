@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+
 #include <algorithm>
 
 #include "tessera/checkpoint/checksum.h"
@@ -84,7 +86,7 @@ CheckpointMetadata from_safetensors(const std::string& path) {
 }
 
 bool looks_like_zip(const std::string& path) {
-  File f(path, "r");
+  File f = open_for_reading(path);
   if (f.size() < 4) return false;
   char b[4];
   f.pread_exact(0, b, 4);
@@ -123,7 +125,14 @@ CheckpointMetadata open_checkpoint(const std::string& path) {
     TESSERA_CHECK(why_mf.empty(), "'", path, "' is not a Tessera checkpoint: '", kMetadataFile, "' ",
                   why_mf == "does not exist" ? "is missing" : why_mf + ": '" + mf + "'",
                   " (incomplete or foreign directory)");
-    const std::string text = read_small_file(mf, kMaxMetadataBytes);
+    std::string text;
+    {
+      File f = open_for_reading(mf);  // a ResourceError when out of descriptors
+      const uint64_t n = f.size();
+      TESSERA_CHECK(n <= kMaxMetadataBytes, "'", mf, "' is ", n, " bytes, more than the limit of ", kMaxMetadataBytes);
+      text.resize(n);
+      f.pread_exact(0, text.data(), n);
+    }
     CheckpointMetadata m = parse_metadata(text, p);
     check_metadata_checksum(text, concat("'", mf, "'"));  // after parsing: structural errors keep their messages
     for (const auto& [name, size] : m.files) {
@@ -131,7 +140,7 @@ CheckpointMetadata open_checkpoint(const std::string& path) {
       const std::string why = not_regular_file_reason(fp);
       TESSERA_CHECK(why.empty(), "checkpoint '", path, "': data file '", name, "' ",
                     why == "does not exist" ? "is missing" : why + ": '" + fp + "'");
-      File f(fp, "r");
+      File f = open_for_reading(fp);
       TESSERA_CHECK(f.size() == size, "checkpoint '", path, "': data file '", name, "' is ", f.size(),
                     " bytes, the metadata says ", size, " (truncated or replaced)");
     }
@@ -162,12 +171,50 @@ bool is_tessera_checkpoint(const std::string& path) {
   }
 }
 
+size_t ChunkReader::max_open_files() {
+  struct rlimit rl {};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return 128;
+  return static_cast<size_t>(std::clamp<uint64_t>(static_cast<uint64_t>(rl.rlim_cur) / 8, 2, 128));
+}
+
+ChunkReader::ChunkReader(const CheckpointMetadata& meta) : meta_(meta), max_open_(max_open_files()) {}
+
+void ChunkReader::close_files(size_t keep) {
+  while (open_.size() > keep) {
+    auto it = readers_.find(open_.back());
+    open_.pop_back();
+    if (it == readers_.end()) continue;
+    io_.forget(it->second->path());
+    it->second->close_file();
+  }
+}
+
 const SafetensorsReader& ChunkReader::reader(const std::string& file) {
   auto it = readers_.find(file);
-  if (it != readers_.end()) return *it->second;
-  const std::string p = meta_.source_kind == "sharded" ? join_path(meta_.location, file) : meta_.location;
-  auto r = std::make_unique<SafetensorsReader>(p);
-  return *readers_.emplace(file, std::move(r)).first->second;
+  if (it != readers_.end() && it->second->file_open()) {
+    auto pos = std::find(open_.begin(), open_.end(), file);
+    if (pos != open_.end()) open_.splice(open_.begin(), open_, pos);
+    return *it->second;
+  }
+  auto open = [&] {
+    if (it != readers_.end()) {
+      it->second->file();  // opens it again: the same file, or an error
+      return;
+    }
+    const std::string p = meta_.source_kind == "sharded" ? join_path(meta_.location, file) : meta_.location;
+    auto r = std::make_unique<SafetensorsReader>(p);
+    it = readers_.emplace(file, std::move(r)).first;
+  };
+  close_files(max_open_ - 1);
+  try {
+    open();
+  } catch (const ResourceError&) {
+    if (open_.empty()) throw;
+    close_files(0);  // out of descriptors all the same: give back every one this reader holds, once
+    open();
+  }
+  open_.push_front(file);
+  return *it->second;
 }
 
 void ChunkReader::check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c) {
@@ -185,16 +232,20 @@ void ChunkReader::check_blocks(const std::string& path, const std::string& fqn, 
   const uint64_t block = meta_.crc_block, nbytes = c.end - c.begin;
   for (uint64_t off = base; off < base + n; off += block) {
     const uint64_t len = std::min(block, nbytes - off);
-    const size_t bi = static_cast<size_t>(off / block);
+    const uint64_t bi = off / block;
+    TESSERA_CHECK(bi < c.crcs.size(), "'", path, "' key '", fqn, "' chunk ", c.box.to_string(), ": block ", bi,
+                  " has no checksum (", c.crcs.size(), " recorded)");
     TESSERA_CHECK(crc32c(data + (off - base), len) == c.crcs[bi], "'", path, "' key '", fqn,
                   "' chunk ", c.box.to_string(), ": checksum mismatch in block ", bi, " (bytes ", c.begin + off, "..",
                   c.begin + off + len, ") — the checkpoint is corrupt");
   }
 }
 
-ChunkReader::Range ChunkReader::range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const {
+ChunkReader::Range ChunkReader::range_of(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c,
+                                         const sharding::Box& ov) const {
   Range r;
-  // Row-major strides of the chunk, and the first and last element of the overlap.
+  // Row-major strides of the chunk, and the first and last element of the overlap (all
+  // below the chunk's element count, which parsing bounded by 2^62 bytes).
   const size_t nd = c.box.dim();
   r.strides.assign(nd, 1);
   for (size_t d = nd; d-- > 1;) r.strides[d - 1] = r.strides[d] * c.box.sizes[d];
@@ -203,13 +254,25 @@ ChunkReader::Range ChunkReader::range_of(const EntryInfo& e, const ChunkInfo& c,
     r.last += (ov.offsets[d] + ov.sizes[d] - 1 - c.box.offsets[d]) * r.strides[d];
   }
   const uint64_t is = itemsize(e.dtype), nbytes = c.end - c.begin;
-  r.block = c.crcs.empty() ? nbytes : meta_.crc_block;
   const uint64_t o0 = static_cast<uint64_t>(r.first) * is, o1 = static_cast<uint64_t>(r.last + 1) * is;
+  auto where = [&] { return concat("'", meta_.location, "' key '", fqn, "' chunk ", c.box.to_string()); };
+  TESSERA_CHECK(nbytes == static_cast<uint64_t>(c.box.numel()) * is && o1 <= nbytes, where(), ": byte range of ",
+                nbytes, " bytes does not hold the chunk's elements");
   r.b0 = o0;
   r.b1 = o1;
+  r.block = nbytes;
   if (!c.crcs.empty()) {
+    // Widened to whole checksum blocks. A valid block size is a multiple of 8 (parsing
+    // checks it), so the widened range starts and ends on whole elements: checked again
+    // here, since the buffer below holds (b1 - b0) / itemsize elements read from b0.
+    r.block = meta_.crc_block;
+    if (r.block < kMinCrcBlock || r.block > kMaxCrcBlock || r.block % 8 != 0) check_crc_block(r.block, where());
+    TESSERA_CHECK(c.crcs.size() == num_blocks(nbytes, r.block), where(), ": ", c.crcs.size(), " checksums for ",
+                  num_blocks(nbytes, r.block), " blocks");
     r.b0 = o0 / r.block * r.block;
-    r.b1 = std::min(nbytes, (o1 + r.block - 1) / r.block * r.block);
+    r.b1 = std::min(nbytes, o1 / r.block * r.block + (o1 % r.block != 0 ? r.block : 0));
+    TESSERA_CHECK(r.b0 % is == 0 && r.b1 % is == 0, where(), ": checksum block size ", r.block, " splits ",
+                  dtype_name(e.dtype), " elements");
   }
   r.exact = r.b0 == o0 && r.b1 == o1;
   return r;
@@ -220,9 +283,9 @@ uint64_t ChunkReader::prefetch(const std::string& fqn, const EntryInfo& e, const
   auto ov = sharding::intersect(dst_box, c.box);
   if (!ov || c.memory.defined()) return 0;
   check_header_entry(fqn, e, c);
-  const Range r = range_of(e, c, *ov);
+  const Range r = range_of(fqn, e, c, *ov);
   const File& f = reader(c.file).file();
-  if (r.b1 - r.b0 < DirectReader::kMinBytes || !io_.direct(f.path())) f.will_need(c.begin + r.b0, r.b1 - r.b0);
+  if (r.b1 - r.b0 < DirectReader::kMinBytes || !io_.direct(f)) f.will_need(c.begin + r.b0, r.b1 - r.b0);
   return r.b1 - r.b0;
 }
 
@@ -233,7 +296,7 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   if (c.memory.defined()) return sharding::copy_overlap(dst, dst_box, c.memory, c.box);
   check_header_entry(fqn, e, c);
   const SafetensorsReader& r = reader(c.file);
-  const Range rg = range_of(e, c, *ov);
+  const Range rg = range_of(fqn, e, c, *ov);
   const uint64_t is = itemsize(e.dtype);
   const uint64_t block = rg.block, b0 = rg.b0, b1 = rg.b1;
   // Fast path: the overlap is one contiguous byte range of the chunk (whole rows, or
@@ -247,6 +310,8 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   at::Tensor buf = direct ? view
                           : at::empty({static_cast<int64_t>((b1 - b0) / is)},
                                       at::TensorOptions().dtype(e.dtype).pinned_memory(!view.device().is_cpu()));
+  TESSERA_CHECK(static_cast<uint64_t>(buf.numel()) * is == b1 - b0, "internal: a ", b1 - b0,
+                "-byte read into a buffer of ", buf.numel(), " elements");
   auto* p = static_cast<char*>(buf.data_ptr());
   // Checks the checksum blocks of the `n` bytes at `at` (from b0; block-aligned).
   auto check = [&](uint64_t at, const char* q, uint64_t n) { check_blocks(r.path(), fqn, c, b0 + at, q, n); };
@@ -265,8 +330,17 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
 
 at::Tensor ChunkReader::read_box(const std::string& fqn, const EntryInfo& e, const sharding::Box& box) {
   at::Tensor t = at::empty(box.sizes, at::TensorOptions().dtype(e.dtype));
-  for (const auto& c : e.chunks) copy_into(fqn, e, c, t, box);
+  fill_box(fqn, e, t, box, "the box read");
   return t;
+}
+
+void ChunkReader::fill_box(const std::string& fqn, const EntryInfo& e, at::Tensor& dst, const sharding::Box& box,
+                           const std::string& what) {
+  int64_t n = 0;
+  for (const auto& c : e.chunks) n += copy_into(fqn, e, c, dst, box);
+  TESSERA_CHECK(n == box.numel(), "'", meta_.location, "' key '", fqn, "': the chunks cover ", n, " of the ",
+                box.numel(), " elements of ", box.to_string(), " -- ", what, " would hold memory never read ",
+                "from the checkpoint (incomplete or tampered checkpoint)");
 }
 
 void ChunkReader::verify_chunk(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <string>
@@ -35,7 +36,11 @@ std::string pickle_file_reason(const std::string& path);
 
 class ChunkReader {
  public:
-  explicit ChunkReader(const CheckpointMetadata& meta) : meta_(meta) {}
+  // Keeps at most max_open_files() data files open at once (each may hold a second, O_DIRECT
+  // descriptor): a checkpoint with more data files than the process may open is read by
+  // closing the least recently used and opening it again when needed (the same file:
+  // SafetensorsReader::file()).
+  explicit ChunkReader(const CheckpointMetadata& meta);
   // Copies the overlap of chunk `c` (of entry `fqn`) with `dst_box` into `dst`, which
   // holds the elements of `dst_box`. Reads only the checksum blocks that cover the
   // overlap. Returns the number of elements copied.
@@ -47,12 +52,21 @@ class ChunkReader {
   // advice is given for them where the file allows direct reads (it would fill the
   // page cache with pages the direct reads then pass by).
   uint64_t prefetch(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, const sharding::Box& dst_box);
-  // A tensor of `box` (inside the entry's shape) assembled from every chunk.
+  // A tensor of `box` (inside the entry's shape) assembled from every chunk; an error
+  // naming the key unless the chunks cover every element of `box`.
   at::Tensor read_box(const std::string& fqn, const EntryInfo& e, const sharding::Box& box);
+  // Copies every chunk's overlap with `box` into `dst` (holding `box`); an error naming
+  // the key and `what` unless they cover every element of it (what a writer of output
+  // checks before it writes the tensor).
+  void fill_box(const std::string& fqn, const EntryInfo& e, at::Tensor& dst, const sharding::Box& box,
+                const std::string& what);
   // Reads every block of the chunk and checks it (and the data file's header entry).
   void verify_chunk(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
-  // The (validated) safetensors reader of a data file.
+  // The (validated) safetensors reader of a data file, its file open.
   const SafetensorsReader& reader(const std::string& file);
+  // How many data files a ChunkReader keeps open: an eighth of RLIMIT_NOFILE's soft limit,
+  // between 2 and 128.
+  static size_t max_open_files();
 
  private:
   void check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
@@ -70,9 +84,13 @@ class ChunkReader {
     bool exact = false;           // [b0, b1) is the overlap's own bytes (no widening)
     std::vector<int64_t> strides;
   };
-  Range range_of(const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const;
+  Range range_of(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, const sharding::Box& ov) const;
+  // Closes the least recently used data files until fewer than `keep` are open.
+  void close_files(size_t keep);
   const CheckpointMetadata& meta_;
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
+  std::list<std::string> open_;  // data files with an open descriptor, most recently used first
+  size_t max_open_;
   DirectReader io_;  // its worker threads start at the first large read
   std::vector<char> verify_buf_;  // verify_chunk's window
 };

@@ -3,7 +3,14 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <limits>
 
 #include "tessera/checkpoint/checksum.h"
@@ -60,7 +67,7 @@ uint64_t byte_size(const std::vector<int64_t>& shape, at::ScalarType t, const st
     if (d == 0) return 0;
     TESSERA_CHECK(n <= std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d) &&
                       n * static_cast<uint64_t>(d) <= (1ull << 62),
-                  what, ": shape too large");
+                  what, ": shape too large (more than 2^62 bytes)");
     n *= static_cast<uint64_t>(d);
   }
   return n;
@@ -68,9 +75,45 @@ uint64_t byte_size(const std::vector<int64_t>& shape, at::ScalarType t, const st
 
 // ---------------------------------------------------------------- reader
 
-SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path, "r") {
+File open_for_reading(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) return File::adopt(fd, path);
+  const int e = errno;
+  if (e == EMFILE || e == ENFILE) {
+    struct rlimit rl {};
+    const bool known = ::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY;
+    throw ResourceError(concat(
+        "cannot open '", path, "' for reading: ", std::strerror(e),
+        e == ENFILE ? std::string(" (the system's open-file table is full: fs.file-max)")
+                    : concat(" (this process's open-file limit RLIMIT_NOFILE",
+                             known ? concat(" is ", rl.rlim_cur) : std::string(), "; raise it with `ulimit -n`)"),
+        " -- a resource limit of this machine, not a fault of the checkpoint"));
+  }
+  throw Error(concat("cannot open '", path, "' for reading: ", std::strerror(e)));
+}
+
+const File& SafetensorsReader::file() const {
+  if (!file_.is_open()) {
+    File f = open_for_reading(path_);
+    struct stat st;
+    TESSERA_CHECK(::fstat(f.fd(), &st) == 0, "cannot stat '", path_, "': ", std::strerror(errno));
+    TESSERA_CHECK(static_cast<uint64_t>(st.st_dev) == dev_ && static_cast<uint64_t>(st.st_ino) == ino_, "'", path_,
+                  "' was replaced by another file after its header was read (a checkpoint committed over this one ",
+                  "while it was being read?): read the checkpoint again");
+    file_ = std::move(f);
+  }
+  return file_;
+}
+
+SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path), file_(open_for_reading(path)) {
   check_little_endian();
-  size_ = file_.size();
+  {
+    struct stat st;
+    TESSERA_CHECK(::fstat(file_.fd(), &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
+    dev_ = static_cast<uint64_t>(st.st_dev);
+    ino_ = static_cast<uint64_t>(st.st_ino);
+    size_ = static_cast<uint64_t>(st.st_size);
+  }
   TESSERA_CHECK(size_ >= 8, "'", path, "' is not a safetensors file: ", size_, " bytes, shorter than the 8-byte header length");
   unsigned char lenbuf[8];
   file_.pread_exact(0, lenbuf, 8);
@@ -143,7 +186,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path, "r")
     TESSERA_CHECK(!bs.empty() && bs.find_first_not_of("0123456789") == std::string::npos && bs.size() < 12,
                   "'", path, "': bad tessera.crc32c_block '", bs, "'");
     crc_block_ = std::stoull(bs);
-    TESSERA_CHECK(crc_block_ > 0, "'", path, "': tessera.crc32c_block is 0");
+    check_crc_block(crc_block_, concat("'", path, "': tessera.crc32c_block"));
     uint64_t total = 0;
     for (auto* e : sorted) total += num_blocks(e->nbytes(), crc_block_);
     TESSERA_CHECK(c->second.size() == 8 * total, "'", path, "': tessera.crc32c holds ", c->second.size() / 8,
@@ -196,7 +239,7 @@ at::Tensor SafetensorsReader::read(const std::string& name) const {
   TESSERA_CHECK(e != nullptr, "'", path(), "' has no tensor '", name, "'");
   at::Tensor t = at::empty(e->shape, at::TensorOptions().dtype(e->dtype));
   auto* p = static_cast<char*>(t.data_ptr());
-  file_.pread_exact(e->begin, p, e->nbytes());
+  file().pread_exact(e->begin, p, e->nbytes());
   if (const auto* c = crcs(name)) {
     for (size_t i = 0; i < c->size(); ++i) {
       const uint64_t off = i * crc_block_;

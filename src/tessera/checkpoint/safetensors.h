@@ -10,8 +10,21 @@
 #include <vector>
 
 #include "tessera/checkpoint/file_io.h"
+#include "tessera/core/error.h"
 
 namespace tessera::checkpoint {
+
+// A read that failed for want of a resource of the process or the system (file
+// descriptors), not because of anything in the checkpoint. The message names the limit.
+// `tessera ckpt verify` reports it as an error (exit 2), never as corruption.
+class ResourceError : public Error {
+ public:
+  using Error::Error;
+};
+
+// `path` opened for reading. Throws ResourceError naming RLIMIT_NOFILE when the process
+// (or the system) has no descriptor left, tessera::Error naming the path otherwise.
+File open_for_reading(const std::string& path);
 
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 
@@ -39,7 +52,7 @@ class SafetensorsReader {
   // tessera.header_crc32c checksum of the header bytes). Errors name the file and the tensor.
   explicit SafetensorsReader(const std::string& path);
 
-  const std::string& path() const { return file_.path(); }
+  const std::string& path() const { return path_; }
   // In header order.
   const std::vector<TensorEntry>& entries() const { return entries_; }
   const TensorEntry* find(const std::string& name) const;
@@ -50,13 +63,23 @@ class SafetensorsReader {
   // Block checksums of a tensor from "tessera.crc32c" (nullptr when the file has none).
   const std::vector<uint32_t>* crcs(const std::string& name) const;
   uint64_t crc_block() const { return crc_block_; }
-  const File& file() const { return file_; }
+  // The open file the header was read from. After close_file(), opens the path again and
+  // checks that it is still that file (same device and inode): a file renamed over the
+  // path since (a checkpoint committed while this one is read) is an error, never read
+  // against this header's checksums.
+  const File& file() const;
+  // Closes the descriptor; the parsed header stays (readers of checkpoints with many
+  // data files keep a bounded number open).
+  void close_file() const { file_.close(); }
+  bool file_open() const { return file_.is_open(); }
 
   // The whole tensor, its checksums verified when the file has them.
   at::Tensor read(const std::string& name) const;
 
  private:
-  File file_;
+  std::string path_;
+  mutable File file_;
+  uint64_t dev_ = 0, ino_ = 0;  // of the file the header was read from
   uint64_t size_ = 0;
   std::vector<TensorEntry> entries_;
   std::map<std::string, size_t> index_;

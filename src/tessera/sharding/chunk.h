@@ -26,8 +26,14 @@ Range chunk_range(int64_t n, int pieces, int index);
 struct Box {
   std::vector<int64_t> offsets;
   std::vector<int64_t> sizes;
+  // The product of the sizes; throws when it does not fit in int64 (or a size is negative).
   int64_t numel() const;
-  bool empty() const { return numel() == 0; }
+  // Some size is 0 (never throws).
+  bool empty() const {
+    for (auto s : sizes)
+      if (s == 0) return true;
+    return false;
+  }
   size_t dim() const { return sizes.size(); }
   bool operator==(const Box& o) const { return offsets == o.offsets && sizes == o.sizes; }
   bool operator!=(const Box& o) const { return !(*this == o); }
@@ -38,8 +44,13 @@ Box full_box(const std::vector<int64_t>& shape);
 // The box of piece `index` when `shape` is chunked along `dim` into `pieces`.
 Box chunk_box(const std::vector<int64_t>& shape, int64_t dim, int pieces, int index);
 // Whether `inner` lies inside `outer` (an empty box lies inside anything of its rank).
+// Boxes with negative offsets or sizes lie inside nothing. No arithmetic wraps.
 bool contains(const Box& outer, const Box& inner);
-// The overlap of two boxes of the same rank; nullopt when it is empty.
+// Whether `b` lies inside a tensor of `shape`: same rank, and 0 <= offset and
+// offset + size <= shape in every dimension, empty boxes included. No arithmetic wraps.
+bool inside_shape(const std::vector<int64_t>& shape, const Box& b);
+// The overlap of two boxes of the same rank; nullopt when it is empty. Throws for a
+// malformed box (negative offsets or sizes) or an overlap that reaches past 2^63 - 1.
 std::optional<Box> intersect(const Box& a, const Box& b);
 
 // The part of `t` (which holds the elements of box `holder`) that covers `sub`
