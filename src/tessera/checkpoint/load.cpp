@@ -18,6 +18,11 @@ namespace {
 
 using state::Value;
 
+// What a load that failed while reading says about its target (docs/checkpoint-format.md §5).
+constexpr const char* kPartlyOverwritten =
+    "the target's tensors were partly overwritten: do not continue with them (Fabric::load and the "
+    "Trainer load into copies and keep the live state)";
+
 bool same_plain_kind(const Value& target, const Value& saved) {
   if (target.index() == saved.index()) return true;
   // An int saved where the target holds a float (e.g. a learning rate) is fine.
@@ -27,6 +32,7 @@ bool same_plain_kind(const Value& target, const Value& saved) {
 }  // namespace
 
 LoadResult load_local(state::StateDict& target, const std::string& path, const LoadOptions& options) {
+  check_path_chars(path);  // file_io.h (issue 35 item 4)
   CheckpointMetadata meta = open_checkpoint(path);
   auto wanted = flatten_values(target);
   LoadResult res;
@@ -128,14 +134,26 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
     bytes += n;
     return n;
   });
-  for (size_t k = 0; k < pieces.size(); ++k) {
-    ahead.before(k);
-    Piece& p = pieces[k];
-    const EntryInfo& e = *p.job->e;
-    int64_t n = 0;
-    for (const auto& c : e.chunks) n += reader.copy_into(p.job->fqn, e, c, p.dst, p.box);
-    TESSERA_CHECK(n == p.box.numel(), "loading '", path, "' key '", p.job->fqn, "': only ", n, " of ", p.box.numel(),
-                  " elements of ", p.box.to_string(), " found");
+  // Each piece is read straight into the target (no second copy of the model in memory):
+  // an error here (a checksum mismatch, an I/O error) comes after the pieces before it
+  // were written, and says so.
+  size_t k = 0;
+  try {
+    for (; k < pieces.size(); ++k) {
+      ahead.before(k);
+      Piece& p = pieces[k];
+      const EntryInfo& e = *p.job->e;
+      int64_t n = 0;
+      for (const auto& c : e.chunks) n += reader.copy_into(p.job->fqn, e, c, p.dst, p.box);
+      TESSERA_CHECK(n == p.box.numel(), "loading '", path, "' key '", p.job->fqn, "': only ", n, " of ",
+                    p.box.numel(), " elements of ", p.box.to_string(), " found");
+    }
+  } catch (const std::exception& e) {
+    const std::string msg = concat(e.what(), " -- ", kPartlyOverwritten, " (", k, " of ", pieces.size(),
+                                   " tensor pieces were written before the failure, then '", pieces[k].job->fqn,
+                                   "' in part or not at all)");
+    if (dynamic_cast<const ResourceError*>(&e)) throw ResourceError(msg);
+    throw Error(msg);
   }
   const double read_s = log::seconds(t_read, Clock::now());
   log::debug("load('", path, "'): ", pieces.size(), " pieces, ", bytes >> 20, " MiB in ", read_s,
@@ -163,7 +181,9 @@ LoadResult load(state::StateDict& target, const std::string& path, distributed::
   auto all = comm.all_gather_bytes(err);
   if (!err.empty()) throw Error(err);
   for (size_t r = 0; r < all.size(); ++r)
-    TESSERA_CHECK(all[r].empty(), "loading '", path, "' failed on rank ", r, ": ", all[r]);
+    TESSERA_CHECK(all[r].empty(), "loading '", path, "' failed on rank ", r, ": ", all[r], " -- on this rank (",
+                  comm.rank(), ") the target was overwritten from the checkpoint all the same: do not continue ",
+                  "with it");
   return res;
 }
 
