@@ -8,6 +8,13 @@
 // bytes (protocol 2), torch._utils._rebuild_tensor_v2(storage, ...) -> a tensor view of
 // the storage the persistent-id callback returned, torch.serialization._get_layout(name)
 // and builtins.getattr(global, name) -> the named constant (a Global).
+//
+// The input is untrusted, so what it may build is bounded (see unpickle()): objects nest
+// at most kMaxDepth levels, the memory the objects take is bounded by the input's size,
+// objects that refer to themselves (a cycle through the memo) are refused, and tensor
+// views are checked against their storage with overflow-safe arithmetic. Trees are
+// destroyed without recursion, and flatten() refuses a walk that shared parts (memo
+// references) would multiply.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -30,6 +37,13 @@ namespace tessera::checkpoint::pickle {
 struct Py;
 using PyPtr = std::shared_ptr<Py>;
 struct Py {
+  Py() = default;
+  Py(const Py&) = default;
+  Py(Py&&) = default;
+  Py& operator=(const Py&) = default;
+  Py& operator=(Py&&) = default;
+  ~Py();  // iterative: a deep tree does not recurse through its destructors
+
   enum Kind { None, Bool, Int, Float, Str, Bytes, Tuple, List, Dict, Set, Global, Object, Tensor, Storage };
   Kind kind = None;
   bool b = false;
@@ -40,7 +54,18 @@ struct Py {
   std::vector<std::pair<PyPtr, PyPtr>> dict;  // Dict, in order
   PyPtr state;                                // Object: what BUILD gave it
   at::Tensor t;                               // Tensor; Storage: its elements, 1-D
+  uint32_t below = 0;                         // levels of containers below it (set by unpickle)
 };
+
+// Nothing unpickled nests deeper than this (Python's own pickler cannot write deeper).
+inline constexpr uint32_t kMaxDepth = 1000;
+// The memory an unpickle may use for its objects: kBudgetPerByte bytes per byte of
+// input plus kBudgetBase, at most kBudgetMax. Pickles that Python and torch write take
+// about 20-30 (torch.save state dicts ~22, DCP .metadata ~27); one of `]` (a new list per
+// byte) would take 200.
+inline constexpr uint64_t kBudgetPerByte = 128;
+inline constexpr uint64_t kBudgetBase = 32ull << 20;
+inline constexpr uint64_t kBudgetMax = 4ull << 30;
 
 PyPtr make(Py::Kind k);
 // "None", "int", "dict", ... for messages.
@@ -51,7 +76,9 @@ const char* kind_text(const Py& o);
 // other value (None included) and `empty(key)`, when given, for an empty dict, list or tuple.
 // A leaf returns "" to go on, or why it cannot take the value, which ends the walk. Returns
 // "" or that reason; also a dict key of another kind or nesting deeper than 64 levels end it,
-// each reason naming the key.
+// each reason naming the key, and so does a walk that shared parts (a value the memo puts
+// in several places) make visit more than 8 values per edge of the distinct containers
+// plus 65536: a few hundred bytes can otherwise describe 2^60 leaves.
 using Leaf = std::function<std::string(const std::string& key, const Py& value)>;
 std::string flatten(const Py& root, const std::string& prefix, const Leaf& leaf,
                     const std::function<void(const std::string& key)>& empty = nullptr);
@@ -68,10 +95,14 @@ using Persistent = std::function<PyPtr(const PyPtr&)>;
 
 // Unpickles `data`. `where` names it in errors (with the byte offset); `allowed` holds the
 // "module.name" globals that may appear; without `persistent` a persistent id is an error.
+// Refused with an error naming `where` and the limit: nesting deeper than kMaxDepth;
+// objects that would take more memory than the budget above (a pickle can build far more
+// than its size: every `]` is a new list); objects that contain themselves; a tensor view
+// that does not lie inside its storage (negative or overflowing offset, size or stride).
 PyPtr unpickle(const std::string& where, const std::string& data, const std::set<std::string>& allowed,
                const Persistent& persistent = nullptr);
 
-// ---- torch.save archives: a zip of data.pkl, one data/<key> record per storage and a
+// ---- torch.save archives (pickle_archive.cpp): a zip of data.pkl, one data/<key> record per storage and a
 // byteorder record; torch.save writes one per file (import_torch_file) and DCP one per
 // item of a .distcp file (dcp_import.cpp).
 
