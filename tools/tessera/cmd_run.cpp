@@ -25,7 +25,8 @@ Runner add_run_command(CLI::App& app) {
       "run",
       "Start N local ranks of PROGRAM with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,\n"
       "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT). Each output line is prefixed with\n"
-      "'[rank R]'. When a rank fails, the others get SIGTERM, then SIGKILL after --grace seconds, and\n"
+      "'[rank R]' (not on a terminal, a '\\r' ends a line too; a line over 64 KiB is written in pieces).\n"
+      "When a rank fails, the others get SIGTERM, then SIGKILL after --grace seconds, and\n"
       "tessera run exits with that rank's code (128+signal when killed by a signal).");
   sub->add_option("-n,--nproc-per-node", opts->nproc_per_node, "ranks to start on this node")
       ->default_val(1)->check(int_range(1, 4096));

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -37,11 +38,22 @@ void on_signal(int sig) {
   }
 }
 
+// Output of a rank not yet written is bounded: a line longer than kMaxPending bytes is
+// written in pieces of that size (the first with the "[rank R] " prefix, the rest
+// continuing it), so a rank that never ends its line costs the launcher at most this much.
+constexpr size_t kMaxPending = 64 * 1024;
+
+// One of a rank's two output streams.
+struct Stream {
+  int fd = -1;
+  std::string buf;         // text read but not yet written: no '\n' in it, at most kMaxPending bytes
+  bool open = false;       // a piece of the current line was written (prefix included), its end not yet
+  bool after_cr = false;   // the last text written or delivered ended with '\r'
+};
+
 struct Child {
   RankStatus status;
-  int out_fd = -1;
-  int err_fd = -1;
-  std::string out_buf, err_buf;
+  Stream out, err;
   bool running = true;
 };
 
@@ -69,12 +81,24 @@ std::vector<std::string> make_env(const std::map<std::string, std::string>& over
 // told by TESSERA_TTY_COLUMNS that a terminal shows it) is shown as it comes, as one
 // "[rank R] ..." line redrawn in place at the bottom: other output clears it, is
 // written, and the line is drawn again below; the rank's '\n' makes it a normal line.
+// Elsewhere (output to a file or a pipe, or handed to on_line) a '\r' ends a line like
+// '\n' for prefixing: each redraw is written as "[rank R] text\r", so a file keeps every
+// state and a terminal showing it later still shows one prefixed line; "\r\n" is one end.
 struct LiveLine {
   bool enabled = false, on = false;
   int rank = -1;
   std::string shown;  // what the terminal line holds now
 };
 LiveLine g_live;
+
+// The stream whose line was left unfinished on the output (a piece of a long line), if
+// any. Anything else written first ends that line with '\n' (its rest comes later with
+// a fresh prefix), so that every line of the output starts with its rank's prefix; the
+// live line is not shown while a line is unfinished.
+Stream* g_open = nullptr;
+FILE* g_open_file = nullptr;
+
+std::string rank_prefix(int rank) { return "[rank " + std::to_string(rank) + "] "; }
 
 void live_write(const std::string& s) {
   std::fwrite(s.data(), 1, s.size(), stderr);
@@ -87,40 +111,51 @@ std::string live_redraw(const std::string& text) {
   return s;
 }
 void live_clear() {
-  if (g_live.on) live_write(live_redraw("") + "\r");
+  if (g_live.on && !g_open) live_write(live_redraw("") + "\r");
 }
 void live_restore() {
-  if (g_live.on) live_write("\r" + g_live.shown);
+  if (g_live.on && !g_open) live_write("\r" + g_live.shown);
+}
+// Ends the unfinished line (g_open), and shows the live line again below it.
+void end_open_line() {
+  if (!g_open) return;
+  std::fputc('\n', g_open_file);
+  std::fflush(g_open_file);
+  g_open->open = false;
+  g_open = nullptr;
+  g_open_file = nullptr;
+  live_restore();
 }
 // Ends the live line where it is (before the launcher's own messages and at the end).
 void live_end() {
+  end_open_line();
   if (g_live.on) live_write("\n");
   g_live.on = false;
   g_live.shown.clear();
 }
 
-void emit(const LaunchOptions& o, int rank, bool is_err, const std::string& line) {
-  if (o.on_line) {
-    o.on_line(rank, is_err, line);
+// Appends to `w` what the launcher writes for `text` of rank `rank` ended by `term`
+// ('\n', '\r', or 0 for a piece of a longer line). Sets ends_live when this ends the
+// live line (its final state becomes a normal line).
+void render(std::string& w, int rank, bool is_err, Stream& s, const std::string& text, char term, bool& ends_live) {
+  if (term == '\n' && text.empty() && s.after_cr && !s.open) {  // "\r\n": the line ended at the '\r'
+    w += '\n';
+    s.after_cr = false;
     return;
   }
-  std::string s = "[rank " + std::to_string(rank) + "] " + line + "\n";
-  FILE* f = is_err ? stderr : stdout;
-  if (g_live.enabled && g_live.on && is_err && rank == g_live.rank && line.find('\r') != std::string::npos) {
-    // The live line's final state: written over it, and it is a normal line from now on.
-    const std::string text = "[rank " + std::to_string(rank) + "] " + line.substr(line.rfind('\r') + 1);
-    live_write(live_redraw(text) + "\n");
-    g_live.on = false;
-    g_live.shown.clear();
-    return;
+  size_t from = 0;
+  if (g_live.enabled) {  // on a terminal, text before a '\r' is overwritten: only the last state shows
+    const size_t r = text.rfind('\r');
+    if (r != std::string::npos) {
+      from = r + 1;
+      if (term == '\n' && g_live.on && is_err && rank == g_live.rank) ends_live = true;
+    }
   }
-  if (g_live.enabled && line.find('\r') != std::string::npos)
-    s = "[rank " + std::to_string(rank) + "] " + line.substr(line.rfind('\r') + 1) + "\n";
-  live_clear();
-  std::fflush(stdout);
-  std::fwrite(s.data(), 1, s.size(), f);
-  std::fflush(f);
-  live_restore();
+  if (!s.open) w += rank_prefix(rank);
+  w.append(text, from, std::string::npos);
+  if (term) w += term;
+  s.open = term == 0;
+  s.after_cr = term == '\r';
 }
 
 // The unfinished tail of a rank's stderr: when it redraws with '\r', shows its newest
@@ -131,37 +166,93 @@ void live_update(const LaunchOptions& o, Child& c, std::string& buf) {
   if (r == std::string::npos || (g_live.on && g_live.rank != c.status.rank)) return;
   buf.erase(0, r);  // earlier states are overwritten anyway
   if (buf.size() == 1) return;  // "\r" alone: the text follows
-  const std::string text = "[rank " + std::to_string(c.status.rank) + "] " + buf.substr(1);
+  end_open_line();
+  const std::string text = rank_prefix(c.status.rank) + buf.substr(1);
   live_write(live_redraw(text));
   g_live.on = true;
   g_live.rank = c.status.rank;
   g_live.shown = text;
 }
 
-// Reads what is available from fd; returns false at EOF or error.
+// Writes (or hands to on_line) what a stream's buffer holds up to its last line end,
+// a line longer than kMaxPending in pieces of that size (the last one may be its end),
+// and at end of file (eof) the rest.
+void process(const LaunchOptions& o, Child& c, bool is_err, bool eof) {
+  Stream& s = is_err ? c.err : c.out;
+  std::string& buf = s.buf;
+  const int rank = c.status.rank;
+  std::string w;  // what this call writes (one write for all of it)
+  bool ends_live = false;
+  auto deliver = [&](size_t from, size_t len, char term) {
+    if (!o.on_line) {
+      render(w, rank, is_err, s, buf.substr(from, len), term, ends_live);
+      return;
+    }
+    if (!(term == '\n' && len == 0 && s.after_cr)) o.on_line(rank, is_err, buf.substr(from, len));
+    s.after_cr = term == '\r';
+  };
+  const char* ends = g_live.enabled ? "\n" : "\r\n";
+  size_t start = 0;
+  for (;;) {
+    const size_t p = buf.find_first_of(ends, start);
+    if (p == std::string::npos && g_live.enabled) {  // only the last state of a redrawn line will show
+      const size_t r = buf.rfind('\r');
+      if (r != std::string::npos && r > start) start = r;
+    }
+    const size_t len = (p == std::string::npos ? buf.size() : p) - start;
+    if (p != std::string::npos && len <= kMaxPending) {
+      deliver(start, len, buf[p]);
+      start = p + 1;
+    } else if (len >= kMaxPending) {
+      deliver(start, kMaxPending, 0);
+      start += kMaxPending;
+    } else {
+      break;
+    }
+  }
+  if (eof && (start < buf.size() || (!o.on_line && (s.open || s.after_cr)))) {
+    deliver(start, buf.size() - start, '\n');
+    start = buf.size();
+  }
+  buf.erase(0, start);
+  if (!w.empty()) {
+    FILE* f = is_err ? stderr : stdout;
+    if (g_open && g_open != &s) end_open_line();
+    live_clear();
+    if (ends_live) {
+      g_live.on = false;
+      g_live.shown.clear();
+    }
+    std::fflush(stdout);
+    std::fwrite(w.data(), 1, w.size(), f);
+    std::fflush(f);
+    if (s.open) {
+      g_open = &s;
+      g_open_file = f;
+    } else {
+      if (g_open == &s) g_open = nullptr;
+      live_restore();
+    }
+  }
+  if (is_err && !eof) live_update(o, c, buf);
+}
+
+// Reads what is available from the stream; returns false at EOF or error.
 bool pump(const LaunchOptions& o, Child& c, bool is_err) {
-  int& fd = is_err ? c.err_fd : c.out_fd;
-  std::string& buf = is_err ? c.err_buf : c.out_buf;
+  Stream& s = is_err ? c.err : c.out;
   char tmp[65536];
   for (;;) {
-    ssize_t n = ::read(fd, tmp, sizeof(tmp));
+    ssize_t n = ::read(s.fd, tmp, sizeof(tmp));
     if (n > 0) {
-      buf.append(tmp, static_cast<size_t>(n));
-      size_t start = 0, nl;
-      while ((nl = buf.find('\n', start)) != std::string::npos) {
-        emit(o, c.status.rank, is_err, buf.substr(start, nl - start));
-        start = nl + 1;
-      }
-      buf.erase(0, start);
-      if (is_err) live_update(o, c, buf);
+      s.buf.append(tmp, static_cast<size_t>(n));
+      process(o, c, is_err, false);
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
     if (n < 0 && errno == EINTR) continue;
-    if (!buf.empty()) emit(o, c.status.rank, is_err, buf);
-    buf.clear();
-    ::close(fd);
-    fd = -1;
+    process(o, c, is_err, true);
+    ::close(s.fd);
+    s.fd = -1;
     return false;
   }
 }
@@ -316,8 +407,8 @@ LaunchResult launch(const LaunchOptions& o) {
     set_nonblock(err_p[0]);
     children[i].status.rank = rank;
     children[i].status.pid = pid;
-    children[i].out_fd = out_p[0];
-    children[i].err_fd = err_p[0];
+    children[i].out.fd = out_p[0];
+    children[i].err.fd = err_p[0];
     if (got == static_cast<ssize_t>(sizeof exec_errno)) {
       exec_failed_rank = rank;
       spawn_error = concat("cannot execute the program '", o.command[0], "' for rank ", rank, ": ",
@@ -348,7 +439,7 @@ LaunchResult launch(const LaunchOptions& o) {
   };
   auto any_open = [&] {
     for (auto& c : children)
-      if (c.out_fd >= 0 || c.err_fd >= 0) return true;
+      if (c.out.fd >= 0 || c.err.fd >= 0) return true;
     return false;
   };
   std::optional<Clock::time_point> drain_until;
@@ -357,8 +448,8 @@ LaunchResult launch(const LaunchOptions& o) {
     std::vector<pollfd> fds;
     std::vector<std::pair<int, bool>> owners;
     for (int i = 0; i < static_cast<int>(children.size()); ++i) {
-      if (children[i].out_fd >= 0) { fds.push_back({children[i].out_fd, POLLIN, 0}); owners.push_back({i, false}); }
-      if (children[i].err_fd >= 0) { fds.push_back({children[i].err_fd, POLLIN, 0}); owners.push_back({i, true}); }
+      if (children[i].out.fd >= 0) { fds.push_back({children[i].out.fd, POLLIN, 0}); owners.push_back({i, false}); }
+      if (children[i].err.fd >= 0) { fds.push_back({children[i].err.fd, POLLIN, 0}); owners.push_back({i, true}); }
     }
     if (forwarding) fds.push_back({g_signal_pipe[0], POLLIN, 0});
     ::poll(fds.data(), fds.size(), 50);
@@ -421,13 +512,14 @@ LaunchResult launch(const LaunchOptions& o) {
     if (kill_at && now >= *kill_at) signal_all(children, SIGKILL);
     if (!any_running() && !drain_until) drain_until = Clock::now() + std::chrono::seconds(2);
   }
+  end_open_line();  // a rank whose pipe stayed open past the drain: end its line
   if (live) {
     live_end();
     g_live = LiveLine{};
   }
   for (auto& c : children) {
-    if (c.out_fd >= 0) ::close(c.out_fd);
-    if (c.err_fd >= 0) ::close(c.err_fd);
+    if (c.out.fd >= 0) ::close(c.out.fd);
+    if (c.err.fd >= 0) ::close(c.err.fd);
     result.ranks.push_back(c.status);
   }
   if (forwarding) {

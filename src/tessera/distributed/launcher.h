@@ -32,8 +32,10 @@ struct LaunchOptions {
   // Forward SIGINT/SIGTERM/SIGHUP received by this process to the ranks (installs
   // process-wide handlers for the duration: one such launch at a time per process).
   bool forward_signals = true;
-  // Receives each complete output line of a rank. Default: written to this process's
-  // stdout/stderr as "[rank R] line".
+  // Receives each output line of a rank, without its end ('\n', '\r' or "\r\n"); a line
+  // longer than 64 KiB arrives in pieces of 64 KiB (the launcher holds no more of a rank's
+  // output than that). Default: written to this process's stdout/stderr as "[rank R] line",
+  // a long line as one prefixed line written in pieces (see launcher.cpp).
   std::function<void(int rank, bool is_stderr, const std::string& line)> on_line;
 };
 
