@@ -12,10 +12,14 @@
 //
 // This file is the command line; train.cpp and sample.cpp hold the two commands, model.h
 // the model, data.h the data, settings.h the checks of the settings.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <exception>
 #include <iostream>
 #include <string>
+#include <typeinfo>
 
 #include "sample.h"
 #include "settings.h"
@@ -25,10 +29,31 @@
 // OpenBLAS kernels for this CPU, chosen before any library loads (tessera/core/blas.h).
 TESSERA_TUNE_BLAS_AT_STARTUP();
 
+namespace {
+
+// "gpt: error: WHAT\n" in one write(2). std::cerr is unbuffered: `cerr << a << b` writes
+// each piece on its own, and a rank stopped by the launcher's SIGTERM between them (after
+// another rank died) left "gpt: error: " and nothing more.
+void print_error(const std::string& what) {
+  const std::string line = "gpt: error: " + what + "\n";
+  size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t n = ::write(STDERR_FILENO, line.data() + done, line.size() - done);
+    if (n > 0) done += static_cast<size_t>(n);
+    else if (n < 0 && errno == EINTR) continue;
+    else break;
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"gpt: a byte-level GPT trained with Tessera (single, DDP or FSDP) and sampled from its checkpoints",
                "gpt"};
   app.require_subcommand(1);
+  const std::string exit_status = "Exit status: 0 done, 1 error (one 'gpt: error: ...' line), 2 usage error (an unknown "
+                                  "flag, a value out of range: the flag is named).";
+  app.footer(exit_status);
   gpt::TrainArgs ta;
   auto* train = app.add_subcommand("train", "train on text files (default: the license texts of Debian's base-files)");
   train->add_option("--devices", ta.devices, "processes on this machine (default 1, or the launcher's)")
@@ -44,7 +69,7 @@ int main(int argc, char** argv) {
       ->check(gpt::positive_float());
   train->add_option("--precision", ta.precision, "32|bf16-mixed")->check(CLI::IsMember({"32", "bf16-mixed"}))
       ->capture_default_str();
-  train->add_option("--max-steps", ta.max_steps, "optimizer steps to train to (counted from step 0)")
+  train->add_option("--max-steps", ta.max_steps, "optimizer steps to train to (counted from step 0; at least 1)")
       ->check(gpt::int_in(1))->capture_default_str();
   train->add_option("--batch-size", ta.batch_size, "global batch in sequences (split over the ranks)")
       ->check(gpt::int_in(1))->capture_default_str();
@@ -63,11 +88,20 @@ int main(int argc, char** argv) {
   train->add_option("--data", ta.data, "text file(s) to train on (repeatable)")->check(CLI::ExistingFile);
   train->add_option("--val-fraction", ta.val_fraction, "held-out share of the bytes (the end of the text)")
       ->check(gpt::float_in(0, 0.9))->capture_default_str();
-  train->add_option("--val-every", ta.val_every, "validate every K steps (0: only at the end)")
+  train->add_option("--val-every", ta.val_every, "validate every K steps (0: only at the end; see --limit-val-batches)")
       ->check(gpt::int_in(0))->capture_default_str();
+  train->add_option("--limit-val-batches", ta.limit_val_batches,
+                    "at most N batches per validation, the final one included (default: the whole held-out split; "
+                    "0: no validation at all, val_loss=nan)")
+      ->check(gpt::int_in(0));
   train->add_option("--log-every", ta.log_every, "write a metrics row every K steps")->check(gpt::int_in(1))
       ->capture_default_str();
-  train->add_option("--out", ta.out, "run directory: metrics.csv, checkpoints/, run.lock (one run at a time)")->capture_default_str();
+  train->add_option("--out", ta.out, "run directory: metrics.csv, hparams.yaml, checkpoints/, run.lock (one run at a time); "
+                    "one that holds an earlier run is refused unless --resume or --overwrite is given")
+      ->capture_default_str();
+  train->add_flag("--overwrite", ta.overwrite,
+                  "start a new run in an --out that holds an earlier one: its checkpoints/last.ckpt, metrics.csv and "
+                  "hparams.yaml are replaced as the new run writes them (not with --resume)");
   train->add_option("--ckpt-every", ta.ckpt_every, "save checkpoints/last.ckpt every K steps (0: after each validation, see --val-every, and at "
                     "the end)")
       ->check(gpt::int_in(0))->capture_default_str();
@@ -89,6 +123,7 @@ int main(int argc, char** argv) {
   train->add_option("--threads", ta.threads, "intra-op threads per rank (default: cores / ranks)")
       ->check(gpt::int_in(0));
   train->add_flag("!--no-progress-bar", ta.progress_bar, "no progress bar");
+  train->footer(exit_status);
 
   gpt::SampleArgs sa;
   auto* sample = app.add_subcommand("sample", "print a continuation of --prompt from a checkpoint");
@@ -100,6 +135,7 @@ int main(int argc, char** argv) {
   sample->add_option("--top-k", sa.top_k, "sample among the k most likely bytes (0: all)")
       ->check(gpt::int_in(0, 256))->capture_default_str();
   sample->add_option("--seed", sa.seed, "sampling seed")->capture_default_str();
+  sample->footer(exit_status);
 
   if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "train" && std::string(argv[1]) != "sample") {
     std::cerr << "gpt: unknown command '" << argv[1] << "' (commands: train, sample; see gpt --help)" << std::endl;
@@ -115,9 +151,12 @@ int main(int argc, char** argv) {
     }
     return gpt::run_sample(sa);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help prints and exits 0; a flag's error is a usage error: exit 2 (CLI11's own
+    // codes, 105 for a value out of range and so on, say nothing more).
+    return app.exit(e) == 0 ? 0 : 2;
   } catch (const std::exception& e) {
-    std::cerr << "gpt: error: " << e.what() << std::endl;
+    print_error(*e.what() ? std::string(e.what())
+                          : std::string("an error without a message (") + typeid(e).name() + ")");
     return 1;
   }
 }

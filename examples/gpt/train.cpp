@@ -172,11 +172,33 @@ void check(bool ok, const std::string& msg) {
   if (!ok) throw CLI::ValidationError(msg);
 }
 
+// What `dir` holds of an earlier run ("checkpoints/, metrics.csv"), or "" when nothing:
+// a new or empty directory, or one with only run.lock (a run that ended before writing).
+std::string earlier_run(const std::string& dir) {
+  std::string found;
+  for (const char* name : {"checkpoints", "metrics.csv", "hparams.yaml"}) {
+    std::error_code ec;  // anything by that name counts, even a dangling symlink
+    if (fs::symlink_status(fs::path(dir) / name, ec).type() == fs::file_type::not_found) continue;
+    found += (found.empty() ? "" : ", ") + std::string(name) + (std::string(name) == "checkpoints" ? "/" : "");
+  }
+  return found;
+}
+
 // Takes OUT/run.lock on rank 0 (the rank that writes the metadata, metrics.csv and
-// hparams.yaml) for the rest of the process; every rank raises rank 0's refusal, so a
-// second run with the same --out stops at start on all of its ranks.
-void lock_run_dir(gpt::RunDirLock& lock, const std::string& dir, fabric::Fabric& f) {
-  const std::string err = f.is_global_zero() ? lock.acquire(dir) : std::string();
+// hparams.yaml) for the rest of the process and, for a new run (no --resume, no
+// --overwrite), refuses a directory that holds an earlier run: its last checkpoint and
+// metrics would be replaced. Every rank raises rank 0's refusal, so a second run with
+// the same --out stops at start on all of its ranks, before anything is written.
+void lock_run_dir(gpt::RunDirLock& lock, const TrainArgs& a, fabric::Fabric& f) {
+  std::string err;
+  if (f.is_global_zero()) {
+    err = lock.acquire(a.out);
+    const std::string found = err.empty() && a.resume.empty() && !a.overwrite ? earlier_run(a.out) : "";
+    if (!found.empty())
+      err = "run directory '" + a.out + "' holds an earlier run (" + found + "); continue it with --resume last, "
+            "start a new run over it with --overwrite (its checkpoints/last.ckpt, metrics.csv and hparams.yaml are "
+            "replaced), or choose another --out";
+  }
   for (const auto& e : f.comm()->all_gather_bytes(err))
     if (!e.empty()) throw std::runtime_error(e);
 }
@@ -247,6 +269,8 @@ int run_train(TrainArgs a) {
                                             " must be smaller than --lr-decay-steps (default --max-steps) " +
                                             std::to_string(a.decay_steps));
   if (a.sharding != "full") check(a.strategy == "fsdp", "--sharding " + a.sharding + " needs --strategy fsdp");
+  check(!a.overwrite || a.resume.empty(), "--overwrite and --resume exclude each other: --resume continues the run in "
+                                          "--out, --overwrite starts a new one over it");
   if (!a.init_from.empty()) {
     check(a.resume.empty(), "--init-from and --resume exclude each other: --resume continues a run (weights, optimizer, "
                             "step), --init-from starts a new one at step 0 from a checkpoint's weights");
@@ -280,12 +304,13 @@ int run_train(TrainArgs a) {
   csv->keep_existing(!a.resume.empty());
   o.loggers = {csv};
   if (a.val_every > 0) o.val_check_interval = trainer::BatchCount(a.val_every);
+  if (a.limit_val_batches >= 0) o.limit_val_batches = trainer::BatchCount(a.limit_val_batches);  // 0: none
   o.enable_progress_bar = a.progress_bar;
 
   trainer::Trainer t(o);  // without a launcher and devices > 1: runs the ranks and exits
   auto& f = t.fabric();
   gpt::RunDirLock lock;
-  lock_run_dir(lock, a.out, f);
+  lock_run_dir(lock, a, f);
   std::string resume;
   if (!a.resume.empty()) {
     resume = resume_path(a);
@@ -317,12 +342,14 @@ int run_train(TrainArgs a) {
   const std::string metrics_path = (fs::path(a.out) / "metrics.csv").string();
   GptModule m(a, cfg);
   m.init_prefix = init_prefix;
-  const trainer::TensorData val{data.val.inputs, data.val.targets};
+  // --limit-val-batches 0: no validation data at all (neither in fit nor at the end).
+  const trainer::TensorData val =
+      a.limit_val_batches == 0 ? trainer::TensorData{} : trainer::TensorData{data.val.inputs, data.val.targets};
   const auto t0 = std::chrono::steady_clock::now();
   const trainer::Metrics fitted =
       t.fit(m, {data.train.inputs, data.train.targets}, a.val_every > 0 ? val : trainer::TensorData{}, resume);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  // The final validation loss over the whole held-out split.
+  // The final validation loss over the held-out split (its first --limit-val-batches batches).
   double val_loss = std::nan("");
   if (!val.empty() && m.last_val_step == t.global_step() && fitted.count("val_loss")) {
     val_loss = fitted.at("val_loss");  // fit validated at the last step already

@@ -285,11 +285,12 @@ TEST_F(GptChecks, SecondRunOnTheSameOutStopsAtStart) {
   EXPECT_NE(out_c.find(msg), std::string::npos) << out_c;
   int st = 0;
   EXPECT_EQ(::waitpid(a, &st, WNOHANG), 0) << "run A stopped:\n" << read_bytes(log_a);
-  // Once A is gone (killed: no clean-up of its own), the directory is free again.
+  // Once A is gone (killed: no clean-up of its own), the directory is free again (A's
+  // files in it are an earlier run: a new run replaces them only with --overwrite).
   ::kill(a, SIGKILL);
   ::waitpid(a, nullptr, 0);
   reap.pid = -1;
-  auto [rc_d, out_d] = run_command(cmd_b);
+  auto [rc_d, out_d] = run_command(cmd_b + " --overwrite");
   EXPECT_EQ(rc_d, 0) << out_d;
 }
 
