@@ -5,9 +5,11 @@
 #include <signal.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -19,6 +21,74 @@ namespace tessera::checkpoint {
 namespace {
 std::string err() { return std::strerror(errno); }
 }  // namespace
+
+uint64_t io_page_size() {
+  static const uint64_t size = [] {
+    uint64_t n = 0;
+    if (const char* v = std::getenv("TESSERA_TEST_IO_PAGE_SIZE")) n = std::strtoull(v, nullptr, 0);
+    if (n == 0) {
+      const long ps = ::sysconf(_SC_PAGESIZE);
+      n = ps > 0 ? static_cast<uint64_t>(ps) : kDirectAlign;
+    }
+    // A multiple of kDirectAlign (page sizes are powers of two: the larger of the two).
+    return (std::max<uint64_t>(n, kDirectAlign) + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+  }();
+  return size;
+}
+
+std::string escape_path(const std::string& s) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    if (c == '\\') out += "\\\\";
+    else if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (c == '\r') out += "\\r";
+    else if (c < 0x20 || c == 0x7f) out += std::string("\\x") + hex[c >> 4] + hex[c & 15];
+    else out += static_cast<char>(c);
+  }
+  return out;
+}
+
+void check_path_chars(const std::string& path, const char* what) {
+  for (size_t i = 0; i < path.size(); ++i) {
+    const auto c = static_cast<unsigned char>(path[i]);
+    if (c < 0x20 || c == 0x7f)
+      throw Error(concat("refusing the ", what, " '", escape_path(path), "': it contains a control character ('",
+                         escape_path(std::string(1, path[i])), "' at byte ", i, "); choose a name without one"));
+  }
+}
+
+const char* incoherent_fs_name(uint64_t f_type) {
+  switch (f_type) {
+    case 0x6969: return "NFS";
+    case 0x65735546: return "FUSE";
+    case 0x517B: return "SMB";
+    case 0xFF534D42: return "CIFS";
+    case 0xFE534D42: return "SMB2";
+    case 0x01021997: return "9p";
+    case 0x5346414F: return "AFS";
+    case 0x6B414653: return "kAFS";
+    default: return nullptr;
+  }
+}
+
+std::string shared_writes_refusal(const std::string& path) {
+  uint64_t type = 0;
+  if (const char* v = std::getenv("TESSERA_TEST_FS_TYPE")) {
+    type = std::strtoull(v, nullptr, 0);
+  } else {
+    struct statfs st;
+    if (::statfs(path.c_str(), &st) != 0) return concat("cannot statfs '", path, "': ", err());
+    type = static_cast<uint64_t>(static_cast<unsigned long>(st.f_type)) & 0xFFFFFFFFu;
+  }
+  const char* name = incoherent_fs_name(type);
+  if (name == nullptr) return "";
+  char hexbuf[16];
+  std::snprintf(hexbuf, sizeof hexbuf, "%llx", static_cast<unsigned long long>(type));
+  return concat("'", path, "' is on ", name, " (statfs type 0x", hexbuf,
+                "), where writes of several clients into one file are not coherent");
+}
 
 File::File(const std::string& path, const char* mode) : path_(path) {
   const std::string m = mode;
@@ -157,8 +227,8 @@ char* AlignedBuffer::ensure(uint64_t n) {
 }
 
 StreamWriter::StreamWriter(const std::string& path, uint64_t buffer_bytes, Open open)
-    : buffered_(path, open == Open::Create ? "w" : "u") {
-  const uint64_t n = std::max<uint64_t>(kDirectAlign, buffer_bytes / kDirectAlign * kDirectAlign);
+    : buffered_(path, open == Open::Create ? "w" : "u"), page_(io_page_size()) {
+  const uint64_t n = std::max<uint64_t>(page_, buffer_bytes / page_ * page_);
   buf_[0].ensure(n);
   buf_[1].ensure(n);
   direct_fd_ = open_direct(path, true);
@@ -178,7 +248,10 @@ void StreamWriter::write_out(const char* p, uint64_t offset, uint64_t n) {
   if (direct_) {
     // Only whole pages go out directly: a partial first or last page may hold another
     // writer's bytes (or the rest of the file), so it is written through the page cache.
-    const uint64_t head = std::min<uint64_t>(n, (kDirectAlign - offset % kDirectAlign) % kDirectAlign);
+    // Pages of the kernel's size (io_page_size()): the page cache reads and writes back a
+    // whole one, so on a 64 KiB-page kernel a 4 KiB direct write into a page another
+    // writer holds partly in its cache could be overwritten by that page's writeback.
+    const uint64_t head = std::min<uint64_t>(n, (page_ - offset % page_) % page_);
     if (head > 0) {
       buffered_.pwrite_exact(offset, p, head);
       p += head;
@@ -188,7 +261,7 @@ void StreamWriter::write_out(const char* p, uint64_t offset, uint64_t n) {
     // A filesystem may still refuse a direct write (EINVAL from tmpfs or FUSE, others
     // elsewhere): the rest then goes through the page cache, whose own error (a full
     // disk, say) is the one reported.
-    uint64_t whole = n / kDirectAlign * kDirectAlign;
+    uint64_t whole = n / page_ * page_;
     while (whole > 0) {
       ssize_t put = ::pwrite(direct_fd_.fd(), p, static_cast<size_t>(std::min<uint64_t>(whole, 1u << 30)),
                              static_cast<off_t>(offset));
@@ -237,7 +310,7 @@ void StreamWriter::submit() {
 }
 
 void StreamWriter::rebase(uint64_t offset) {
-  base_ = offset / kDirectAlign * kDirectAlign;
+  base_ = offset / page_ * page_;
   lead_ = fill_ = offset - base_;
 }
 
@@ -398,6 +471,7 @@ std::string read_small_file(const std::string& path, uint64_t max_bytes) {
 }
 
 std::string temp_sibling(const std::string& dest) {
+  check_path_chars(dest);
   static std::atomic<int> counter{0};
   return join_path(parent_dir(dest), concat(".", base_name(dest), ".tessera-tmp-", ::getpid(), "-", counter++));
 }
@@ -418,6 +492,8 @@ bool starts_with(const std::string& s, const std::string& p) { return s.compare(
 }  // namespace
 
 void commit_rename(const std::string& tmp, const std::string& dest) {
+  check_path_chars(tmp, "temporary path");
+  check_path_chars(dest);
   const std::string parent = parent_dir(dest);
   if (!path_exists(dest) || (is_directory(dest) && list_dir(dest).empty())) {
     if (path_exists(dest)) TESSERA_CHECK(::rmdir(dest.c_str()) == 0, "cannot remove empty '", dest, "': ", err());
@@ -450,6 +526,7 @@ std::string aside_sibling(const std::string& dest) {
 }
 
 void remove_dead_temporaries(const std::string& dest) {
+  check_path_chars(dest, "output path");
   const std::string parent = parent_dir(dest);
   if (!is_directory(parent)) return;
   const std::string prefix = "." + base_name(dest) + ".tessera-tmp-";
@@ -471,6 +548,7 @@ void remove_dead_temporaries(const std::string& dest) {
 }
 
 void recover_siblings(const std::string& dest) {
+  check_path_chars(dest);
   const std::string parent = parent_dir(dest);
   if (!is_directory(parent)) return;
   if (!path_exists(dest)) {

@@ -63,6 +63,33 @@ class File {
 // O_DIRECT needs the buffer address, the file offset and the length aligned to this.
 constexpr uint64_t kDirectAlign = 4096;
 
+// The unit in which the kernel's page cache reads and writes a file: the system's page
+// size (sysconf(_SC_PAGESIZE): 4 KiB on x86-64, 16 or 64 KiB on some arm64 and ppc64
+// kernels), never less than kDirectAlign and a multiple of it. A writer that shares a
+// file with others keeps the pages it shares with them out of its direct writes in
+// these units (StreamWriter). TESSERA_TEST_IO_PAGE_SIZE (tests only: a power of two of
+// at least 4096) replaces the system's value, to exercise 64 KiB pages on a 4 KiB kernel.
+uint64_t io_page_size();
+
+// Refuses (tessera::Error) a checkpoint or output path holding a control character
+// (a byte below 0x20, or 0x7f): such a name cannot be shown, typed or passed through
+// line-based tools safely (issue 35). The message names the path with its control
+// characters escaped ("\n", "\x01"). `what`: e.g. "checkpoint path", "output path".
+void check_path_chars(const std::string& path, const char* what = "checkpoint path");
+// `s` with control characters and backslashes escaped C-style ("\n", "\x7f"; for messages).
+std::string escape_path(const std::string& s);
+
+// Why several clients must not write disjoint byte ranges of one file at once on the
+// filesystem holding `path` ("" when they may): on NFS, SMB/CIFS, FUSE mounts (object
+// stores, sshfs, virtiofs), 9p and AFS, a client writes a partial page back whole from
+// its own cache, which may predate another client's bytes in that page, and nothing
+// orders the two. Local filesystems, tmpfs and coherent cluster filesystems (Lustre,
+// GPFS, CephFS, BeeGFS) are fine. Uses statfs(2); TESSERA_TEST_FS_TYPE (tests only, a
+// number such as 0x6969) replaces the type it reports.
+std::string shared_writes_refusal(const std::string& path);
+// The name of an incoherent filesystem type (statfs f_type), or nullptr when it is not one.
+const char* incoherent_fs_name(uint64_t f_type);
+
 // `path` opened with O_DIRECT for reading or writing (an existing file), or a File that
 // is not open where that is refused (tmpfs, some network filesystems, no O_DIRECT on
 // this system) or TESSERA_NO_DIRECT_IO is set: the caller then uses the page cache.
@@ -130,6 +157,7 @@ class StreamWriter {
   File buffered_;  // regular descriptor: fallback, shared pages, patches, fsync
   File direct_fd_;  // O_DIRECT descriptor of the same file (not open when refused)
   bool direct_ = false;
+  uint64_t page_ = kDirectAlign;  // io_page_size(): the unit of pages shared with other writers
   AlignedBuffer buf_[2];
   int cur_ = 0;
   // The current buffer holds file bytes [base_ + lead_, base_ + fill_): base_ is
@@ -162,6 +190,8 @@ std::string join_path(const std::string& dir, const std::string& name);
 std::string read_small_file(const std::string& path, uint64_t max_bytes);
 
 // A fresh temporary sibling name for `dest`: "<parent>/.<name>.tessera-tmp-<pid>-<n>".
+// This and the other sibling helpers below refuse a `dest` with control characters
+// (check_path_chars), so every writer that publishes through them refuses it too.
 std::string temp_sibling(const std::string& dest);
 // Publishes `tmp` (a finished, fsync'ed file or directory) at `dest`: a rename when
 // dest is absent or an empty directory; otherwise an atomic exchange (directories,
