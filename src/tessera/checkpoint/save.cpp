@@ -1,28 +1,27 @@
-// Distributed save (sharded and full) and async save.
+// Distributed save, sharded and full (consolidated); async saves and save() itself are in
+// save_async.cpp, the steps every rank takes together in save_steps.cpp.
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
-#include <mutex>
 #include <random>
-#include <sstream>
 #include <set>
-#include <thread>
 #include <tuple>
 
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/save_steps.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/device.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
-#include "tessera/core/stream_copy.h"
+#include "tessera/core/strings.h"
 #include "tessera/sharding/chunk.h"
 
 namespace tessera::checkpoint {
@@ -33,9 +32,22 @@ using state::Value;
 
 // Broadcasts rank 0's outcome ("" = ok) and throws it everywhere when it is an error.
 void agree(distributed::Communicator& comm, const std::string& rank0_error, const std::string& what) {
-  const std::string e = comm.broadcast_bytes(rank0_error, 0);
-  TESSERA_CHECK(e.empty(), what, ": ", e);
+  broadcast_or_throw(comm, rank0_error, "", what);
 }
+
+// Rank 0 removes the temporary it created on every way out of a save but the commit,
+// an exception from a collective included.
+struct TempGuard {
+  std::string tmp;
+  bool committed = false;
+  ~TempGuard() {
+    if (committed || tmp.empty()) return;
+    try {
+      remove_all(tmp);
+    } catch (const std::exception&) {
+    }
+  }
+};
 
 EntryInfo describe(const std::string& fqn, const Value& v) {
   EntryInfo e;
@@ -73,41 +85,52 @@ std::string prepare_target(const std::string& path, bool dir, std::string& tmp) 
 // One writer per box. Ranks that hold the same box (the replica groups of HYBRID_SHARD
 // each hold the whole model, sharded the same way) would otherwise all write it, and
 // the tiling check would reject the overlap. Every rank lists the boxes it could write
-// (or its error, "E..."); the lists are exchanged, and each distinct box goes to one of
-// its holders: the one with the fewest bytes assigned so far, largest boxes first, the
-// lowest rank on a tie, so replica groups share the writing. Every rank computes the
-// same assignment from the same lists. Returns, for each of `mine`, whether this rank
-// writes it; `err` gets the errors of all ranks (the same text on every rank).
+// (or its error); the lists are exchanged (length-prefixed: a key is any bytes), and each
+// distinct box goes to one of its holders: the one with the fewest bytes assigned so far,
+// largest boxes first, the lowest rank on a tie, so replica groups share the writing.
+// Every rank computes the same assignment from the same lists. Returns, for each of
+// `mine`, whether this rank writes it; `err` gets the errors of all ranks (the same text
+// on every rank).
 std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string& local_err,
                                distributed::Communicator& comm, std::string& err) {
-  nlohmann::json list = nlohmann::json::array();
-  for (const auto& p : mine)
-    list.push_back({p.fqn, p.box.offsets, p.box.sizes,
-                    static_cast<uint64_t>(p.box.numel()) * c10::elementSize(p.dtype)});
-  const auto all = comm.all_gather_bytes(local_err.empty() ? "C" + list.dump() : "E" + local_err);
-  err.clear();
-  for (size_t r = 0; r < all.size(); ++r)
-    if (all[r][0] == 'E') err += concat(err.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
+  using BoxKey = std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>>;
+  Packer list;
+  list.u64(mine.size());
+  for (const auto& p : mine) {
+    list.str(p.fqn).u64(p.box.offsets.size()).u64(static_cast<uint64_t>(p.box.numel()) * c10::elementSize(p.dtype));
+    for (size_t d = 0; d < p.box.offsets.size(); ++d)
+      list.u64(static_cast<uint64_t>(p.box.offsets[d])).u64(static_cast<uint64_t>(p.box.sizes[d]));
+  }
+  const AllStatus all = exchange_status(comm, {local_err, list.bytes()});
+  err = all.errors();
   std::vector<bool> keep(mine.size(), false);
   if (!err.empty()) return keep;
-  using BoxKey = std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>>;
   struct Holders {
     uint64_t bytes = 0;
     std::vector<int> ranks;  // ascending
   };
   std::map<BoxKey, Holders> boxes;
-  for (size_t r = 0; r < all.size(); ++r)
-    for (const auto& j : nlohmann::json::parse(all[r].substr(1))) {
-      Holders& h = boxes[BoxKey{j[0].get<std::string>(), j[1].get<std::vector<int64_t>>(),
-                                j[2].get<std::vector<int64_t>>()}];
-      h.bytes = j[3].get<uint64_t>();
+  for (size_t r = 0; r < all.ranks.size(); ++r) {
+    Unpacker in(all.ranks[r].payload, concat("rank ", r, "'s list of boxes"));
+    for (uint64_t i = 0, n = in.u64(); i < n; ++i) {
+      BoxKey k;
+      std::get<0>(k) = in.str();
+      const uint64_t dims = in.u64(), bytes = in.u64();
+      TESSERA_CHECK(dims <= 64, "internal: rank ", r, " lists a box of ", dims, " dimensions");
+      for (uint64_t d = 0; d < dims; ++d) {
+        std::get<1>(k).push_back(static_cast<int64_t>(in.u64()));
+        std::get<2>(k).push_back(static_cast<int64_t>(in.u64()));
+      }
+      Holders& h = boxes[k];
+      h.bytes = bytes;
       h.ranks.push_back(static_cast<int>(r));
     }
+  }
   std::vector<std::pair<const BoxKey*, const Holders*>> order;
   for (const auto& [k, h] : boxes) order.emplace_back(&k, &h);
   std::stable_sort(order.begin(), order.end(),
                    [](const auto& a, const auto& b) { return a.second->bytes > b.second->bytes; });
-  std::vector<uint64_t> load(all.size(), 0);
+  std::vector<uint64_t> load(all.ranks.size(), 0);
   std::set<BoxKey> written_here;
   for (const auto& [k, h] : order) {
     int w = h->ranks[0];
@@ -123,13 +146,15 @@ std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string
   return keep;
 }
 
+}  // namespace
+
 void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
   const int rank = comm.rank();
   auto flat = flatten_values(sd);
+  TempGuard guard;
   std::string tmp, err;
-  if (rank == 0) err = prepare_target(path, true, tmp);
-  agree(comm, err, concat("saving '", path, "'"));
-  tmp = comm.broadcast_bytes(tmp, 0);
+  if (rank == 0) err = prepare_target(path, true, guard.tmp);
+  tmp = broadcast_or_throw(comm, err, guard.tmp, concat("saving '", path, "'"));
 
   CheckpointMetadata m;
   m.world_size = comm.size();
@@ -166,42 +191,35 @@ void save_sharded(const state::StateDict& sd, const std::string& path, distribut
         if (keep[i]) writing.push_back(std::move(pieces[i]));
       mine = to_json(write_data_file(tmp, data_file_name(rank), writing));
     } catch (const std::exception& e) {
-      mine = std::string("E") + e.what();
+      err = e.what();
     }
-    if (mine.empty() || mine[0] != 'E') mine = "D" + mine;
-    auto all = comm.all_gather_bytes(mine);
-    if (rank == 0) {
-      for (size_t r = 0; r < all.size(); ++r)
-        if (all[r][0] == 'E') err += concat(err.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
-      if (err.empty()) {
-        try {
-          for (size_t r = 0; r < all.size(); ++r) {
-            DataFileResult d = data_file_result_from_json(all[r].substr(1));
-            m.files.emplace_back(d.file, d.size);
-            for (auto& [fqn, c] : d.chunks) {
-              auto it = m.entries.find(fqn);
-              TESSERA_CHECK(it != m.entries.end(), "rank ", r, " saved key '", fqn, "' that rank 0 does not have");
-              it->second.chunks.push_back(std::move(c));
-            }
+    const AllStatus all = exchange_status(comm, {err, mine});
+    err = all.errors();
+    if (rank == 0 && err.empty()) {
+      try {
+        for (size_t r = 0; r < all.ranks.size(); ++r) {
+          DataFileResult d = data_file_result_from_json(all.ranks[r].payload);
+          m.files.emplace_back(d.file, d.size);
+          for (auto& [fqn, c] : d.chunks) {
+            auto it = m.entries.find(fqn);
+            TESSERA_CHECK(it != m.entries.end(), "rank ", r, " saved key '", fqn, "' that rank 0 does not have");
+            it->second.chunks.push_back(std::move(c));
           }
-          for (const auto& k : m.keys)
-            if (m.entries[k].is_tensor()) check_tiling(k, m.entries[k]);
-          write_metadata_file(tmp, m);
-          commit_rename(tmp, path);
-        } catch (const std::exception& e) {
-          err = e.what();
         }
+        for (const auto& k : m.keys)
+          if (m.entries[k].is_tensor()) check_tiling(k, m.entries[k]);
+        write_metadata_file(tmp, m);
+        commit_rename(tmp, path);
+        guard.committed = true;
+      } catch (const std::exception& e) {
+        err = e.what();
       }
-    }
-  }
-  if (rank == 0 && !err.empty()) {
-    try {
-      remove_all(tmp);
-    } catch (const std::exception&) {
     }
   }
   agree(comm, err, concat("saving '", path, "'"));
 }
+
+namespace {
 
 // Bytes of a tensor handled at a time by a consolidated save: gathered to rank 0, or
 // copied off the device by the rank that writes them.
@@ -219,121 +237,130 @@ bool row_blocks(const sharding::ShardedTensor& s) {
   return true;
 }
 
-// One rank's part of a consolidated file that several ranks write at once: runs of
-// bytes of tensors, each at its offset, checksummed per block of its tensor as it is
-// copied (the pieces rank 0 joins into the header's block checksums).
-class RunWriter {
- public:
-  // `tensors`: each tensor's (file offset, byte size).
-  RunWriter(const std::string& path, std::vector<std::pair<uint64_t, uint64_t>> tensors)
-      : out_(path, 16u << 20, StreamWriter::Open::Existing), tensors_(std::move(tensors)) {}
-
-  // Writes `t` (any device, layout) at byte `off` of tensor `ti`.
-  void write(size_t ti, uint64_t off, const at::Tensor& t) {
-    const at::Tensor c = dense_cpu(t);
-    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-    uint64_t n = static_cast<uint64_t>(c.numel()) * c.element_size();
-    TESSERA_CHECK(off + n <= tensors_.at(ti).second, "internal: bytes ", off, "..", off + n, " of tensor ", ti,
-                  " past its ", tensors_[ti].second);
-    out_.seek(tensors_[ti].first + off);
-    // Checksummed in 256 KiB steps just before each step is copied, while it is in cache.
-    CrcPiece cur{static_cast<uint32_t>(ti), off, 0, 0};
-    while (n > 0) {
-      const uint64_t take = std::min<uint64_t>({n, kCrcBlock - off % kCrcBlock, 256u << 10});
-      cur.crc = crc32c_extend(cur.crc, p, static_cast<size_t>(take));
-      out_.append(p, take);
-      cur.len += take;
-      p += take;
-      off += take;
-      n -= take;
-      if (off % kCrcBlock == 0 || n == 0) {
-        pieces_.push_back(cur);
-        cur = CrcPiece{static_cast<uint32_t>(ti), off, 0, 0};
-      }
-    }
+// The entry of `layout` describing `v`, and local checks that a consolidated save needs
+// before any rank writes: a shard without data (on the meta device) is refused here,
+// where every rank learns it, not halfway through the writing.
+void add_layout_record(SaveLayout& layout, const std::string& fqn, const Value& v, const EntryInfo& e, int rank) {
+  std::string d = e.kind;
+  if (e.is_tensor()) d += concat(" ", e.dtype, " ", core::shape_string(e.shape));
+  if (auto s = std::get_if<sharding::ShardedTensor>(&v)) {
+    d += " shards";
+    for (const auto& m : s->shards_metadata()) d += concat(" ", m.box.to_string(), "@", m.placement.rank);
+    for (const auto& sh : s->local_shards())
+      TESSERA_CHECK(!sh.tensor.defined() || !sh.tensor.is_meta(), "cannot save key '", fqn, "': rank ", rank,
+                    "'s shard ", sh.meta.box.to_string(), " is on the meta device (it holds no data)");
+  } else if (auto t = std::get_if<at::Tensor>(&v); t != nullptr && rank == 0) {
+    TESSERA_CHECK(!t->is_meta(), "cannot save key '", fqn, "': rank 0's tensor is on the meta device (it holds no data)");
   }
-  void finish() { out_.finish(); }
-  const std::vector<CrcPiece>& pieces() const { return pieces_; }
+  layout.records.emplace_back(fqn, std::move(d));
+}
 
- private:
-  StreamWriter out_;
-  std::vector<std::pair<uint64_t, uint64_t>> tensors_;
-  std::vector<CrcPiece> pieces_;
-};
+}  // namespace
 
 // A consolidated save. Rank 0 lays the file out (header with placeholders, every
 // tensor's offset) and gives it its final size; when every rank can open that same file
-// (one host, or a filesystem shared by all), each rank writes the rows of the sharded
-// tensors it holds straight into it, so the disk sees as many writers as there are
-// ranks and nothing crosses the network. Otherwise (node-local disks), or for tensors
-// whose shards are not blocks of whole rows, rank 0 gathers the bytes and writes them.
-// Every writer checksums what it writes per block; rank 0 joins the pieces (which must
-// tile every tensor exactly), patches the header, fsyncs and renames. Nothing is
-// renamed unless every rank's part is written and fsync'ed.
+// (one host, or a filesystem shared by all that keeps the byte ranges of several clients
+// apart: not NFS, SMB or FUSE, see shared_writes_refusal), each rank writes the rows of
+// the sharded tensors it holds straight into it, so the disk sees as many writers as
+// there are ranks and nothing crosses the network. Otherwise (node-local disks), or for
+// tensors whose shards are not blocks of whole rows, rank 0 gathers the bytes and writes
+// them. Every writer checksums what it writes per block; rank 0 joins the pieces (which
+// must tile every tensor exactly) and patches the header; with several writers, each rank
+// then reads back the next rank's bytes and checks them. Nothing is renamed unless every
+// rank's part is written, fsync'ed and (several writers) read back intact.
+//
+// Failures: the ranks first agree that they save the same entries (a digest of keys,
+// kinds, dtypes, shapes and shards), and every later step ends with an exchange in which
+// every rank learns every rank's error, so all fail together and at once. A rank that
+// fails while writing skips the rest of its writing but still takes part in every
+// gather, so that the others reach that exchange. What stays slow: a failure inside a
+// collective itself (a dead peer, memory for a gather's buffer) reaches the others as
+// that collective's timeout.
 void save_full(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
   // The phases, for TESSERA_LOG_LEVEL=debug: gathering, waiting for the writer, finishing.
   using Clock = std::chrono::steady_clock;
   const auto t_start = Clock::now();
-  double gather_s = 0, wait_s = 0;
+  double gather_s = 0, wait_s = 0, verify_s = 0;
   const int rank = comm.rank();
+  const std::string what = concat("saving '", path, "'");
   auto flat = flatten_values(sd);
-  std::string tmp, err;
-  if (rank == 0) err = prepare_target(path, false, tmp);
-  agree(comm, err, concat("saving '", path, "'"));
+  TempGuard guard;  // rank 0's temporary
+  std::string err;
 
+  // 1. Every rank describes what it saves; rank 0 also prepares the target. All learn
+  //    every error and compare digests before anything is written.
   CheckpointMetadata m;
   m.world_size = comm.size();
   std::vector<TensorSpec> specs;
-  for (const auto& [fqn, v] : flat) {
-    EntryInfo e = describe(fqn, *v);
-    if (e.is_tensor()) specs.push_back({fqn, e.dtype, e.shape});
-    m.keys.push_back(fqn);
-    m.entries.emplace(fqn, std::move(e));
+  SaveLayout layout_list;
+  layout_list.records.emplace_back("", path);  // record 0: the path
+  std::vector<std::pair<uint64_t, uint64_t>> tensor_bytes;  // (file offset, bytes) of each tensor
+  std::vector<std::pair<uint64_t, std::string>> tensor_at;  // (file offset, key) of each tensor
+  std::vector<std::pair<std::string, uint64_t>> tensor_names;
+  try {
+    for (const auto& [fqn, v] : flat) {
+      EntryInfo e = describe(fqn, *v);
+      add_layout_record(layout_list, fqn, *v, e, rank);
+      if (e.is_tensor()) {
+        specs.push_back({fqn, e.dtype, e.shape});
+        tensor_names.emplace_back(fqn, byte_size(e.shape, e.dtype, concat("key '", fqn, "'")));
+      }
+      m.keys.push_back(fqn);
+      m.entries.emplace(fqn, std::move(e));
+    }
+    if (rank == 0) {
+      err = prepare_target(path, false, guard.tmp);
+      if (!err.empty()) guard.tmp.clear();  // nothing of ours to remove
+    }
+  } catch (const std::exception& e) {
+    err = e.what();
   }
-  // Rank 0 creates the file: the header (its checksum placeholder holding a random
-  // value, so that the other ranks recognise this very file) and the final size.
+  {
+    const auto digests = exchange_or_throw(comm, err, Packer().u64(layout_list.digest()).bytes(), what);
+    std::vector<uint64_t> d;
+    for (size_t r = 0; r < digests.size(); ++r) d.push_back(Unpacker(digests[r], concat("rank ", r, "'s digest")).u64());
+    check_same_layout(comm, layout_list, d, path);
+  }
+
+  // 2. Rank 0 creates the file: the header (its checksum placeholder holding a random
+  //    value, so that the other ranks recognise this very file) and the final size. The
+  //    other ranks learn its name and layout as length-prefixed fields, never as text.
   SafetensorsLayout layout;
-  std::string info;  // "T<tmp>\n<data start>\n<file size>\n<crc of the header>" or "E<error>"
+  std::string info;
   if (rank == 0) {
     try {
       layout = layout_safetensors(path, specs, consolidated_header(m));
       std::string prefix = layout.prefix;
       prefix.replace(layout.header_crc_pos, 8, crc_hex(std::random_device{}()));
-      File f(tmp, "w");
+      File f(guard.tmp, "w");
       f.pwrite_exact(0, prefix.data(), prefix.size());
       f.resize(layout.file_size());
       f.reserve(layout.file_size());  // lets the ranks' direct writes run side by side (ext4)
       f.close();
-      info = concat("T", tmp, "\n", layout.data_start(), "\n", layout.file_size(), "\n",
-                    crc32c(prefix.data(), prefix.size()));
+      info = Packer()
+                 .str(guard.tmp)
+                 .u64(layout.data_start())
+                 .u64(layout.file_size())
+                 .u64(crc32c(prefix.data(), prefix.size()))
+                 .bytes();
     } catch (const std::exception& e) {
-      info = concat("E", e.what());
-      try {
-        remove_all(tmp);
-      } catch (const std::exception&) {
-      }
+      err = e.what();
     }
   }
-  info = comm.broadcast_bytes(info, 0);
-  TESSERA_CHECK(info[0] == 'T', "saving '", path, "': ", info.substr(1));
-  uint64_t data_start = 0, file_size = 0;
-  uint32_t header_check = 0;
-  {
-    std::istringstream in(info.substr(1));
-    std::getline(in, tmp);
-    in >> data_start >> file_size >> header_check;
-  }
-  std::vector<std::pair<uint64_t, uint64_t>> tensor_bytes;  // (file offset, bytes) of each tensor
-  std::vector<std::pair<std::string, uint64_t>> tensor_names;
+  info = broadcast_or_throw(comm, err, info, what);
+  Unpacker in(info, "rank 0's file layout");
+  const std::string tmp = in.str();
+  const uint64_t data_start = in.u64(), file_size = in.u64();
+  const auto header_check = static_cast<uint32_t>(in.u64());
   uint64_t off = data_start;
-  for (const auto& sp : specs) {
-    const uint64_t nb = byte_size(sp.shape, sp.dtype, concat("key '", sp.name, "'"));
+  for (const auto& [name, nb] : tensor_names) {
     tensor_bytes.emplace_back(off, nb);
-    tensor_names.emplace_back(sp.name, nb);
+    tensor_at.emplace_back(off, name);
     off += nb;
   }
 
-  // Who writes: rank 0 always; every other rank when it sees rank 0's file.
+  // 3. Who writes: rank 0 always; every other rank when it sees rank 0's file, and all
+  //    only where the filesystem keeps several clients' byte ranges apart.
   std::unique_ptr<RunWriter> writer;
   std::string why_not;
   const bool one_writer = std::getenv("TESSERA_FULL_SAVE_ONE_WRITER") != nullptr;
@@ -351,12 +378,40 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
     why_not = e.what();
     if (rank == 0) err = why_not;  // rank 0 must write; the others only may
   }
-  const auto able = comm.all_gather_bytes(writer ? "1" : "0");
-  const bool shared = std::all_of(able.begin(), able.end(), [](const std::string& a) { return a == "1"; });
-  if (!shared && rank != 0) {
-    if (!why_not.empty()) log::debug("save_full('", path, "') rank ", rank, ": rank 0 writes alone: ", why_not);
-    writer.reset();
+  bool able = writer != nullptr;
+  if (able && comm.size() > 1 && why_not.empty()) {
+    why_not = shared_writes_refusal(tmp);
+    able = why_not.empty();
   }
+  // With whether it writes, each rank says which kernel (page cache) it runs on.
+  const auto all_able =
+      exchange_or_throw(comm, rank == 0 ? err : "", Packer().u64(able ? 1 : 0).str(kernel_identity()).bytes(), what);
+  bool shared = true, one_kernel = true;
+  std::string kernel0;
+  for (size_t r = 0; r < all_able.size(); ++r) {
+    Unpacker a(all_able[r], concat("rank ", r, "'s status"));
+    shared &= a.u64() == 1;
+    const std::string k = a.str();
+    if (r == 0) kernel0 = k;
+    one_kernel &= k == kernel0;
+  }
+  if (!shared && !why_not.empty()) log::debug("save_full('", path, "') rank ", rank, ": rank 0 writes alone: ", why_not);
+  if (!shared && rank != 0) writer.reset();
+  auto t_finish = Clock::now();
+  struct LogOnExit {  // the phases, on every way out (a failed save's too)
+    std::function<void()> f;
+    ~LogOnExit() {
+      try {
+        f();
+      } catch (...) {
+      }
+    }
+  } log_phases{[&] {
+    log::debug("save_full('", path, "') rank ", rank, ": ", log::seconds(t_start, Clock::now()), " s (",
+               shared ? "every rank writes" : "rank 0 writes", "): gathering ", gather_s, " s, waiting for the writer ",
+               wait_s, " s, finishing (fsync, checksums, read-back ", verify_s, " s, rename) ",
+               log::seconds(t_finish, Clock::now()), " s");
+  }};
 
   // With every rank writing, each distinct box of the row-block tensors goes to one of
   // its holders (the replica groups of HYBRID_SHARD hold each box several times).
@@ -369,11 +424,21 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
   }
   std::string plan_err;
   const std::vector<bool> keep = shared ? plan_writers(held, "", comm, plan_err) : std::vector<bool>{};
-  if (err.empty() && !plan_err.empty()) err = plan_err;
+  TESSERA_CHECK(plan_err.empty(), what, ": ", plan_err);  // the same on every rank
 
-  // Each writer copies and checksums a piece on a second thread while the next one is
-  // gathered or sliced, one piece in flight (the StreamWriter's own task meanwhile
-  // writes the previous buffer): memory stays at a few slices of kGatherSliceBytes.
+  // 4. The writing. Each writer copies and checksums a piece on a second thread while
+  //    the next one is gathered or sliced, one piece in flight (the StreamWriter's own
+  //    task meanwhile writes the previous buffer): memory stays at a few slices of
+  //    kGatherSliceBytes. The first local failure is kept in `err` and this rank's
+  //    remaining writing skipped, while it still takes part in every gather.
+  auto attempt = [&](const std::function<void()>& f) {
+    if (!err.empty()) return;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  };
   std::future<void> writing;
   auto wait_write = [&] {
     if (!writing.valid()) return;
@@ -385,35 +450,38 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
     }
     wait_s += log::seconds(t0, Clock::now());
   };
-  auto put = [&](at::Tensor piece, size_t ti, uint64_t off) {
+  auto put = [&](const at::Tensor& piece, size_t ti, uint64_t off) {
     if (!writer) return;
     wait_write();
-    if (!err.empty()) return;
-    writing = std::async(std::launch::async,
-                         [&writer, piece = std::move(piece), ti, off] { writer->write(ti, off, piece); });
+    attempt([&] {
+      TESSERA_CHECK(!test_fault(rank, "write"), "test fault (TESSERA_TEST_SAVE_FAULT) writing key '",
+                    tensor_names[ti].first, "'");
+      writing = std::async(std::launch::async, [&writer, piece, ti, off] { writer->write(ti, off, piece); });
+    });
   };
-  // Every rank takes part in every gather, even after a failure, so that nobody hangs.
   size_t ti = 0, held_i = 0;
   for (const auto& [fqn, v] : flat) {
     if (auto s = std::get_if<sharding::ShardedTensor>(v)) {
       const std::vector<int64_t>& shape = s->shape();
       const int64_t numel = s->numel();
       if (shape.empty() || numel == 0) {
-        at::Tensor full = s->gather(0);
+        at::Tensor full = s->gather(0);  // collective: every rank, failed or not
         if (rank == 0 && numel > 0) put(full, ti, 0);
         ++ti;
         continue;
       }
       const int64_t row_bytes = numel / shape[0] * static_cast<int64_t>(c10::elementSize(s->dtype()));
       const int64_t rows = std::max<int64_t>(1, kGatherSliceBytes / std::max<int64_t>(row_bytes, 1));
-      if (shared && row_blocks(*s)) {  // every holder writes its own rows, in slices
+      if (shared && row_blocks(*s)) {  // every holder writes its own rows, in slices (no collective)
         for (; held_i < held.size() && held[held_i].fqn == fqn; ++held_i) {
           if (!keep[held_i]) continue;
-          const sharding::Box& box = held[held_i].box;
-          const at::Tensor shard = held[held_i].data();
-          for (int64_t r0 = 0; r0 < box.sizes[0]; r0 += rows)
-            put(shard.narrow(0, r0, std::min(rows, box.sizes[0] - r0)), ti,
-                static_cast<uint64_t>((box.offsets[0] + r0) * row_bytes));
+          attempt([&] {
+            const sharding::Box& box = held[held_i].box;
+            const at::Tensor shard = held[held_i].data();
+            for (int64_t r0 = 0; r0 < box.sizes[0] && err.empty(); r0 += rows)
+              put(shard.narrow(0, r0, std::min(rows, box.sizes[0] - r0)), ti,
+                  static_cast<uint64_t>((box.offsets[0] + r0) * row_bytes));
+          });
         }
         ++ti;
         continue;
@@ -429,21 +497,19 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
           in_rank0 |= sm.placement.rank == 0 && sharding::contains(sm.box, region);
         if (in_rank0) {
           if (rank == 0) {
-            const sharding::Shard* own = nullptr;
-            for (const auto& sh : s->local_shards())
-              if (sharding::contains(sh.meta.box, region)) own = &sh;
-            if (own == nullptr) {  // reported after the loop, which every rank finishes (no hang)
-              if (err.empty())
-                err = concat("key '", fqn, "': rank 0 holds no local shard with rows ", region.to_string(),
-                             " that its shard metadata gives it");
-            } else {
+            attempt([&] {
+              const sharding::Shard* own = nullptr;
+              for (const auto& sh : s->local_shards())
+                if (sharding::contains(sh.meta.box, region)) own = &sh;
+              TESSERA_CHECK(own != nullptr, "key '", fqn, "': rank 0 holds no local shard with rows ",
+                            region.to_string(), " that its shard metadata gives it");
               put(sharding::narrow_to(own->tensor, own->meta.box, region), ti, static_cast<uint64_t>(r0 * row_bytes));
-            }
+            });
           }
           continue;
         }
         const auto t0 = Clock::now();
-        at::Tensor piece = s->gather_region(region, 0);
+        at::Tensor piece = s->gather_region(region, 0);  // collective: every rank, failed or not
         gather_s += log::seconds(t0, Clock::now());
         if (rank == 0) put(piece, ti, static_cast<uint64_t>(r0 * row_bytes));
       }
@@ -454,245 +520,75 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
     }
   }
   wait_write();
-  const auto t_finish = Clock::now();
-  if (writer && err.empty()) {
-    try {
+  t_finish = Clock::now();
+  std::vector<CrcPiece> my_pieces;
+  std::vector<WrittenRange> my_edges;
+  if (writer) {
+    attempt([&] {
       writer->finish();  // this rank's part is on disk
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
+      my_pieces = writer->pieces();
+      my_edges = writer->edges();
+      if (test_fault(rank, "flip") && !my_edges.empty()) flip_byte(tmp, my_edges[0].at);
+    });
   }
-  // Rank 0 learns every rank's checksum pieces (or its error), joins them and publishes.
-  const auto parts = comm.all_gather_bytes(err.empty() ? "P" + (writer ? pack_crc_pieces(writer->pieces()) : "")
-                                                       : "E" + err);
   writer.reset();
+
+  // 5. Every rank learns every rank's checksum pieces and edges (or its error); rank 0
+  //    joins the pieces into the header's block checksums and patches it.
+  const auto parts = exchange_or_throw(
+      comm, err, Packer().str(pack_crc_pieces(my_pieces)).str(pack_ranges(my_edges)).bytes(), what);
+  std::vector<std::vector<CrcPiece>> pieces_of(parts.size());
+  std::vector<std::vector<WrittenRange>> edges_of(parts.size());
+  for (size_t r = 0; r < parts.size(); ++r) {
+    Unpacker in(parts[r], concat("rank ", r, "'s checksums"));
+    pieces_of[r] = unpack_crc_pieces(in.str(), concat("rank ", r));
+    edges_of[r] = unpack_ranges(in.str(), concat("rank ", r, "'s edges"));
+  }
   if (rank == 0) {
-    err.clear();
-    for (size_t r = 0; r < parts.size(); ++r)
-      if (parts[r][0] == 'E') err += concat(err.empty() ? "" : "; ", "rank ", r, ": ", parts[r].substr(1));
-    if (err.empty()) {
-      try {
-        std::vector<CrcPiece> pieces;
-        for (size_t r = 0; r < parts.size(); ++r) {
-          auto p = unpack_crc_pieces(parts[r].substr(1), concat("rank ", r));
-          pieces.insert(pieces.end(), p.begin(), p.end());
-        }
-        const std::string header = layout.final_prefix(assemble_block_crcs(std::move(pieces), tensor_names, path));
-        File f(tmp, "u");
-        f.pwrite_exact(0, header.data(), header.size());
-        f.fsync();
-        f.close();
-        commit_rename(tmp, path);
-      } catch (const std::exception& e) {
-        err = e.what();
-      }
-    }
-    if (!err.empty()) {
-      try {
-        remove_all(tmp);
-      } catch (const std::exception&) {
-      }
-    }
+    attempt([&] {
+      std::vector<CrcPiece> pieces;
+      for (const auto& p : pieces_of) pieces.insert(pieces.end(), p.begin(), p.end());
+      const std::string header = layout.final_prefix(assemble_block_crcs(std::move(pieces), tensor_names, path));
+      File f(tmp, "u");
+      f.pwrite_exact(0, header.data(), header.size());
+      f.fsync();
+      f.close();
+    });
   }
-  log::debug("save_full('", path, "') rank ", rank, ": ", log::seconds(t_start, Clock::now()), " s (",
-             shared ? "every rank writes" : "rank 0 writes", "): gathering ", gather_s, " s, waiting for the writer ",
-             wait_s, " s, finishing (fsync, checksums, rename) ", log::seconds(t_finish, Clock::now()), " s");
-  agree(comm, err, concat("saving '", path, "'"));
-}
+  exchange_or_throw(comm, err, "", what);
 
-}  // namespace
-
-// ------------------------------------------------------------------ async
-
-struct AsyncSave::State {
-  std::thread thread;
-  std::mutex join_mu;  // held while joining
-  std::mutex mu;       // guards finished
-  bool finished = false;
-  std::exception_ptr error;
-  ~State() {
-    if (thread.joinable()) thread.join();
+  // 6. With several writers, each rank reads back what the next rank wrote (read past
+  //    this host's cache) and checks it against the checksums it was written with: a
+  //    filesystem that mixed up the writers' pages fails the save here, while the
+  //    previous checkpoint is still in place. Where all ranks share one kernel (one page
+  //    cache: coherent), the pages writers may share, the first and last of each run;
+  //    across hosts, or with TESSERA_FULL_SAVE_READ_BACK=all, every byte (which costs a
+  //    second pass over the file: docs/checkpoint-format.md).
+  if (shared && comm.size() > 1) {
+    const auto t0 = Clock::now();
+    const size_t next = static_cast<size_t>((rank + 1) % comm.size());
+    attempt([&] {
+      const char* v = std::getenv("TESSERA_FULL_SAVE_READ_BACK");
+      const std::string mode = v != nullptr ? v : one_kernel ? "edges" : "all";
+      TESSERA_CHECK(mode == "all" || mode == "edges", "TESSERA_FULL_SAVE_READ_BACK='", mode,
+                    "': expected 'all' or 'edges'");
+      std::vector<uint64_t> offsets;
+      for (const auto& tb : tensor_bytes) offsets.push_back(tb.first);
+      verify_read_back(tmp, mode == "all" ? piece_ranges(pieces_of[next], offsets) : edges_of[next], tensor_at,
+                       concat("rank ", next));
+    });
+    verify_s = log::seconds(t0, Clock::now());
   }
-};
+  exchange_or_throw(comm, err, "", what);
 
-namespace {
-std::mutex g_pending_mu;
-thread_local bool tl_background = false;
-std::shared_ptr<AsyncSave::State> g_pending;
-std::function<void()> g_test_hook;  // set_async_save_hook_for_tests; guarded by g_pending_mu
-
-struct SplitCache {
-  std::mutex mu;
-  std::vector<std::pair<std::weak_ptr<distributed::Communicator>, std::shared_ptr<distributed::Communicator>>> items;
-};
-SplitCache& split_cache() {
-  static SplitCache c;
-  return c;
-}
-
-std::shared_ptr<distributed::Communicator> background_comm(const std::shared_ptr<distributed::Communicator>& comm) {
-  auto& c = split_cache();
-  std::lock_guard<std::mutex> lock(c.mu);
-  for (auto& [w, bg] : c.items)
-    if (w.lock() == comm) return bg;
-  std::vector<int> all(static_cast<size_t>(comm->size()));
-  for (int r = 0; r < comm->size(); ++r) all[static_cast<size_t>(r)] = r;
-  auto bg = comm->split({all});
-  TESSERA_CHECK(bg != nullptr, "async save: could not create the background communicator");
-  c.items.emplace_back(comm, bg);
-  return bg;
-}
-
-// Device tensors are staged into pinned host buffers with asynchronous copies; the
-// devices they came from are recorded so that the snapshot synchronizes each once.
-at::Tensor host_copy(const at::Tensor& t, std::vector<c10::Device>& staged) {
-  if (t.device().is_cpu()) {
-    // The copy is the blocking part of an async save (TESSERA_LOG_LEVEL=debug shows its
-    // phases). A contiguous tensor is copied with streaming stores (core/stream_copy.h):
-    // the writer thread reads the copy later, so it need not pass through this core's
-    // cache (a tensor copy ran at 4.8 GB/s here, memcpy at 9.8, 152 MB, one thread).
-    if (!t.is_contiguous()) return t.detach().clone(at::MemoryFormat::Contiguous);
-    at::Tensor h = at::empty(t.sizes(), t.options());
-    if (t.numel() > 0) core::copy_streaming(h.data_ptr(), t.data_ptr(), t.nbytes());
-    return h;
+  // 7. The commit.
+  if (rank == 0) {
+    attempt([&] {
+      commit_rename(tmp, path);
+      guard.committed = true;
+    });
   }
-  at::Tensor h = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
-  h.copy_(t.detach(), /*non_blocking=*/true);
-  if (std::find(staged.begin(), staged.end(), t.device()) == staged.end()) staged.push_back(t.device());
-  return h;
-}
-
-std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg,
-                                                std::vector<c10::Device>& staged) {
-  auto out = std::make_shared<state::StateDict>();
-  for (const auto& k : sd.keys()) {
-    const Value& v = sd.at(k);
-    if (auto t = std::get_if<at::Tensor>(&v)) {
-      out->set(k, host_copy(*t, staged));
-    } else if (auto s = std::get_if<sharding::ShardedTensor>(&v)) {
-      std::vector<sharding::Shard> local;
-      for (const auto& sh : s->local_shards()) {
-        sharding::Shard c{host_copy(sh.tensor, staged), sh.meta};
-        c.meta.placement.device = c10::kCPU;
-        local.push_back(std::move(c));
-      }
-      auto all = s->shards_metadata();
-      for (auto& m : all) m.placement.device = c10::kCPU;
-      out->set(k, sharding::ShardedTensor::from_parts(std::move(local), all, s->shape(), s->dtype(), bg));
-    } else if (auto d = std::get_if<std::shared_ptr<state::StateDict>>(&v); d && *d) {
-      out->set(k, snapshot_into(**d, bg, staged));
-    } else {
-      out->set(k, v);
-    }
-  }
-  return out;
-}
-
-std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg) {
-  std::vector<c10::Device> staged;
-  auto out = snapshot_into(sd, bg, staged);
-  for (const auto& d : staged) core::synchronize(d);  // the pinned copies are complete
-  return out;
-}
-
-}  // namespace
-
-std::shared_ptr<distributed::Communicator> prepare_async_save(const std::shared_ptr<distributed::Communicator>& comm) {
-  TESSERA_CHECK(comm != nullptr, "prepare_async_save: no communicator");
-  return background_comm(comm);
-}
-
-void finish_pending_save() {
-  try {
-    wait_for_pending_save();
-  } catch (const std::exception& e) {
-    log::warn("the previous async checkpoint save failed: ", e.what());
-  }
-}
-
-void wait_for_pending_save() {
-  std::shared_ptr<AsyncSave::State> p;
-  {
-    std::lock_guard<std::mutex> lock(g_pending_mu);
-    p = std::move(g_pending);
-  }
-  if (p) AsyncSave(p).wait();
-}
-
-void AsyncSave::wait() {
-  TESSERA_CHECK(s_ != nullptr, "AsyncSave::wait on an empty handle");
-  {
-    std::lock_guard<std::mutex> lock(s_->join_mu);
-    if (s_->thread.joinable()) s_->thread.join();
-  }
-  if (s_->error) std::rethrow_exception(s_->error);
-}
-
-bool AsyncSave::done() const {
-  if (!s_) return true;
-  std::lock_guard<std::mutex> lock(s_->mu);
-  return s_->finished;
-}
-
-AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<distributed::Communicator> comm,
-                     const SaveOptions& options) {
-  TESSERA_CHECK(comm != nullptr, "save_async: no communicator");
-  // The phases of the blocking part, for TESSERA_LOG_LEVEL=debug.
-  using Clock = std::chrono::steady_clock;
-  const auto t0 = Clock::now();
-  finish_pending_save();
-  const auto t1 = Clock::now();
-  auto bg = background_comm(comm);
-  const auto t2 = Clock::now();
-  auto snap = snapshot(sd, bg);
-  const auto t3 = Clock::now();
-  auto st = std::make_shared<AsyncSave::State>();
-  std::function<void()> hook;
-  {
-    std::lock_guard<std::mutex> lock(g_pending_mu);
-    hook = g_test_hook;
-  }
-  st->thread = std::thread([snap, path, bg, options, hook, raw = st.get()] {
-    tl_background = true;
-    try {
-      if (hook) hook();
-      save(*snap, path, *bg, options);
-    } catch (...) {
-      raw->error = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(raw->mu);
-    raw->finished = true;
-  });
-  {
-    std::lock_guard<std::mutex> lock(g_pending_mu);
-    g_pending = st;
-  }
-  if (log::level() <= log::Level::Debug) {
-    int64_t bytes = 0;
-    for (const auto& [k, v] : snap->flatten()) {
-      if (auto t = std::get_if<at::Tensor>(v)) bytes += static_cast<int64_t>(t->nbytes());
-      if (auto s = std::get_if<sharding::ShardedTensor>(v))
-        for (const auto& sh : s->local_shards()) bytes += static_cast<int64_t>(sh.tensor.nbytes());
-    }
-    using log::seconds;
-    log::debug("save_async('", path, "'): returned after ", seconds(t0, Clock::now()),
-               " s: waiting for the previous save ", seconds(t0, t1), " s, background communicator ", seconds(t1, t2),
-               " s, snapshot of ", bytes >> 20, " MiB ", seconds(t2, t3), " s, starting the writer ",
-               seconds(t3, Clock::now()), " s");
-  }
-  return AsyncSave(st);
-}
-
-void set_async_save_hook_for_tests(std::function<void()> hook) {
-  std::lock_guard<std::mutex> lock(g_pending_mu);
-  g_test_hook = std::move(hook);
-}
-
-void save(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm, const SaveOptions& options) {
-  // A save waits for an async one in flight (they would race on the same files).
-  if (!tl_background) finish_pending_save();
-  if (options.mode == SaveMode::Full) save_full(sd, path, comm);
-  else save_sharded(sd, path, comm);
+  agree(comm, err, what);
 }
 
 }  // namespace tessera::checkpoint

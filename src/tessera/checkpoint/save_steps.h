@@ -1,0 +1,158 @@
+// Steps of a collective save that every rank takes together (internal to the checkpoint
+// layer; save.cpp): every rank learning every rank's outcome, the check that the ranks
+// agree on what they save, and the read-back of written bytes before a commit.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tessera/checkpoint/checksum.h"
+#include "tessera/checkpoint/file_io.h"
+#include "tessera/distributed/communicator.h"
+#include "tessera/state/state_dict.h"
+
+namespace tessera::checkpoint {
+
+// The two kinds of save (save.cpp), behind save() and save_async() (save_async.cpp).
+void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm);
+void save_full(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm);
+
+// Byte strings packed with explicit lengths (paths and messages may hold any byte, so
+// nothing is sent as ad-hoc text with separators).
+class Packer {
+ public:
+  Packer& u64(uint64_t v);
+  Packer& str(const std::string& v);
+  const std::string& bytes() const { return s_; }
+
+ private:
+  std::string s_;
+};
+class Unpacker {
+ public:
+  // `what` names the bytes in errors ("rank 2's status").
+  Unpacker(const std::string& bytes, std::string what) : s_(bytes), what_(std::move(what)) {}
+  Unpacker(std::string&& bytes, std::string what) = delete;  // reads `bytes` in place: keep it alive
+  uint64_t u64();
+  std::string str();
+  bool done() const { return pos_ == s_.size(); }
+
+ private:
+  void need(uint64_t n) const;
+  const std::string& s_;
+  std::string what_;
+  size_t pos_ = 0;
+};
+
+// What one rank tells the others at a step of a collective save: its error ("" when it
+// succeeded) and what it has to say when it succeeded (any bytes).
+struct RankStatus {
+  std::string error;
+  std::string payload;
+};
+
+// Every rank's status, in rank order, learned by every rank with one all-gather: all
+// then decide alike (fail together, or go on together) and nobody waits for a rank
+// that gave up.
+struct AllStatus {
+  std::vector<RankStatus> ranks;
+  bool ok() const;
+  // "rank 1: ...; rank 3: ..." ("" when every rank succeeded): the same text everywhere.
+  std::string errors() const;
+};
+AllStatus exchange_status(distributed::Communicator& comm, const RankStatus& mine);
+// The same, throwing tessera::Error("<what>: rank r: ...") on every rank when any rank
+// failed; else every rank's payload.
+std::vector<std::string> exchange_or_throw(distributed::Communicator& comm, const std::string& error,
+                                           const std::string& payload, const std::string& what);
+// Rank 0's outcome (its error, or its payload) on every rank: throws
+// tessera::Error("<what>: <error>") everywhere when rank 0 failed, else returns the payload.
+std::string broadcast_or_throw(distributed::Communicator& comm, const std::string& rank0_error,
+                               const std::string& rank0_payload, const std::string& what);
+
+// What the ranks of a consolidated save must agree on: they write their bytes at
+// offsets each computes from its own list of entries, matched by position. Records are
+// (key, description: kind, dtype, shape and, for sharded tensors, every shard's box and
+// rank); record 0 is ("", the path).
+struct SaveLayout {
+  std::vector<std::pair<std::string, std::string>> records;
+  std::string packed() const;
+  // 64-bit FNV-1a of packed(), exchanged instead of the records themselves.
+  uint64_t digest() const;
+};
+// Refuses, on every rank alike, when the digests (`digests[r]`, one per rank, already
+// exchanged) differ: the ranks then exchange their records (only then) and the error
+// names the first rank that differs from rank 0 and the first entry where it does.
+// Collective when (and only when) the digests differ, which every rank sees alike.
+void check_same_layout(distributed::Communicator& comm, const SaveLayout& mine, const std::vector<uint64_t>& digests,
+                       const std::string& path);
+
+// A byte range of a file and the checksum of the bytes written there.
+struct WrittenRange {
+  uint64_t at = 0;
+  uint64_t len = 0;
+  uint32_t crc = 0;
+};
+std::string pack_ranges(const std::vector<WrittenRange>& ranges);
+std::vector<WrittenRange> unpack_ranges(const std::string& bytes, const std::string& what);
+
+// One rank's part of a consolidated file that several ranks write at once: runs of
+// bytes of tensors, each at its offset, checksummed per block of its tensor as it is
+// copied (the pieces rank 0 joins into the header's block checksums). It also records
+// the checksum of each run's bytes in the run's first and last page (io_page_size()):
+// the pages it may share with another writer, where an incoherent filesystem or a
+// wrong page size loses bytes.
+class RunWriter {
+ public:
+  // `tensors`: each tensor's (file offset, byte size).
+  RunWriter(const std::string& path, std::vector<std::pair<uint64_t, uint64_t>> tensors);
+  // Writes `t` (any device, layout) at byte `off` of tensor `ti`.
+  void write(size_t ti, uint64_t off, const at::Tensor& t);
+  void finish();
+  const std::vector<CrcPiece>& pieces() const { return pieces_; }
+  const std::vector<WrittenRange>& edges() const { return edges_; }
+
+ private:
+  void note_edges(uint64_t at, const unsigned char* p, uint64_t n);
+  void close_run();
+  StreamWriter out_;
+  std::vector<std::pair<uint64_t, uint64_t>> tensors_;
+  std::vector<CrcPiece> pieces_;
+  std::vector<WrittenRange> edges_;
+  uint64_t page_;
+  bool in_run_ = false;
+  uint64_t run_start_ = 0, run_end_ = 0;
+  WrittenRange head_, tail_;
+};
+
+// The ranges of `pieces` (bytes of tensors) in the file: piece p is at
+// tensor_offsets[p.tensor] + p.begin.
+std::vector<WrittenRange> piece_ranges(const std::vector<CrcPiece>& pieces, const std::vector<uint64_t>& tensor_offsets);
+
+// Reads back `ranges` of `path`, which `writer` ("rank 1") wrote, and checks each against
+// the checksum it was written with. Reads past this host's page cache: O_DIRECT where the
+// filesystem allows (DirectReader), else after dropping the cached pages. `tensors`: each
+// tensor's (file offset, key), in file order, to name the key in the error. Throws
+// tessera::Error naming the file, the bytes, the key and the writer at the first range
+// that differs.
+void verify_read_back(const std::string& path, std::vector<WrittenRange> ranges,
+                      const std::vector<std::pair<uint64_t, std::string>>& tensors, const std::string& writer);
+
+// Which kernel (and so which page cache) this process runs on: the boot id, and the host
+// name where there is none. Ranks that print the same share a page cache.
+std::string kernel_identity();
+
+// Test fault "flip" (below): inverts the byte at `at` of `path` and fsyncs.
+void flip_byte(const std::string& path, uint64_t at);
+
+// Tests only (issue 35): whether TESSERA_TEST_SAVE_FAULT is "<rank>:<what>" for this
+// rank and fault. save.cpp reads it to make a consolidated save fail on one rank:
+// "write" throws where the rank hands a piece to its writer (as a failed narrow, copy or
+// thread start would), "flip" inverts a byte the rank wrote after its fsync (as a write
+// lost on an incoherent filesystem would). Not set in any real run.
+bool test_fault(int rank, const char* what);
+
+}  // namespace tessera::checkpoint
