@@ -57,7 +57,13 @@ Launched run_launcher(const std::string& script) {
 
 // Above the peak of a launch that prints nothing: the 64 KiB pending line, one 64 KiB
 // read and what is written for it leave room; the unbounded relay took 50 MB and more.
+// Under AddressSanitizer (make test-asan) freed memory stays resident in its quarantine,
+// so the launcher's peak says nothing of the relay's buffer: no bound there.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr long kExtraKb = 1L << 40;
+#else
 constexpr long kExtraKb = 16 * 1024;
+#endif
 
 }  // namespace
 

@@ -293,7 +293,8 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
   m.world_size = comm.size();
   std::vector<TensorSpec> specs;
   SaveLayout layout_list;
-  layout_list.records.emplace_back("", path);  // record 0: the path
+  // (Not the path: a rank writes into the file rank 0 names, and ranks on other hosts may
+  // reach it under another mount point, as the one-writer fallback allows.)
   std::vector<std::pair<uint64_t, uint64_t>> tensor_bytes;  // (file offset, bytes) of each tensor
   std::vector<std::pair<uint64_t, std::string>> tensor_at;  // (file offset, key) of each tensor
   std::vector<std::pair<std::string, uint64_t>> tensor_names;
@@ -497,11 +498,11 @@ void save_full(const state::StateDict& sd, const std::string& path, distributed:
           in_rank0 |= sm.placement.rank == 0 && sharding::contains(sm.box, region);
         if (in_rank0) {
           if (rank == 0) {
-            attempt([&] {
+            attempt([&, &key = fqn] {  // a structured binding is not captured by [&] (clang, C++17)
               const sharding::Shard* own = nullptr;
               for (const auto& sh : s->local_shards())
                 if (sharding::contains(sh.meta.box, region)) own = &sh;
-              TESSERA_CHECK(own != nullptr, "key '", fqn, "': rank 0 holds no local shard with rows ",
+              TESSERA_CHECK(own != nullptr, "key '", key, "': rank 0 holds no local shard with rows ",
                             region.to_string(), " that its shard metadata gives it");
               put(sharding::narrow_to(own->tensor, own->meta.box, region), ti, static_cast<uint64_t>(r0 * row_bytes));
             });

@@ -136,10 +136,7 @@ void check_same_layout(distributed::Communicator& comm, const SaveLayout& mine, 
     auto show = [&](const std::vector<std::pair<std::string, std::string>>& v) {
       return i < v.size() ? concat("'", escape_path(v[i].first), "' (", v[i].second, ")") : std::string("none");
     };
-    if (i == 0)  // the path
-      where = concat("rank 0 saves to '", escape_path(a[0].second), "', rank ", r, " to '", escape_path(b[0].second), "'");
-    else
-      where = concat("entry ", i - 1, " is ", show(a), " on rank 0, ", show(b), " on rank ", r);
+    where = concat("entry ", i, " is ", show(a), " on rank 0, ", show(b), " on rank ", r);
   }
   if (where.empty()) where = "in the same entries (a digest collision)";
   std::string others;

@@ -76,7 +76,7 @@ std::string broadcast_or_throw(distributed::Communicator& comm, const std::strin
 // What the ranks of a consolidated save must agree on: they write their bytes at
 // offsets each computes from its own list of entries, matched by position. Records are
 // (key, description: kind, dtype, shape and, for sharded tensors, every shard's box and
-// rank); record 0 is ("", the path).
+// rank). The path is not among them: every rank writes into the file rank 0 names.
 struct SaveLayout {
   std::vector<std::pair<std::string, std::string>> records;
   std::string packed() const;
