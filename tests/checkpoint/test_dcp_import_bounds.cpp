@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <set>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/dcp_import.h"
 #include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/safetensors.h"
 #include "tessera/state/state_dict.h"
 
 using namespace tessera;
@@ -159,19 +161,17 @@ TEST(DcpImportBounds, FifoInPlaceOfMetadataIsRefusedAtOnce) {
 
 // Item 14, the common open: File(path, "r") refuses a FIFO at once instead of blocking in
 // open() (whatever checked the path before). Run in a forked child with a deadline.
-TEST(DcpImportBounds, ReadOpenOfAFifoFailsAtOnce) {
-  const std::string dir = temp_dir("tessera-fifo-open");
-  const std::string fifo = dir + "/pipe";
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+// Runs `open` (which opens `fifo` for reading) in a forked child, at most 10 s: its error
+// message, or "opened"; `blocked` when the child was still in it after 10 s.
+static std::string open_in_child(const std::function<void()>& open, bool* blocked) {
   int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
+  if (::pipe(fds) != 0) return "pipe failed";
   const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
   if (pid == 0) {
     ::close(fds[0]);
     std::string msg = "opened";
     try {
-      ck::File f(fifo, "r");
+      open();
     } catch (const std::exception& e) {
       msg = e.what();
     }
@@ -182,16 +182,31 @@ TEST(DcpImportBounds, ReadOpenOfAFifoFailsAtOnce) {
   const int64_t end = steady_ms() + 10000;
   int st = 0;
   pid_t done = 0;
-  while ((done = ::waitpid(pid, &st, WNOHANG)) == 0 && steady_ms() < end) ::usleep(10000);
-  if (done == 0) {
+  while (pid > 0 && (done = ::waitpid(pid, &st, WNOHANG)) == 0 && steady_ms() < end) ::usleep(10000);
+  if (pid > 0 && done == 0) {
     ::kill(pid, SIGKILL);
     ::waitpid(pid, &st, 0);
   }
+  *blocked = done == 0;
   std::string msg(4096, '\0');
   const ssize_t n = ::read(fds[0], msg.data(), msg.size());
   ::close(fds[0]);
   msg.resize(n > 0 ? static_cast<size_t>(n) : 0);
-  ASSERT_NE(done, 0) << "File(FIFO, \"r\") still blocked after 10 s";
+  return msg;
+}
+
+// Neither read-open of the checkpoint layer (File(path, "r"), and open_for_reading, which
+// the safetensors reader also uses to reopen a data file it closed) blocks on a FIFO.
+TEST(DcpImportBounds, ReadOpenOfAFifoFailsAtOnce) {
+  const std::string dir = temp_dir("tessera-fifo-open");
+  const std::string fifo = dir + "/pipe";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  bool blocked = false;
+  std::string msg = open_in_child([&] { ck::File f(fifo, "r"); }, &blocked);
+  ASSERT_FALSE(blocked) << "File(FIFO, \"r\") still blocked after 10 s";
+  EXPECT_CONTAINS(msg, "cannot open '" + fifo + "' for reading: it is not a regular file (a FIFO)");
+  msg = open_in_child([&] { ck::open_for_reading(fifo); }, &blocked);
+  ASSERT_FALSE(blocked) << "open_for_reading(FIFO) still blocked after 10 s";
   EXPECT_CONTAINS(msg, "cannot open '" + fifo + "' for reading: it is not a regular file (a FIFO)");
 }
 

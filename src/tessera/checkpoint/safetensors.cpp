@@ -76,8 +76,19 @@ uint64_t byte_size(const std::vector<int64_t>& shape, at::ScalarType t, const st
 // ---------------------------------------------------------------- reader
 
 File open_for_reading(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd >= 0) return File::adopt(fd, path);
+  // Opened without blocking (a FIFO put in the file's place would wait for a writer
+  // forever); only a regular file is read, in the ordinary blocking mode.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd >= 0) {
+    File f = File::adopt(fd, path);
+    struct stat st;
+    TESSERA_CHECK(::fstat(fd, &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
+    TESSERA_CHECK(S_ISREG(st.st_mode), "cannot open '", path, "' for reading: it is not a regular file",
+                  S_ISFIFO(st.st_mode) ? " (a FIFO)" : S_ISDIR(st.st_mode) ? " (a directory)" : "");
+    TESSERA_CHECK(::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) == 0, "cannot read '", path,
+                  "': ", std::strerror(errno));
+    return f;
+  }
   const int e = errno;
   if (e == EMFILE || e == ENFILE) {
     struct rlimit rl {};
