@@ -1,14 +1,21 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of the fuzz targets (run once; the seeds are committed).
 
-Uses Debian's /usr/bin/python3 with torch for the torch.save seeds."""
+Uses Debian's /usr/bin/python3 with torch for the torch.save seeds; `make_seeds.py hostile`
+writes only the hostile pickles (hostile_seeds.py, standard library only)."""
 import json
 import pathlib
 import struct
+import sys
 
-import torch
+from hostile_seeds import write_hostile
 
 ROOT = pathlib.Path(__file__).resolve().parent / "corpus"
+write_hostile(ROOT)
+if sys.argv[1:] == ["hostile"]:
+    sys.exit(0)
+
+import torch  # noqa: E402
 
 
 def safetensors(tensors, meta=None):
