@@ -309,6 +309,20 @@ namespace {
 std::string obj(const std::string& mod, const std::string& name, const std::string& state) {
   return glob(mod, name) + ")\x81" + state + "b";
 }
+std::string info_of(uint64_t offset, uint64_t length) {
+  return obj("torch.distributed.checkpoint.filesystem", "_StorageInfo",
+             "}(" + str("relative_path") + str("__0_0.distcp") + str("offset") + i64(static_cast<int64_t>(offset)) +
+                 str("length") + i64(static_cast<int64_t>(length)) + "u");
+}
+// .metadata of one plain value "v" (BytesStorageMetadata) stored as item [0, length).
+std::string dcp_value_metadata(uint64_t length) {
+  const std::string m = "torch.distributed.checkpoint.metadata";
+  const std::string index =
+      obj(m, "MetadataIndex", "}(" + str("fqn") + str("v") + str("offset") + "N" + str("index") + i64(0) + "u");
+  return "\x80\x02" + obj(m, "Metadata", "}(" + str("state_dict_metadata") + "}" + str("v") +
+                                             obj(m, "BytesStorageMetadata", "}") + "s" + str("storage_data") + "}" +
+                                             index + info_of(0, length) + "s" + "u") + ".";
+}
 std::string dcp_metadata(int64_t n, uint64_t length) {
   const std::string m = "torch.distributed.checkpoint.metadata";
   const std::string props = obj(m, "TensorProperties",
@@ -353,4 +367,19 @@ TEST(PickleHardening, HeapOffsetInDcpItemIsRefused) {
   write_bytes(dir + "/good/__0_0.distcp", good);
   const CliRun ok = cli("ckpt import-dcp " + dir + "/good -o " + dir + "/good-out");
   EXPECT_EQ(ok.code, 0) << ok.out;
+}
+
+// A plain value of 60 doubled lists as a .distcp item (the unfixed import-dcp reached 7.8 GB
+// in 20 s walking it): refused as an amplification, naming the data file and the key.
+TEST(PickleHardening, DoublingValueInDcpItemIsRefused) {
+  const std::string dir = temp_dir("tessera-pickle");
+  const std::string item = archive(doubling_lists(60));
+  ck::make_dir(dir + "/dcp");
+  write_bytes(dir + "/dcp/.metadata", dcp_value_metadata(item.size()));
+  write_bytes(dir + "/dcp/__0_0.distcp", item);
+  const std::string why = error_of([&] { ck::import_dcp(dir + "/dcp", dir + "/out", false); });
+  EXPECT_CONTAINS(why, dir + "/dcp/__0_0.distcp");
+  EXPECT_CONTAINS(why, "'v'");
+  EXPECT_CONTAINS(why, "refused as an amplification");
+  EXPECT_FALSE(ck::path_exists(dir + "/out"));
 }
