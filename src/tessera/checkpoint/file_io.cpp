@@ -24,8 +24,14 @@ std::string err() { return std::strerror(errno); }
 
 uint64_t io_page_size() {
   static const uint64_t size = [] {
+    // TESSERA_TEST_IO_PAGE_SIZE (tests only) replaces the system's value, to exercise 64 KiB
+    // pages on a 4 KiB kernel; anything but a power of two of at least 4096 is refused.
     uint64_t n = 0;
-    if (const char* v = std::getenv("TESSERA_TEST_IO_PAGE_SIZE")) n = std::strtoull(v, nullptr, 0);
+    if (const char* v = std::getenv("TESSERA_TEST_IO_PAGE_SIZE")) {
+      n = std::strtoull(v, nullptr, 0);
+      TESSERA_CHECK(n >= kDirectAlign && (n & (n - 1)) == 0, "TESSERA_TEST_IO_PAGE_SIZE='", v,
+                    "' (tests only) is not a power of two of at least 4096");
+    }
     if (n == 0) {
       const long ps = ::sysconf(_SC_PAGESIZE);
       n = ps > 0 ? static_cast<uint64_t>(ps) : kDirectAlign;
@@ -75,7 +81,7 @@ const char* incoherent_fs_name(uint64_t f_type) {
 
 std::string shared_writes_refusal(const std::string& path) {
   uint64_t type = 0;
-  if (const char* v = std::getenv("TESSERA_TEST_FS_TYPE")) {
+  if (const char* v = std::getenv("TESSERA_TEST_FS_TYPE")) {  // tests only: replaces statfs's f_type
     type = std::strtoull(v, nullptr, 0);
   } else {
     struct statfs st;

@@ -67,8 +67,7 @@ constexpr uint64_t kDirectAlign = 4096;
 // size (sysconf(_SC_PAGESIZE): 4 KiB on x86-64, 16 or 64 KiB on some arm64 and ppc64
 // kernels), never less than kDirectAlign and a multiple of it. A writer that shares a
 // file with others keeps the pages it shares with them out of its direct writes in
-// these units (StreamWriter). TESSERA_TEST_IO_PAGE_SIZE (tests only: a power of two of
-// at least 4096) replaces the system's value, to exercise 64 KiB pages on a 4 KiB kernel.
+// these units (StreamWriter).
 uint64_t io_page_size();
 
 // Refuses (tessera::Error) a checkpoint or output path holding a control character
@@ -84,8 +83,7 @@ std::string escape_path(const std::string& s);
 // stores, sshfs, virtiofs), 9p and AFS, a client writes a partial page back whole from
 // its own cache, which may predate another client's bytes in that page, and nothing
 // orders the two. Local filesystems, tmpfs and coherent cluster filesystems (Lustre,
-// GPFS, CephFS, BeeGFS) are fine. Uses statfs(2); TESSERA_TEST_FS_TYPE (tests only, a
-// number such as 0x6969) replaces the type it reports.
+// GPFS, CephFS, BeeGFS) are fine. Uses statfs(2).
 std::string shared_writes_refusal(const std::string& path);
 // The name of an incoherent filesystem type (statfs f_type), or nullptr when it is not one.
 const char* incoherent_fs_name(uint64_t f_type);
