@@ -21,7 +21,8 @@ std::vector<std::vector<uint32_t>> assemble_block_crcs(std::vector<CrcPiece> pie
   std::vector<std::vector<uint32_t>> out(tensors.size());
   size_t i = 0;
   for (uint32_t t = 0; t < tensors.size(); ++t) {
-    const auto& [name, bytes] = tensors[t];
+    const std::string& name = tensors[t].first;  // not a structured binding: the lambda captures it (clang, C++17)
+    const uint64_t bytes = tensors[t].second;
     auto where = [&](uint64_t a, uint64_t b) { return concat("'", file, "' tensor '", name, "': bytes ", a, "..", b); };
     uint64_t at = 0;  // every byte before `at` is covered
     for (uint64_t b0 = 0; b0 < bytes; b0 += block) {

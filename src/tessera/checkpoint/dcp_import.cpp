@@ -289,7 +289,8 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
   struct stat st;
   TESSERA_CHECK(::lstat(meta_path.c_str(), &st) == 0, "'", dir, "' is not a DCP checkpoint: it has no .metadata");
   dcp_file(dir, ".metadata", "DCP metadata");
-  const std::string text = read_small_file(meta_path, 1ull << 30);
+  // 256 MiB: the unpickler may use up to 128 bytes per byte of it (pickle_reader.h)
+  const std::string text = read_small_file(meta_path, 256ull << 20);
   const std::string mw = "'" + meta_path + "'";
   const PyPtr root = pickle::unpickle(mw, text, metadata_globals());
   const Py& md = attrs(root, kMeta + "Metadata", mw);
