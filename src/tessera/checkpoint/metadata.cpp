@@ -307,6 +307,16 @@ void check_metadata_checksum(const std::string& text, const std::string& where) 
                 crc_hex(got), ") — the metadata is corrupt");
 }
 
+// `o[key]` of a JSON value read from a file, or null where `o` is no object or has no such
+// key (nlohmann's const operator[] on a missing key is undefined behaviour: found by
+// fuzz_metadata).
+static const json& field(const json& o, const char* key) {
+  static const json null_value;
+  if (!o.is_object()) return null_value;
+  const auto it = o.find(key);
+  return it == o.end() ? null_value : *it;
+}
+
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir) {
   const std::string where = concat("'", join_path(dir, kMetadataFile), "'");
   json j = parse_json_strict(text, concat(where, ": metadata"));
@@ -328,9 +338,9 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
     check_crc_block(m.crc_block, where + " crc32c_block");
     TESSERA_CHECK(j["files"].is_array(), where, ": files is not an array");
     for (const auto& f : j["files"]) {
-      TESSERA_CHECK(f.is_object() && f.contains("name") && f["name"].is_string(), where, ": bad files entry");
-      check_plain_name(f["name"].get<std::string>(), where);
-      m.files.emplace_back(f["name"].get<std::string>(), get_u64(f["size"], where + " file size"));
+      TESSERA_CHECK(f.is_object() && f.contains("name") && field(f, "name").is_string(), where, ": bad files entry");
+      check_plain_name(field(f, "name").get<std::string>(), where);
+      m.files.emplace_back(field(f, "name").get<std::string>(), get_u64(field(f, "size"), where + " file size"));
     }
     // Every writer (save, reshard) writes one data file per rank, so the file list and
     // the world size must agree.
@@ -344,34 +354,34 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
       TESSERA_CHECK(!m.entries.count(fqn), where, ": key '", fqn, "' listed twice");
       const json& je = j["entries"][fqn];
       const std::string what = concat(where, " key '", fqn, "'");
-      TESSERA_CHECK(je.is_object() && je.contains("kind") && je["kind"].is_string(), what, ": no kind");
+      TESSERA_CHECK(je.is_object() && je.contains("kind") && field(je, "kind").is_string(), what, ": no kind");
       EntryInfo e;
-      e.kind = je["kind"].get<std::string>();
+      e.kind = field(je, "kind").get<std::string>();
       if (e.kind != "tensor" && e.kind != "sharded") {
         e.value = value_from_json(je, what);
       } else {
-        TESSERA_CHECK(je.contains("dtype") && je["dtype"].is_string(), what, ": no dtype");
-        e.dtype = parse_dtype(je["dtype"].get<std::string>(), what);
-        e.shape = get_dims(je["shape"], what + " shape");
-        TESSERA_CHECK(je["chunks"].is_array(), what, ": chunks is not an array");
-        for (const auto& jc : je["chunks"]) {
+        TESSERA_CHECK(je.contains("dtype") && field(je, "dtype").is_string(), what, ": no dtype");
+        e.dtype = parse_dtype(field(je, "dtype").get<std::string>(), what);
+        e.shape = get_dims(field(je, "shape"), what + " shape");
+        TESSERA_CHECK(field(je, "chunks").is_array(), what, ": chunks is not an array");
+        for (const auto& jc : field(je, "chunks")) {
           ChunkInfo c;
-          c.box.offsets = get_dims(jc["offsets"], what + " chunk offsets");
-          c.box.sizes = get_dims(jc["sizes"], what + " chunk sizes");
-          TESSERA_CHECK(jc["file"].is_string() && jc["name"].is_string(), what, ": chunk without file/name");
-          c.file = jc["file"].get<std::string>();
+          c.box.offsets = get_dims(field(jc, "offsets"), what + " chunk offsets");
+          c.box.sizes = get_dims(field(jc, "sizes"), what + " chunk sizes");
+          TESSERA_CHECK(field(jc, "file").is_string() && field(jc, "name").is_string(), what, ": chunk without file/name");
+          c.file = field(jc, "file").get<std::string>();
           check_plain_name(c.file, what);
-          c.name = jc["name"].get<std::string>();
-          const json& br = jc["byte_range"];
+          c.name = field(jc, "name").get<std::string>();
+          const json& br = field(jc, "byte_range");
           TESSERA_CHECK(br.is_array() && br.size() == 2, what, ": bad byte_range");
           c.begin = get_u64(br[0], what + " byte_range");
           c.end = get_u64(br[1], what + " byte_range");
           TESSERA_CHECK(c.begin <= c.end && c.end - c.begin == byte_size(c.box.sizes, e.dtype, what), what,
                         ": byte_range [", c.begin, ", ", c.end, "] does not match chunk ", c.box.to_string());
-          TESSERA_CHECK(jc["crc32c"].is_array() && jc["crc32c"].size() == num_blocks(c.end - c.begin, m.crc_block),
+          TESSERA_CHECK(field(jc, "crc32c").is_array() && field(jc, "crc32c").size() == num_blocks(c.end - c.begin, m.crc_block),
                         what, ": chunk ", c.box.to_string(), " needs ", num_blocks(c.end - c.begin, m.crc_block),
                         " checksums");
-          for (const auto& x : jc["crc32c"]) {
+          for (const auto& x : field(jc, "crc32c")) {
             TESSERA_CHECK(x.is_string(), what, ": checksum is not a string");
             c.crcs.push_back(parse_crc_hex(x.get<std::string>(), what));
           }
