@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "support/child_process.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/dcp_import.h"
@@ -26,6 +27,8 @@
 extern char** environ;
 
 using tessera::testing::error_of;
+using tessera::testing::Measured;
+using tessera::testing::run_measured;
 using tessera::testing::run_command;
 using tessera::testing::temp_dir;
 using tessera::testing::write_bytes;
@@ -137,23 +140,12 @@ CliRun cli(const std::string& args) {
 // Runs the binary with `args` and returns its peak resident set in MiB (wait4's rusage of
 // that child alone); its output goes to the file `log`.
 long peak_rss_mib(const std::vector<std::string>& args, const std::string& log, int* status) {
-  std::vector<char*> argv;
-  std::string prog = TESSERA_CLI;
-  argv.push_back(prog.data());
-  std::vector<std::string> copy = args;
-  for (auto& a : copy) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, prog.c_str(), &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return -1;
-  struct rusage ru {};
-  if (::wait4(pid, status, 0, &ru) != pid) return -1;
-  return ru.ru_maxrss / 1024;
+  std::vector<std::string> argv{TESSERA_CLI};
+  argv.insert(argv.end(), args.begin(), args.end());
+  const Measured m = run_measured(argv, log, log);
+  if (m.status < 0) return -1;
+  *status = m.wait_status;
+  return m.maxrss_kb / 1024;
 }
 
 }  // namespace

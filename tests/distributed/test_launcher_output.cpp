@@ -14,10 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "support/child_process.h"
 #include "support/test_util.h"
 #include "tessera/distributed/launcher.h"
 
+using tessera::testing::Measured;
 using tessera::testing::read_bytes;
+using tessera::testing::run_measured;
 using tessera::testing::temp_dir;
 
 namespace {
@@ -32,24 +35,10 @@ struct Launched {
 Launched run_launcher(const std::string& script) {
   const std::string dir = temp_dir("tessera-launcher-out");
   const std::string out = dir + "/out", err = dir + "/err";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (o < 0 || e < 0) ::_exit(126);
-    ::dup2(o, 1);
-    ::dup2(e, 2);
-    ::execl(TESSERA_CLI, TESSERA_CLI, "run", "-n", "1", "--", "/bin/sh", "-c", script.c_str(),
-            static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
+  const Measured m = run_measured({TESSERA_CLI, "run", "-n", "1", "--", "/bin/sh", "-c", script}, out, err);
   Launched r;
-  if (pid < 0) return r;
-  int st = 0;
-  rusage ru{};
-  if (::wait4(pid, &st, 0, &ru) != pid) return r;
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  r.maxrss_kb = ru.ru_maxrss;
+  r.status = m.status;
+  r.maxrss_kb = m.maxrss_kb;
   r.out = read_bytes(out);
   r.err = read_bytes(err);
   return r;

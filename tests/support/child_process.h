@@ -8,6 +8,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -111,6 +112,40 @@ inline Child spawn(const std::vector<std::string>& argv_s, const std::map<std::s
   ::close(fds[1]);
   c.out = fds[0];
   return c;
+}
+
+// Runs `argv` to its end with stdout to the file `out` and stderr to `err` (the same file
+// when equal): its exit status (128 + signal when killed; -1 when it could not be run) and
+// its own peak resident set in KiB (wait4's rusage of that child alone).
+struct Measured {
+  int status = -1;
+  int wait_status = 0;  // as waitpid gives it (for WIFEXITED and WTERMSIG)
+  long maxrss_kb = 0;
+};
+inline Measured run_measured(const std::vector<std::string>& argv_s, const std::string& out, const std::string& err) {
+  std::vector<std::string> copy = argv_s;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (err == out)
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  else
+    posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  Measured m;
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return m;
+  int st = 0;
+  struct rusage ru {};
+  if (::wait4(pid, &st, 0, &ru) != pid) return m;
+  m.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  m.wait_status = st;
+  m.maxrss_kb = ru.ru_maxrss;
+  return m;
 }
 
 // Whether any process is left in process group `pgid`.
