@@ -79,7 +79,7 @@ measure() {
       # ignore; see dd_direct), then the disk's own limit with direct I/O, 16 MiB blocks,
       # one stream and two (one per rank, each half of the bytes, at once), and the two
       # streams' read again in 4 MiB blocks (the request size a virtio disk with
-      # max_sectors_kb 4096 takes whole: faster there than 16 MiB, docs/benchmarks.md).
+      # max_sectors_kb 4096 takes whole: faster there than 16 MiB, docs/benchmarks-history.md).
       local t0 t1 t2 t3 t4 t5 t6 t7 t8 t9 half=$((MIB / 32))
       t0=$(now); dd if=/dev/zero of="$RD/dd.bin" bs=1M count="$MIB" conv=fsync status=none; t1=$(now)
       dd if="$RD/dd.bin" iflag=nocache count=0 status=none  # cold read: drop the file's cached pages
@@ -216,7 +216,7 @@ dd_w, dd_r = times("dd", "write_s"), times("dd", "read_s")
 # What of the buffered dd read's file this kernel still cached before it (DONTNEED is
 # advice). Even with none cached that read is no limit for Tessera's loads: it reads back a
 # file written through the page cache seconds earlier, which the development VM serves
-# 2-4x faster than any direct read of the same round (docs/benchmarks.md, issue 21); the
+# 2-4x faster than any direct read of the same round (docs/benchmarks-history.md, issue 21); the
 # rows against it carry no target.
 dd_cached = [r["dd"].get("read_cached_bytes", -1) for r in R]
 # The disk's limit: the fastest of the round's direct-I/O dd runs (one and two streams of

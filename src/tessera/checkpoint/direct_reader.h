@@ -3,7 +3,7 @@
 // buffers) and copy into the caller's memory, running a check (the checksums) on each
 // segment as it lands. The mirror image of StreamWriter's direct writes.
 //
-// Why (issue 21, docs/benchmarks.md): on the development VM two ranks reading 1 GiB
+// Why (issue 21, docs/benchmarks-history.md): on the development VM two ranks reading 1 GiB
 // through the page cache took 1.4-1.6 s where direct reads of the same fresh bytes took
 // 0.7-1.25 s, and loads stayed at ~0.7x of a direct-I/O dd. A buffered read costs a page
 // allocation and a cache insertion per 4 KiB and small readahead requests; a direct read
@@ -16,7 +16,7 @@
 // workers out of step. On the second development VM (virtio disk, max_sectors_kb 4096),
 // 1 GiB at 2 ranks loaded in 0.66-0.68 s with 16 MiB segments, 0.55-0.58 s with 8 MiB,
 // 0.43-0.47 s with 4 MiB and about the same with 2 MiB; three or four workers were
-// slower on its two cores (docs/benchmarks.md, run 8).
+// slower on its two cores (docs/benchmarks-history.md, run 8).
 //
 // Where O_DIRECT is refused (tmpfs, some network filesystems, or TESSERA_NO_DIRECT_IO=1)
 // the same workers read with plain pread. Errors name the file and the byte offset.

@@ -5,8 +5,8 @@
 // threshold with mmap and returns them with munmap (and trims the heap top above its
 // trim threshold), so every step faults in and zeroes the same pages again. Measured on
 // the GPT example (L4 d256 T128, one process, 2 cores): the kernel time of those faults
-// halved the tokens/s against the same model under Python torch (docs/benchmarks.md,
-// "CPU memory policy").
+// halved the tokens/s against the same model under Python torch
+// (docs/benchmarks-history.md, "gpt", "Memory policy").
 //
 // What. Requests of at least 64 KiB are carved out of large anonymous mappings
 // (segments of 256 MiB of address space; a page becomes resident only when written),
