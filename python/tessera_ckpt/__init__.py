@@ -7,20 +7,25 @@
     tessera_ckpt.verify(path)                                             # every checksum, or CheckpointError
 
 A checkpoint is a sharded directory (tessera-checkpoint.json + one safetensors data file per
-rank, any world size) or a consolidated safetensors file (docs/checkpoint-format.md). Tensors
-come back whole, assembled from their chunks, on the CPU; plain values as int, float, bool,
-str, bytes (an empty nested dict as {}). Files are read with plain file I/O, only the byte
-ranges needed; nothing is unpickled or executed. Requires torch and google-crc32c (hardware
+rank, any world size; format version 1 or 2) or a consolidated safetensors file
+(docs/checkpoint-format.md). Tensors come back whole (or some dim-0 rows of one:
+``Checkpoint.get(key, rows=(begin, end))``), assembled from their pieces, on the CPU; plain
+values as int, float, bool, str, bytes (an empty nested dict as {}). Files are read with plain
+file I/O, only the byte ranges needed, and of a version-2 checkpoint only the data files that
+hold what is read are opened; nothing is unpickled or executed. Requires torch and google-crc32c (hardware
 CRC32C; without it a slow pure-Python CRC is used).
 """
+import collections
 import ctypes
 import os
+import stat
 
 from . import _crc32c
-from ._format import CheckpointError, CheckpointNotFoundError, DTYPES, Safetensors, open_file, open_layout, pread_into
+from ._format import (CheckpointError, CheckpointNotFoundError, DTYPES, Safetensors, check_data_file, data_file_name,
+                      fail, open_file, open_layout, piece_chunk, pread_into)
 
 __all__ = ["load", "inspect", "verify", "Checkpoint", "CheckpointError", "CheckpointNotFoundError", "crc32c"]
-__version__ = "1.0"
+__version__ = "2.0"
 
 crc32c = _crc32c.crc32c
 
@@ -51,6 +56,20 @@ def _pipeline():
     return p
 
 
+def _max_open_files():
+    """Data files kept open at once: an eighth of the descriptor limit, as the C++ reader
+    (a checkpoint of more ranks than that is read closing and reopening the oldest)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY or soft <= 0:
+            soft = 1 << 16
+    except (ImportError, OSError, ValueError):
+        soft = 1024
+    return max(8, soft // 8)
+
+
 def _tensor_view(t):
     """A writable byte memoryview of a contiguous CPU tensor (bf16 included: no numpy)."""
     n = t.numel() * t.element_size()
@@ -67,12 +86,18 @@ class Checkpoint:
             ck.kind                # "sharded", "consolidated" or "safetensors" (another writer's file)
             ck.world_size          # the world size at save (None for another writer's file)
             ck["model.w"]          # one tensor, whole, or a plain value
+            ck.get("model.w", rows=(2, 5))   # dim-0 rows [2, 5) of it: only the pieces holding them are read
+
+    Data files are opened when something in them is read (a version-2 checkpoint's are not
+    even looked at before), their headers parsed and checked once and kept.
     """
 
     def __init__(self, path):
         self._layout = open_layout(path)
-        self._fds = {}
+        self._fds = collections.OrderedDict()  # name -> fd, least recently used first
+        self._ids = {}  # name -> (st_dev, st_ino) of the file first opened under it
         self._headers = {}
+        self._max_fds = _max_open_files()
 
     # -- what is there
     @property
@@ -115,18 +140,26 @@ class Checkpoint:
     def __getitem__(self, key):
         return self.get(key)
 
-    def get(self, key, verify=True):
-        """The whole tensor (CPU) or the plain value stored under ``key``."""
+    @property
+    def save_id(self):
+        """Version 2: the save's id (16 hex digits) that every data file carries; else None."""
+        return self._layout.save_id
+
+    def get(self, key, verify=True, rows=None):
+        """The whole tensor (CPU) or the plain value stored under ``key``. ``rows=(begin, end)``
+        (or a slice without step): only dim-0 rows [begin, end) of a tensor, reading only the
+        pieces (and checksum blocks) that hold them."""
         e = self.entry(key)
         if not e.is_tensor:
+            if rows is not None:
+                raise ValueError(f"'{self.path}' key '{key}' is a {e.kind} value, not a tensor: rows= needs a tensor")
             return e.value
-        return self._read_tensor(key, e, verify)
+        return self._read_tensor(key, e, verify, rows)
 
     # -- files
     def close(self):
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        while self._fds:
+            os.close(self._fds.popitem()[1])
 
     def __enter__(self):
         return self
@@ -142,22 +175,58 @@ class Checkpoint:
 
     def _fd(self, name):
         fd = self._fds.get(name)
-        if fd is None:
-            fd = open_file(self._layout.file_path(name))
-            self._fds[name] = fd
+        if fd is not None:
+            self._fds.move_to_end(name)
+            return fd
+        lay = self._layout
+        path = lay.file_path(name)
+        try:
+            fd = open_file(path)
+        except CheckpointNotFoundError:
+            if lay.kind == "sharded":  # version 2: data files are first looked at here
+                raise CheckpointNotFoundError(f"checkpoint '{lay.path}': data file '{name}' is missing") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                fail("checkpoint '", lay.path, "': data file '", name, "' is not a regular file: '", path, "'")
+            ident = (st.st_dev, st.st_ino)
+            if self._ids.setdefault(name, ident) != ident:
+                fail("'", path, "' was replaced while the checkpoint was read (reopened, it is another file)")
+        except BaseException:
+            os.close(fd)
+            raise
+        while len(self._fds) >= self._max_fds:
+            os.close(self._fds.popitem(last=False)[1])
+        self._fds[name] = fd
         return fd
 
-    def _header(self, name):
-        """The data file's own header, parsed and checked (sharded checkpoints: the metadata
-        and the file must agree about every chunk)."""
+    def _drop(self, name):
+        """Closes data file ``name`` and forgets its header."""
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+        self._headers.pop(name, None)
+
+    def _header(self, name, rank=None):
+        """The data file's own header, parsed and checked, once (a version-2 data file
+        (``rank`` given): this save's file of that rank)."""
         h = self._headers.get(name)
         if h is None:
             h = Safetensors(self._layout.file_path(name), self._fd(name))
+            if rank is not None:
+                check_data_file(h, self._layout, rank)
             self._headers[name] = h
         return h
 
+    def _piece(self, key, e, i):
+        """Piece i of version-2 entry ``e``, located in its data file's header."""
+        rank = e.layout.file_of(i)
+        return piece_chunk(self._layout, self._header(data_file_name(rank), rank), key, e, i)
+
     def _check_chunk(self, key, e, c):
-        if self._layout.kind != "sharded":
+        """Version 1: the data file's header must agree with the metadata about the chunk."""
+        if self._layout.kind != "sharded" or c.index is not None:
             return
         h = self._header(c.file)
         t = h.tensors.get(c.name)
@@ -168,23 +237,67 @@ class Checkpoint:
             raise CheckpointError(f"'{path}' key '{key}': the data file's entry '{c.name}' disagrees with the "
                                   "metadata (dtype, shape or byte range)")
 
-    def _read_chunk_into(self, key, e, c, view, verify):
-        """Reads chunk ``c``'s bytes into ``view`` and checks its block checksums. A large chunk
-        is read in pieces, each checksummed on another thread while the next is read."""
-        self._check_chunk(key, e, c)
+    def _chunks(self, key, e, begin=None, end=None):
+        """The non-empty stored pieces holding dim-0 rows [begin, end) of ``e`` (None: all),
+        checked against their data files."""
+        if e.layout is not None:
+            return [self._piece(key, e, i) for i in e.layout.overlapping(begin, end)]
+        out = []
+        for c in e.chunks:
+            if c.numel() == 0:
+                continue
+            if begin is not None and e.shape and (c.offsets[0] >= end or c.offsets[0] + c.sizes[0] <= begin):
+                continue
+            self._check_chunk(key, e, c)
+            out.append(c)
+        return out
+
+    def _mismatch(self, key, c, k, block):
+        lo = c.begin + k * block
+        hi = min(c.end, lo + block)
+        return CheckpointError(f"'{self._layout.file_path(c.file)}' key '{key}' {c.label()}: checksum mismatch in "
+                               f"block {k} (bytes {lo}..{hi}) -- the checkpoint is corrupt")
+
+    def _read_range(self, key, c, lo, hi, view, verify):
+        """Reads bytes [lo, hi) of chunk ``c`` (relative to its first byte) into ``view`` and
+        checks the block checksums of every block they touch: blocks wholly inside the range
+        are read in place (large runs in pieces, each checksummed on another thread while the
+        next is read), a partial block at either end is read whole into a buffer first."""
         path = self._layout.file_path(c.file)
         fd = self._fd(c.file)
         if not (verify and c.crcs):
-            pread_into(fd, view, c.begin, path)
+            pread_into(fd, view, c.begin + lo, path)
             return
-        block = self._layout.crc_block
+        block = self._layout.crc_block  # version 2: every data file's too (check_data_file)
+        n = c.end - c.begin
+        a = -(-lo // block) * block  # the first block boundary at or after lo
+        z = hi if hi == n else hi // block * block  # the end of the last whole block inside
+        head_end = min(a, hi)
+        if lo < head_end:
+            self._read_partial_block(key, c, lo // block, lo, head_end, view, lo, fd, path, block)
+        if a < z:
+            self._read_blocks(key, c, a, z, view[a - lo : z - lo], fd, path, block)
+        tail = max(z, head_end)
+        if tail < hi:
+            self._read_partial_block(key, c, tail // block, tail, hi, view, lo, fd, path, block)
+
+    def _read_partial_block(self, key, c, k, lo, hi, view, view_lo, fd, path, block):
+        b = k * block
+        buf = bytearray(min(c.end - c.begin, b + block) - b)
+        pread_into(fd, memoryview(buf), c.begin + b, path)
+        if _crc32c.block_crcs(buf, block)[0] != c.crcs[k]:
+            raise self._mismatch(key, c, k, block)
+        view[lo - view_lo : hi - view_lo] = buf[lo - b : hi - b]
+
+    def _read_blocks(self, key, c, lo, hi, view, fd, path, block):
+        """Whole blocks [lo, hi) of chunk ``c`` into ``view``, checked."""
         piece = max(1, PIPELINE_PIECE // block) * block
-        n = len(view)
+        n = hi - lo
         pending = []
         try:
             for off in range(0, n, piece):
                 part = view[off : off + piece]
-                pread_into(fd, part, c.begin + off, path)
+                pread_into(fd, part, c.begin + lo + off, path)
                 if n <= piece:
                     pending.append((off, None, _crc32c.block_crcs(part, block)))
                 else:
@@ -193,34 +306,58 @@ class Checkpoint:
             # every checksum task is done before the caller may free the buffer
             results = [(off, f.result() if f is not None else got) for off, f, got in pending]
         for off, got in results:
-            first = off // block
+            first = (lo + off) // block
             for i, g in enumerate(got):
                 if g != c.crcs[first + i]:
-                    lo = c.begin + (first + i) * block
-                    hi = min(c.end, lo + block)
-                    raise CheckpointError(f"'{path}' key '{key}' chunk {c.box()}: checksum mismatch in block "
-                                          f"{first + i} (bytes {lo}..{hi}) -- the checkpoint is corrupt")
+                    raise self._mismatch(key, c, first + i, block)
 
-    def _read_tensor(self, key, e, verify):
+    def _read_tensor(self, key, e, verify, rows=None):
         torch = _torch()
-        out = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
+        shape = list(e.shape)
+        begin = end = None
+        if rows is not None:
+            if not shape:
+                raise ValueError(f"'{self.path}' key '{key}' is 0-dimensional: it has no rows to select")
+            if isinstance(rows, slice):
+                if rows.step not in (None, 1):
+                    raise ValueError(f"rows={rows!r}: a step is not supported")
+                begin, end, _ = rows.indices(shape[0])
+            else:
+                begin, end = rows
+                if not (0 <= begin <= end <= shape[0]):
+                    raise IndexError(f"'{self.path}' key '{key}': rows [{begin}, {end}) are not inside its "
+                                     f"{shape[0]} rows")
+            end = max(begin, end)
+            shape = [end - begin] + shape[1:]
+        out = torch.empty(shape, dtype=torch_dtype(e.dtype))
         if out.numel() == 0:
             return out
         whole = _tensor_view(out)
-        row_bytes = out.element_size()
-        for d in e.shape[1:]:
+        item = out.element_size()
+        row_bytes = item
+        for d in shape[1:]:
             row_bytes *= d
-        for c in e.chunks:
-            if c.numel() == 0:
+        row0 = begin or 0
+        for c in self._chunks(key, e, begin, end):
+            if not shape:  # a 0-dimensional tensor: one element
+                self._read_range(key, c, 0, c.end - c.begin, whole, verify)
                 continue
-            if not e.shape or c.sizes[1:] == e.shape[1:]:
-                # whole rows (or the whole tensor): contiguous in the result, read in place
-                lo = (c.offsets[0] if e.shape else 0) * row_bytes
-                self._read_chunk_into(key, e, c, whole[lo : lo + (c.end - c.begin)], verify)
+            a = max(row0, c.offsets[0])
+            b = min(row0 + shape[0], c.offsets[0] + c.sizes[0])
+            if a >= b:
                 continue
-            tmp = torch.empty(c.sizes, dtype=out.dtype)
-            self._read_chunk_into(key, e, c, _tensor_view(tmp), verify)
-            out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))].copy_(tmp)
+            prow = item
+            for d in c.sizes[1:]:
+                prow *= d
+            lo, hi = (a - c.offsets[0]) * prow, (b - c.offsets[0]) * prow
+            if c.sizes[1:] == shape[1:]:
+                # whole rows: contiguous in the result, read in place
+                self._read_range(key, c, lo, hi, whole[(a - row0) * row_bytes : (b - row0) * row_bytes], verify)
+                continue
+            tmp = torch.empty([b - a] + c.sizes[1:], dtype=out.dtype)
+            self._read_range(key, c, lo, hi, _tensor_view(tmp), verify)
+            inner = tuple(slice(o, o + s) for o, s in zip(c.offsets[1:], c.sizes[1:]))
+            out[(slice(a - row0, b - row0),) + inner].copy_(tmp)
         return out
 
     # -- whole-checkpoint operations
@@ -276,7 +413,10 @@ def _inspect(ck):
         if e.is_tensor:
             nb = e.nbytes()
             total += nb
-            keys[k] = {"kind": e.kind, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks), "bytes": nb}
+            n = len(e.chunks) if e.layout is None else e.pieces()
+            keys[k] = {"kind": e.kind, "dtype": e.dtype, "shape": list(e.shape), "chunks": n, "bytes": nb}
+            if e.layout is not None:
+                keys[k]["layout"] = e.layout.rule
         else:
             keys[k] = {"kind": e.kind, "value": e.value}
     return Summary(
@@ -285,16 +425,19 @@ def _inspect(ck):
         version=lay.version,
         world_size=lay.world_size,
         crc32c_block=lay.crc_block,
-        files=[{"name": n, "size": s} for n, s in lay.files],
+        files=[{"name": n, "size": s} for n, s in lay.files] if lay.files else
+        [{"name": n, "size": None} for n in lay.data_files()],  # version 2: sizes are not in the metadata
         keys=keys,
         tensor_bytes=total,
+        save_id=lay.save_id,
     )
 
 
 class Summary(dict):
     """What inspect() returns: a dict (path, kind, version, world_size, crc32c_block, files,
-    keys: {fqn: {kind, dtype, shape, chunks, bytes} or {kind, value}}, tensor_bytes) that
-    prints as a table."""
+    keys: {fqn: {kind, dtype, shape, chunks, bytes} (version 2: and layout, the rule) or
+    {kind, value}}, tensor_bytes, save_id (version 2, else None)) that prints as a table;
+    chunks counts the stored (version 2: non-empty) pieces."""
 
     def __str__(self):
         ws = self["world_size"]
@@ -325,54 +468,112 @@ def inspect(path):
 VERIFY_PIECE = 64 << 20  # bytes read at a time by verify()
 
 
+def _verify_chunk(ck, k, c, block, state, problems):
+    """Reads chunk ``c`` of key ``k`` whole and checks every block checksum; problems found
+    are appended. ``state``: {"buf": the reused read buffer}."""
+    n = c.end - c.begin
+    path = ck._layout.file_path(c.file)
+    piece = max(1, VERIFY_PIECE // block) * block if block else VERIFY_PIECE
+    fd = ck._fd(c.file)
+    for off in range(0, n, piece):
+        length = min(piece, n - off)
+        buf = state.get("buf")
+        if buf is None or len(buf) < length:
+            buf = state["buf"] = memoryview(bytearray(length))  # no torch: `python -m tessera_ckpt verify` starts fast
+        view = buf[:length]
+        pread_into(fd, view, c.begin + off, path)
+        if not c.crcs:
+            continue
+        first = off // block
+        for i, got in enumerate(_crc32c.block_crcs(view, block)):
+            if got != c.crcs[first + i]:
+                problems.append(str(ck._mismatch(k, c, first + i, block)))
+
+
 def _verify(ck):
     lay = ck._layout
+    if lay.kind == "sharded" and lay.version >= 2:
+        return _verify_v2(ck)
     problems = []
     chunks = 0
     nbytes = 0
     checksummed = True
-    piece = VERIFY_PIECE
-    if lay.crc_block:
-        piece = max(1, VERIFY_PIECE // lay.crc_block) * lay.crc_block
-    buf = None
+    state = {}
     for k in lay.keys:
         e = lay.entries[k]
         for c in e.chunks:
-            n = c.end - c.begin
-            path = lay.file_path(c.file)
             try:
                 ck._check_chunk(k, e, c)
-                fd = ck._fd(c.file)
-                for off in range(0, n, piece):
-                    length = min(piece, n - off)
-                    if buf is None or len(buf) < length:
-                        buf = memoryview(bytearray(length))  # no torch: `python -m tessera_ckpt verify` starts fast
-                    view = buf[:length]
-                    pread_into(fd, view, c.begin + off, path)
-                    if not c.crcs:
-                        continue
-                    first = off // lay.crc_block
-                    for i, got in enumerate(_crc32c.block_crcs(view, lay.crc_block)):
-                        if got != c.crcs[first + i]:
-                            lo = c.begin + (first + i) * lay.crc_block
-                            hi = min(c.end, lo + lay.crc_block)
-                            problems.append(f"'{path}' key '{k}' chunk {c.box()}: checksum mismatch in block "
-                                            f"{first + i} (bytes {lo}..{hi}) -- the checkpoint is corrupt")
+                _verify_chunk(ck, k, c, lay.crc_block, state, problems)
             except CheckpointNotFoundError:
                 raise
             except CheckpointError as err:
                 problems.append(str(err))
             chunks += 1
-            nbytes += n
+            nbytes += c.end - c.begin
             checksummed &= bool(c.crcs)
     if problems:
         raise CheckpointError(f"CORRUPT: {lay.path}: {len(problems)} problem(s)\n" + "\n".join(problems))
     return {"path": lay.path, "chunks": chunks, "bytes": nbytes, "checksummed": checksummed}
 
 
+def _verify_v2(ck):
+    """Version 2: every data file is this save's file of its rank and holds exactly the pieces
+    the layouts place there (none missing, no other tensor); every piece is read and checked."""
+    lay = ck._layout
+    problems = []
+    expected = {}  # rank -> {tensor name: (key, piece)}
+    for k in lay.keys:
+        e = lay.entries[k]
+        if not e.is_tensor:
+            continue
+        for i in e.layout.overlapping():
+            rank = e.layout.file_of(i)
+            name = e.layout.name(k, i)
+            there = expected.setdefault(rank, {})
+            if name in there:
+                problems.append(f"'{lay.file_path(data_file_name(rank))}': key '{k}' piece {i} and key "
+                                f"'{there[name][0]}' piece {there[name][1]} are both named '{name}'")
+                continue
+            there[name] = (k, i)
+    chunks = nbytes = 0
+    state = {}
+    for rank in range(lay.world_size):
+        name = data_file_name(rank)
+        path = lay.file_path(name)
+        try:
+            h = ck._header(name, rank)
+        except CheckpointNotFoundError:
+            raise
+        except CheckpointError as err:
+            problems.append(str(err))
+            continue
+        want = expected.pop(rank, {})
+        for t in h.order:
+            if t not in want:
+                problems.append(f"'{path}': tensor '{t}' is no piece that a layout places in this file "
+                                "(an extra tensor)")
+        for t, (k, i) in sorted(want.items(), key=lambda kv: h.tensors[kv[0]][2] if kv[0] in h.tensors else -1):
+            try:
+                c = piece_chunk(lay, h, k, lay.entries[k], i)
+                _verify_chunk(ck, k, c, lay.crc_block, state, problems)
+            except CheckpointNotFoundError:
+                raise
+            except CheckpointError as err:
+                problems.append(str(err))
+                continue
+            chunks += 1
+            nbytes += c.end - c.begin
+        ck._drop(name)  # verify reads every file once: keep no descriptor or header
+    if problems:
+        raise CheckpointError(f"CORRUPT: {lay.path}: {len(problems)} problem(s)\n" + "\n".join(problems))
+    return {"path": lay.path, "chunks": chunks, "bytes": nbytes, "checksummed": True}
+
+
 def verify(path):
     """Reads every byte of every tensor and checks every CRC32C, and that every data file
-    agrees with the metadata. Returns {"path", "chunks", "bytes", "checksummed"} (checksummed
+    agrees with the metadata (version 2: is this save's file of its rank and holds exactly
+    the pieces the layouts place there). Returns {"path", "chunks", "bytes", "checksummed"} (checksummed
     is False for another writer's safetensors file, which has none); raises CheckpointError
     listing every problem (file, key, block) otherwise."""
     with Checkpoint(path) as ck:

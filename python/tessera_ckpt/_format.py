@@ -1,5 +1,7 @@
 """Parsing of Tessera checkpoints (docs/checkpoint-format.md): the sharded directory's
-tessera-checkpoint.json and the safetensors files (data files and consolidated files).
+tessera-checkpoint.json (version 1: every chunk listed with its byte range and checksums;
+version 2: a layout rule per tensor, byte ranges and checksums in each data file's header)
+and the safetensors files (data files and consolidated files).
 
 Everything here is plain data (JSON and byte offsets): nothing is unpickled or executed.
 The checks follow the C++ reader (src/tessera/checkpoint/{metadata,safetensors,reader}.cpp),
@@ -14,10 +16,12 @@ import struct
 from . import _crc32c
 
 METADATA_FILE = "tessera-checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version read; every version from 1 is read
 MAX_METADATA_BYTES = 256 << 20
 MAX_HEADER_BYTES = 100 << 20
 MAX_WORLD_SIZE = 1 << 20
+MAX_PIECES = 1 << 20  # a chunk or flat layout's piece count (the launcher's limit on ranks)
+MAX_LIST_PIECES = MAX_PIECES * 64  # a list layout's (as the C++ reader)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # safetensors dtype -> (torch dtype name, item size)
@@ -34,7 +38,9 @@ DTYPES = {
     "BOOL": ("bool", 1),
 }
 
-_METADATA_CRC_MARKER = b'\n "metadata_crc32c": "'
+_METADATA_CRC_MARKER = b'\n "metadata_crc32c": "'  # version 1 (json.dump(indent=1) style)
+_METADATA_CRC_TAIL = b',"metadata_crc32c":"'  # version 2: the text ends with it, 8 hex digits and "}
+_SAVE_ID = re.compile(r"[0-9a-f]{16}\Z")
 _HEADER_CRC_MARKER = b'"tessera.header_crc32c":"'
 _HEX8 = re.compile(r"[0-9a-fA-F]{8}\Z")
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})*\Z")
@@ -229,16 +235,22 @@ def decode_value(j, what):
 
 
 class Chunk:
-    """One stored piece of a tensor: its box in the whole tensor and where its bytes are."""
+    """One stored piece of a tensor: its box in the whole tensor and where its bytes are
+    (version 1: from the metadata; version 2: from the data file's own header)."""
 
-    __slots__ = ("offsets", "sizes", "file", "name", "begin", "end", "crcs")
+    __slots__ = ("offsets", "sizes", "file", "name", "begin", "end", "crcs", "index")
 
-    def __init__(self, offsets, sizes, file, name, begin, end, crcs):
+    def __init__(self, offsets, sizes, file, name, begin, end, crcs, index=None):
         self.offsets, self.sizes, self.file, self.name = offsets, sizes, file, name
         self.begin, self.end, self.crcs = begin, end, crcs
+        self.index = index  # the piece's index in its version-2 layout; None for a version-1 chunk
 
     def box(self):
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
+
+    def label(self):
+        """How messages name it: "chunk [0:3, 0:4]" (version 1) or "piece 2 [0:3, 0:4]"."""
+        return f"chunk {self.box()}" if self.index is None else f"piece {self.index} {self.box()}"
 
     def numel(self):
         n = 1
@@ -248,20 +260,30 @@ class Chunk:
 
 
 class Entry:
-    """A key of the checkpoint: a tensor (kind "tensor" or "sharded": dtype, shape, chunks)
-    or a plain value (kind "int", "float", "bool", "string", "bytes", "dict": value)."""
+    """A key of the checkpoint: a tensor (kind "tensor" or "sharded": dtype, shape, and its
+    chunks (version 1, consolidated) or its layout (version 2)) or a plain value (kind "int",
+    "float", "bool", "string", "bytes", "dict": value)."""
 
-    __slots__ = ("kind", "dtype", "shape", "chunks", "value")
+    __slots__ = ("kind", "dtype", "shape", "chunks", "value", "layout")
 
-    def __init__(self, kind, dtype=None, shape=None, chunks=None, value=None):
+    def __init__(self, kind, dtype=None, shape=None, chunks=None, value=None, layout=None):
         self.kind, self.dtype, self.shape, self.chunks, self.value = kind, dtype, shape, chunks or [], value
+        self.layout = layout
 
     @property
     def is_tensor(self):
         return self.kind in ("tensor", "sharded")
 
     def nbytes(self):
+        if self.layout is not None:  # the layout tiles the shape
+            return byte_size(self.shape, self.dtype, "")
         return sum(c.end - c.begin for c in self.chunks)
+
+    def pieces(self):
+        """How many non-empty pieces (chunks) it is stored in."""
+        if self.layout is not None:
+            return self.layout.stored_count()
+        return sum(1 for c in self.chunks if c.numel())
 
 
 def _overlap(a, b):
@@ -271,7 +293,9 @@ def _overlap(a, b):
     return True
 
 
-def check_tiling(fqn, e, where):
+def check_tiling(fqn, e, where, chunks=None, word="chunk"):
+    """The boxes (``e.chunks``, or ``chunks``) lie inside the shape and tile it exactly; the
+    messages call them ``word`` ("chunk", or "piece" for a version-2 list layout)."""
     # The whole tensor's byte size (and element count) is bounded first, as in C++.
     byte_size(e.shape, e.dtype, f"{where}: key '{fqn}': shape {shape_string(e.shape)}")
     volume = 0
@@ -279,21 +303,306 @@ def check_tiling(fqn, e, where):
     whole = 1
     for d in e.shape:
         whole *= d
-    for c in e.chunks:
+    for c in e.chunks if chunks is None else chunks:
         if len(c.offsets) != len(e.shape) or len(c.sizes) != len(e.shape):
-            fail(where, ": key '", fqn, "': chunk ", c.box(), " has the wrong number of dimensions for shape ", e.shape)
+            fail(where, ": key '", fqn, "': ", word, " ", c.box(), " has the wrong number of dimensions for shape ",
+                 e.shape)
         for o, s, d in zip(c.offsets, c.sizes, e.shape):
             if o + s > d:
-                fail(where, ": key '", fqn, "': chunk ", c.box(), " lies outside the shape ", e.shape)
+                fail(where, ": key '", fqn, "': ", word, " ", c.box(), " lies outside the shape ", e.shape)
         if c.numel() == 0:
             continue
         for o in nonempty:
             if _overlap(o, c):
-                fail(where, ": key '", fqn, "': chunks ", o.box(), " and ", c.box(), " overlap")
+                fail(where, ": key '", fqn, "': ", word, "s ", o.box(), " and ", c.box(), " overlap")
         nonempty.append(c)
         volume += c.numel()
     if volume != whole:
-        fail(where, ": key '", fqn, "': the chunks cover ", volume, " of ", whole, " elements (incomplete checkpoint)")
+        fail(where, ": key '", fqn, "': the ", word, "s cover ", volume, " of ", whole,
+             " elements (incomplete checkpoint)")
+
+
+# ---------------------------------------------------------------- version-2 layouts
+
+
+def data_file_name(rank):
+    """The data file of ``rank`` in a version-2 checkpoint."""
+    return f"data-rank{rank:05d}.safetensors"
+
+
+def chunk_range(n, pieces, i):
+    """torch.chunk's rule: [begin, end) of piece i of a dimension of n split into ``pieces``
+    (c = ceil(n / pieces) each; trailing pieces may be empty, their begin clamped to n)."""
+    c = -(-n // pieces)
+    return min(i * c, n), min((i + 1) * c, n)
+
+
+def flat_row_cut(numel, offset, rows, row_numel, pieces, k):
+    """Dim-0 row of cut k (0 <= k <= pieces) of a tensor of ``rows`` rows of ``row_numel``
+    elements that is elements [offset, offset + rows * row_numel) of a flat vector of ``numel``
+    elements cut into ``pieces`` stretches at floor(numel * k / pieces), a cut inside the
+    tensor moved to its nearest row boundary, every cut clamped to the tensor
+    (docs/checkpoint-format.md §3). O(1). Piece i is rows [cut(i), cut(i + 1)). Rows of no
+    elements (row_numel == 0) are all in piece 0."""
+    if k <= 0:
+        return 0
+    if row_numel == 0:
+        return rows
+    c = numel if k >= pieces else numel * k // pieces
+    moved = offset + (c - offset + row_numel // 2) // row_numel * row_numel  # floor division
+    return (min(max(moved, offset), offset + rows * row_numel) - offset) // row_numel
+
+
+def flat_rows(numel, offset, shape, pieces, i):
+    """(begin, end): the dim-0 rows of piece i of a ``flat`` layout of a tensor of ``shape``
+    (at least one dimension; parse_layout refuses a flat 0-dimensional tensor). O(1)."""
+    rows, r = _rows_of(shape)
+    return (flat_row_cut(numel, offset, rows, r, pieces, i), flat_row_cut(numel, offset, rows, r, pieces, i + 1))
+
+
+def _rows_of(shape):
+    if not shape:
+        return 1, 1  # one row of one element, as FSDP sees it (a flat layout of one is refused)
+    r = 1
+    for d in shape[1:]:
+        r *= d
+    return shape[0], r
+
+
+def _first_above(cut, lo, hi, value):
+    """The smallest k in [lo, hi] with cut(k) > value (cut non-decreasing, cut(hi) > value)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(mid) > value:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def flat_pieces_overlapping(numel, offset, shape, pieces, begin, end):
+    """The non-empty pieces of a ``flat`` layout that hold some of dim-0 rows [begin, end),
+    ascending, with their rows: [(i, row_begin, row_end)]. Binary search over the cuts: O(log P)
+    per piece returned, never a loop over every piece."""
+    rows, r = _rows_of(shape)
+    begin, end = max(begin, 0), min(end, rows)
+    out = []
+    if begin >= end:
+        return out
+
+    def cut(k):
+        return flat_row_cut(numel, offset, rows, r, pieces, k)
+
+    # piece i = k - 1 for the first cut k above `begin`: cut(i) <= begin < cut(i + 1)
+    k = _first_above(cut, 1, pieces, begin)
+    while True:
+        lo, hi = cut(k - 1), cut(k)
+        out.append((k - 1, lo, hi))
+        if hi >= end or k == pieces:
+            return out
+        # the next non-empty piece starts at `hi`: the last of the pieces whose cut is `hi`
+        k = _first_above(cut, k + 1, pieces, hi)
+
+
+class FileMap:
+    """A chunk or flat layout's `files`: piece i is in data file
+    first + i*step + ((i + shift) mod replicas) * replica_step."""
+
+    __slots__ = ("first", "step", "replicas", "replica_step", "shift")
+
+    def __init__(self, first=0, step=1, replicas=1, replica_step=0, shift=0):
+        self.first, self.step, self.replicas, self.replica_step, self.shift = first, step, replicas, replica_step, shift
+
+    def file(self, i):
+        return self.first + i * self.step + ((i + self.shift) % self.replicas) * self.replica_step
+
+    def last_file_piece(self, pieces):
+        """The piece whose file is the highest-numbered: O(1). With replicas > 1 and
+        replica_step >= pieces*step the replica term dominates, so it is the last piece of the
+        highest replica group (i + shift) mod replicas that some piece reaches."""
+        if self.replicas == 1:
+            return pieces - 1
+        i0 = (self.replicas - 1 - self.shift) % self.replicas  # first piece in the last group
+        if i0 > pieces - 1:
+            return pieces - 1  # the groups the pieces reach do not wrap: the last piece's is highest
+        return i0 + (pieces - 1 - i0) // self.replicas * self.replicas
+
+    def __repr__(self):
+        return (f"FileMap(first={self.first}, step={self.step}, replicas={self.replicas}, "
+                f"replica_step={self.replica_step}, shift={self.shift})")
+
+
+class PieceLayout:
+    """A version-2 tensor's `layout`: how the tensor of ``shape`` is cut into pieces and which
+    data file (rank) holds each. Built by parse_layout, which checks it."""
+
+    __slots__ = ("rule", "shape", "pieces", "file", "dim", "numel", "offset", "files", "boxes", "names")
+
+    def __init__(self, rule, shape):
+        self.rule, self.shape = rule, list(shape)
+        self.pieces = 1  # P, empty pieces included
+        self.file = 0  # whole
+        self.dim = 0  # chunk
+        self.numel = self.offset = 0  # flat: T, o
+        self.files = None  # chunk, flat: FileMap
+        self.boxes = None  # list: [(file, offsets, sizes)]
+        self.names = None  # list: each piece's tensor name in its file (None for an empty piece)
+
+    def count(self):
+        """Pieces, empty ones included."""
+        return self.pieces
+
+    def file_of(self, i):
+        if self.rule == "whole":
+            return self.file
+        if self.rule == "list":
+            return self.boxes[i][0]
+        return self.files.file(i)
+
+    def box(self, i):
+        """(offsets, sizes) of piece i."""
+        shape = self.shape
+        if self.rule == "whole":
+            return [0] * len(shape), list(shape)
+        if self.rule == "list":
+            return list(self.boxes[i][1]), list(self.boxes[i][2])
+        if self.rule == "chunk":
+            b, e = chunk_range(shape[self.dim], self.pieces, i)
+            offsets, sizes = [0] * len(shape), list(shape)
+            offsets[self.dim], sizes[self.dim] = b, max(0, e - b)
+            return offsets, sizes
+        b, e = flat_rows(self.numel, self.offset, shape, self.pieces, i)
+        return [b] + [0] * (len(shape) - 1), [e - b] + list(shape[1:])
+
+    def name(self, fqn, i):
+        """The tensor name of (non-empty) piece i in its data file: FQN when it is the entry's
+        only piece there (always, for the rules), else FQN@k."""
+        if self.rule == "list":
+            return self.names[i]
+        return fqn
+
+    def overlapping(self, begin=None, end=None):
+        """The non-empty pieces holding some of dim-0 rows [begin, end) (None: the whole
+        tensor), ascending. Chunk and flat need no loop over every piece."""
+        shape = self.shape
+        if any(d == 0 for d in shape):
+            return []  # a zero-element tensor has no stored piece
+        whole = begin is None
+        rows = shape[0] if shape else 1
+        if whole:
+            begin, end = 0, rows
+        begin, end = max(begin, 0), min(end, rows)
+        if begin >= end:
+            return []
+        if self.rule == "whole":
+            return [0]
+        if self.rule == "chunk":
+            n = shape[self.dim]
+            c = -(-n // self.pieces)
+            last = -(-n // c) - 1  # the last non-empty piece
+            if self.dim != 0:
+                return list(range(last + 1))  # every piece holds part of every row
+            return list(range(begin // c, min(last, (end - 1) // c) + 1))
+        if self.rule == "flat":
+            return [i for i, _, _ in flat_pieces_overlapping(self.numel, self.offset, shape, self.pieces, begin, end)]
+        out = []
+        for i, (_, offsets, sizes) in enumerate(self.boxes):
+            if all(sizes) and (not shape or (offsets[0] < end and offsets[0] + sizes[0] > begin)):
+                out.append(i)
+        return out
+
+    def stored_count(self):
+        """How many non-empty (stored) pieces."""
+        if any(d == 0 for d in self.shape):
+            return 0
+        if self.rule == "whole":
+            return 1
+        if self.rule == "chunk":
+            n = self.shape[self.dim]
+            return -(-n // -(-n // self.pieces))
+        return len(self.overlapping())
+
+
+RULES = ("whole", "chunk", "flat", "list")
+
+
+def _parse_files(j, pieces, world_size, what):
+    if not isinstance(j, dict):
+        fail(what, ": files is not an object")
+    last = world_size - 1
+    fm = FileMap(int_in(j.get("first"), 0, last, what + " files.first"),
+                 int_in(j.get("step"), 1, INT64_MAX, what + " files.step"))
+    if "replicas" in j:  # replicas, replica_step and shift come together (the C++ reader's rule)
+        fm.replicas = int_in(j["replicas"], 1, MAX_PIECES, what + " files.replicas")
+        fm.replica_step = int_in(j.get("replica_step"), 0, INT64_MAX, what + " files.replica_step")
+        fm.shift = int_in(j.get("shift"), 0, INT64_MAX, what + " files.shift")
+    if fm.replicas > 1 and fm.replica_step < pieces * fm.step:
+        fail(what, ": files.replica_step ", fm.replica_step, " is below pieces * step = ", pieces * fm.step,
+             " (two pieces would share a file)")
+    i = fm.last_file_piece(pieces)
+    f = fm.file(i)
+    if f > last:
+        fail(what, ": files puts piece ", i, " in data file ", f, ", outside [0, ", world_size, ") (world_size ",
+             world_size, ")")
+    return fm
+
+
+def parse_layout(j, e, fqn, world_size, where):
+    """The `layout` of tensor entry ``e`` (dtype, shape set), checked: parameters in range,
+    files in [0, world_size), a list's boxes tiling the shape."""
+    what = f"{where} key '{fqn}' layout"
+    if not isinstance(j, dict):
+        fail(what, ": not an object")
+    rule = j.get("rule")
+    if rule not in RULES:
+        fail(what, ": unknown rule ", json.dumps(rule), " (known: ", ", ".join(RULES), ")")
+    shape = e.shape
+    lay = PieceLayout(rule, shape)
+    if rule == "whole":
+        lay.file = int_in(j.get("file"), 0, world_size - 1, what + " file")
+    elif rule in ("chunk", "flat") and not shape:
+        fail(what, ": a ", rule, " layout needs a tensor of at least one dimension (a 0-dimensional one is whole)")
+    elif rule == "chunk":
+        lay.dim = int_in(j.get("dim"), 0, len(shape) - 1, what + " dim")
+        lay.pieces = int_in(j.get("pieces"), 1, MAX_PIECES, what + " pieces")
+        lay.files = _parse_files(j.get("files"), lay.pieces, world_size, what)
+    elif rule == "flat":
+        lay.numel = int_in(j.get("numel"), 0, INT64_MAX, what + " numel")
+        lay.offset = int_in(j.get("offset"), 0, INT64_MAX, what + " offset")
+        lay.pieces = int_in(j.get("pieces"), 1, MAX_PIECES, what + " pieces")
+        n = 1
+        for d in shape:
+            n *= d
+        if lay.offset + n > lay.numel:
+            fail(what, ": offset ", lay.offset, " + the tensor's ", n, " elements exceed numel ", lay.numel)
+        lay.files = _parse_files(j.get("files"), lay.pieces, world_size, what)
+    else:
+        jp = j.get("pieces")
+        if not isinstance(jp, list):
+            fail(what, ": pieces is not an array")
+        if len(jp) > MAX_LIST_PIECES:
+            fail(what, ": ", len(jp), " pieces, more than ", MAX_LIST_PIECES)
+        boxes, chunks = [], []
+        for p in jp:
+            if not isinstance(p, list) or len(p) != 3:
+                fail(what, ": a piece is not [file, [offsets], [sizes]]")
+            f = int_in(p[0], 0, world_size - 1, what + " piece file")
+            offsets = _dims(p[1], what + " piece offsets")
+            sizes = _dims(p[2], what + " piece sizes")
+            boxes.append((f, offsets, sizes))
+            chunks.append(Chunk(offsets, sizes, f, None, 0, 0, []))
+        check_tiling(fqn, e, where, chunks, "piece")
+        lay.boxes = boxes
+        lay.pieces = len(boxes)
+        stored = {}
+        for i, (f, _, sizes) in enumerate(boxes):
+            if all(sizes):
+                stored.setdefault(f, []).append(i)
+        lay.names = [None] * len(boxes)
+        for idx in stored.values():
+            for k, i in enumerate(idx):
+                lay.names[i] = fqn if len(idx) == 1 else f"{fqn}@{k}"
+    return lay
 
 
 class Layout:
@@ -303,8 +612,9 @@ class Layout:
         self.path = ""  # what the user named
         self.location = ""  # the directory or file actually read (an aside sibling after a torn publish)
         self.kind = ""  # "sharded" | "consolidated" | "safetensors"
-        self.version = FORMAT_VERSION
+        self.version = 1  # a consolidated or another writer's file: 1
         self.world_size = None
+        self.save_id = None  # version 2: the save's id, which every data file carries
         self.crc_block = 0
         self.files = []  # [(name, size)]
         self.keys = []  # save order
@@ -313,15 +623,30 @@ class Layout:
     def file_path(self, name):
         return os.path.join(self.location, name) if self.kind == "sharded" else self.location
 
+    def data_files(self):
+        """The names of the data files (version 2: one per rank, in rank order)."""
+        if self.version >= 2 and self.kind == "sharded":
+            return [data_file_name(r) for r in range(self.world_size)]
+        return [n for n, _ in self.files]
+
 
 # ---------------------------------------------------------------- sharded metadata
 
 
-def check_metadata_checksum(text, where):
-    at = text.find(_METADATA_CRC_MARKER)
-    start = at + len(_METADATA_CRC_MARKER)
-    if at < 0 or text.find(_METADATA_CRC_MARKER, at + 1) >= 0 or start + 8 > len(text):
-        fail(where, ": no metadata_crc32c where the writer puts it -- the metadata is corrupt (or hand-edited)")
+def check_metadata_checksum(text, where, version=1):
+    """The metadata_crc32c of the metadata text: version 1 on its own line (indent=1 style),
+    version 2 the last member of compact JSON, ``,"metadata_crc32c":"xxxxxxxx"}`` ending the text."""
+    if version >= 2:
+        start = len(text) - 10
+        if start < len(_METADATA_CRC_TAIL) or text[start - len(_METADATA_CRC_TAIL) : start] != _METADATA_CRC_TAIL \
+                or text[-2:] != b'"}':
+            fail(where, ': the text does not end with ,"metadata_crc32c":"xxxxxxxx"} where the writer puts it '
+                 "-- the metadata is corrupt (or hand-edited)")
+    else:
+        at = text.find(_METADATA_CRC_MARKER)
+        start = at + len(_METADATA_CRC_MARKER)
+        if at < 0 or text.find(_METADATA_CRC_MARKER, at + 1) >= 0 or start + 8 > len(text):
+            fail(where, ": no metadata_crc32c where the writer puts it -- the metadata is corrupt (or hand-edited)")
     want = _crc_hex(text[start : start + 8].decode("latin-1"), where + " metadata_crc32c")
     got = _crc32c.crc32c(text[:start] + b"00000000" + text[start + 8 :])
     if got != want:
@@ -345,6 +670,8 @@ def parse_metadata(text, directory):
         fail(where, ": no world_size")
     m.world_size = int_in(j["world_size"], 1, MAX_WORLD_SIZE, where + " world_size")
     m.crc_block = check_crc_block(_u64(j.get("crc32c_block"), where + " crc32c_block"), where + " crc32c_block")
+    if m.version >= 2:
+        return _parse_metadata_v2(j, m, where)
     if not isinstance(j.get("files"), list):
         fail(where, ": files is not an array")
     for f in j["files"]:
@@ -402,6 +729,81 @@ def parse_metadata(text, directory):
         m.keys.append(fqn)
         m.entries[fqn] = e
     return m
+
+
+def _parse_metadata_v2(j, m, where):
+    """Version 2: a layout per tensor; no files list (data-rank%05d.safetensors for every
+    rank) and no byte ranges or checksums (each data file's own header has them)."""
+    sid = j.get("save_id")
+    if not isinstance(sid, str) or not _SAVE_ID.match(sid):
+        fail(where, ": save_id ", json.dumps(sid), " is not 16 lowercase hex digits")
+    m.save_id = sid
+    if not isinstance(j.get("keys"), list) or not isinstance(j.get("entries"), dict):
+        fail(where, ": keys/entries missing")
+    if len(j["entries"]) != len(j["keys"]):
+        fail(where, ": ", len(j["entries"]), " entries for ", len(j["keys"]), " keys")
+    for fqn in j["keys"]:
+        if not isinstance(fqn, str):
+            fail(where, ": a key is not a string")
+        if fqn not in j["entries"]:
+            fail(where, ": key '", fqn, "' has no entry")
+        if fqn in m.entries:
+            fail(where, ": key '", fqn, "' listed twice")
+        je = j["entries"][fqn]
+        what = f"{where} key '{fqn}'"
+        if not isinstance(je, dict) or not isinstance(je.get("kind"), str):
+            fail(what, ": no kind")
+        kind = je["kind"]
+        if kind not in ("tensor", "sharded"):
+            e = Entry(kind, value=decode_value(je, what))
+        else:
+            e = Entry(kind, dtype_of(je.get("dtype"), what), _dims(je.get("shape"), what + " shape"))
+            byte_size(e.shape, e.dtype, f"{where}: key '{fqn}': shape {shape_string(e.shape)}")
+            if "layout" not in je:
+                fail(what, ": no layout")
+            e.layout = parse_layout(je["layout"], e, fqn, m.world_size, where)
+        m.keys.append(fqn)
+        m.entries[fqn] = e
+    return m
+
+
+def check_data_file(st, m, rank):
+    """A version-2 data file must be this save's file of ``rank``: tessera.format
+    tessera-data, tessera.version 2, tessera.rank and tessera.save_id, and block checksums."""
+    md, path = st.metadata, st.path
+    if md.get("tessera.format") != "tessera-data":
+        fail("'", path, "': tessera.format is ", json.dumps(md.get("tessera.format")),
+             ", not \"tessera-data\" (not a data file of a sharded checkpoint)")
+    if md.get("tessera.version") != str(m.version):
+        fail("'", path, "': tessera.version is ", json.dumps(md.get("tessera.version")), " in a version-", m.version,
+             " checkpoint (a data file of another save)")
+    if md.get("tessera.rank") != str(rank):
+        fail("'", path, "': tessera.rank is ", json.dumps(md.get("tessera.rank")), ", not ", rank,
+             " (a data file of another rank)")
+    if md.get("tessera.save_id") != m.save_id:
+        fail("'", path, "': tessera.save_id is ", json.dumps(md.get("tessera.save_id")), ", not the metadata's \"",
+             m.save_id, "\" (a data file of another save)")
+    if "tessera.crc32c" not in md:
+        fail("'", path, "': no tessera.crc32c block checksums")
+    if st.crc_block != m.crc_block:
+        fail("'", path, "': checksum blocks of ", st.crc_block, " bytes, the metadata says ", m.crc_block)
+
+
+def piece_chunk(m, st, fqn, e, i):
+    """Piece i of version-2 entry ``e`` as found in data file ``st`` (its rank's header,
+    already checked by check_data_file): the tensor there must have the piece's dtype and
+    box sizes. A Chunk with the byte range and block checksums of that file."""
+    offsets, sizes = e.layout.box(i)
+    name = e.layout.name(fqn, i)
+    c = Chunk(offsets, sizes, os.path.basename(st.path), name, 0, 0, [], i)
+    t = st.tensors.get(name)
+    if t is None:
+        fail("'", st.path, "' key '", fqn, "' ", c.label(), ": tensor '", name, "' is not in the data file")
+    if t[0] != e.dtype or t[1] != sizes:
+        fail("'", st.path, "' key '", fqn, "' ", c.label(), ": the data file's tensor '", name, "' is ", t[0], " ",
+             shape_string(t[1]), ", the layout needs ", e.dtype, " ", shape_string(sizes))
+    c.begin, c.end, c.crcs = t[2], t[3], st.crcs.get(name, [])
+    return c
 
 
 # ---------------------------------------------------------------- safetensors
@@ -627,7 +1029,9 @@ def open_layout(path):
         finally:
             os.close(fd)
         m = parse_metadata(text, p)
-        check_metadata_checksum(text, f"'{mf}'")  # after parsing: structural errors keep their messages
+        check_metadata_checksum(text, f"'{mf}'", m.version)  # after parsing: structural errors keep their messages
+        # Version 1 lists every data file with its size, checked here; version 2's are opened
+        # (and their presence checked) only when something in them is read.
         for name, size in m.files:
             fp = os.path.join(p, name)
             if not os.path.exists(fp):
