@@ -173,9 +173,20 @@ ShardedTensor ShardedTensor::rand(const ShardingSpec& spec, const std::vector<in
 
 ShardedTensor ShardedTensor::from_parts(std::vector<Shard> local, std::vector<ShardMetadata> all_shards,
                                         const std::vector<int64_t>& shape, at::ScalarType dtype,
-                                        std::shared_ptr<distributed::Communicator> comm) {
+                                        std::shared_ptr<distributed::Communicator> comm,
+                                        std::optional<Layout> layout) {
   TESSERA_CHECK(comm != nullptr, "ShardedTensor needs a communicator");
   validate_shards(all_shards, shape);
+  if (layout) {
+    TESSERA_CHECK(layout->rule != Layout::Rule::List && layout->count() == static_cast<int64_t>(all_shards.size()),
+                  "ShardedTensor: a ", layout->rule_name(), " layout of ", layout->count(), " pieces given for ",
+                  all_shards.size(), " shards");
+    for (size_t i = 0; i < all_shards.size(); ++i)
+      TESSERA_CHECK(all_shards[i].placement.rank == static_cast<int>(i) &&
+                        all_shards[i].box == layout->box(shape, static_cast<int64_t>(i)),
+                    "ShardedTensor: shard ", i, " ", all_shards[i].box.to_string(), " on rank ",
+                    all_shards[i].placement.rank, " is not piece ", i, " of its ", layout->rule_name(), " layout");
+  }
   check_placements(all_shards, *comm);
   size_t k = 0;
   for (size_t i = 0; i < all_shards.size(); ++i) {
@@ -199,6 +210,7 @@ ShardedTensor ShardedTensor::from_parts(std::vector<Shard> local, std::vector<Sh
   st.all_ = std::move(all_shards);
   st.local_ = std::move(local);
   st.comm_ = std::move(comm);
+  st.layout_ = std::move(layout);
   return st;
 }
 

@@ -7,10 +7,12 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "tessera/distributed/communicator.h"
+#include "tessera/sharding/layout.h"
 #include "tessera/sharding/spec.h"
 
 namespace tessera::sharding {
@@ -40,10 +42,13 @@ class ShardedTensor {
   static ShardedTensor from_local_shards(std::vector<Shard> local, const std::vector<int64_t>& shape,
                                          std::shared_ptr<distributed::Communicator> comm);
   // No communication: the caller guarantees `all_shards` is the same on every rank
-  // and `local` holds exactly this rank's pieces of it (in the same order).
+  // and `local` holds exactly this rank's pieces of it (in the same order). `layout`, when
+  // given, is the rule the shards follow (shard i is piece i, on rank i: checked), which
+  // a sharded checkpoint records instead of the list (FSDP passes its row-aligned cut).
   static ShardedTensor from_parts(std::vector<Shard> local, std::vector<ShardMetadata> all_shards,
                                   const std::vector<int64_t>& shape, at::ScalarType dtype,
-                                  std::shared_ptr<distributed::Communicator> comm);
+                                  std::shared_ptr<distributed::Communicator> comm,
+                                  std::optional<Layout> layout = std::nullopt);
   // Collective: `full` (significant on `src` only) is split by `spec` and each
   // rank receives its pieces.
   static ShardedTensor scatter(const at::Tensor& full, const ShardingSpec& spec, int src,
@@ -60,6 +65,9 @@ class ShardedTensor {
   const at::Tensor& local_tensor() const;
   int64_t local_numel() const;
   const std::shared_ptr<distributed::Communicator>& comm() const { return comm_; }
+  // The rule the shards follow, when the creator gave one (from_parts: FSDP does); a
+  // sharded save infers torch.chunk's rule when the shards follow it, else lists them.
+  const std::optional<Layout>& layout() const { return layout_; }
 
   // --- collectives ---
   // The full tensor on `dst`; an undefined tensor elsewhere.
@@ -96,6 +104,7 @@ class ShardedTensor {
   std::vector<ShardMetadata> all_;
   std::vector<Shard> local_;
   std::shared_ptr<distributed::Communicator> comm_;
+  std::optional<Layout> layout_;
 };
 
 }  // namespace tessera::sharding

@@ -238,7 +238,7 @@ StateDict optimizer_state_dict(const optim::Optimizer& optimizer, const torch::n
           const ShardedTensor& ps = *info.sharded;
           std::vector<sharding::Shard> local{sharding::Shard{t.detach(), ps.local_shards()[0].meta}};
           entry->set(n, ShardedTensor::from_parts(std::move(local), ps.shards_metadata(), ps.shape(),
-                                                  t.scalar_type(), ps.comm()));
+                                                  t.scalar_type(), ps.comm(), ps.layout()));
         } else {
           entry->set(n, t.detach());
         }

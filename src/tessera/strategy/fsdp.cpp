@@ -363,8 +363,9 @@ void FsdpStrategy::register_sharded_params() {
         if (m.placement.rank == shard_comm_->rank()) local.push_back({P->p, m});
       I.registered.emplace_back(it->second, leaf);
       state::register_sharded_tensor(*it->second, leaf,
-                                     sharding::ShardedTensor::from_parts(std::move(local), all, P->shape,
-                                                                         P->shard.scalar_type(), shard_comm_));
+                                     sharding::ShardedTensor::from_parts(
+                                         std::move(local), all, P->shape, P->shard.scalar_type(), shard_comm_,
+                                         sharding::Layout::flat(u->numel, P->flat_offset, S)));
     }
 }
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "tessera/core/log.h"
+#include "tessera/sharding/layout.h"
 #include "tessera/strategy/fsdp_impl.h"
 
 namespace tessera::strategy {
@@ -104,14 +105,16 @@ void FsdpParamGroup::shard() {
   for (auto& Pp : params) {
     auto& P = *Pp;
     const int64_t n = P.rows * P.row_numel;
+    // The unit's cut as it falls on this parameter's rows (sharding/layout.h: the rule a
+    // sharded checkpoint records for it, so both agree by construction).
     P.rank_rows.assign(S, 0);
-    if (P.row_numel == 0) {
-      P.rank_rows[0] = P.rows;  // no elements: every (empty) row on the first rank
-    } else {
-      for (int r = 0; r < S; ++r) {
+    for (int r = 0; r < S; ++r) {
+      P.rank_rows[r] = sharding::flat_rows(T, P.flat_offset, {P.rows, P.row_numel}, S, r).size;
+      if (P.row_numel > 0) {
         const int64_t lo = std::clamp(cut[r], P.flat_offset, P.flat_offset + n);
         const int64_t hi = std::clamp(cut[r + 1], P.flat_offset, P.flat_offset + n);
-        P.rank_rows[r] = (hi - lo) / P.row_numel;
+        TESSERA_CHECK(P.rank_rows[r] == (hi - lo) / P.row_numel, "internal: FSDP's cut of '", P.fqn, "' on rank ", r,
+                      " differs from sharding::flat_rows");
       }
     }
     P.row_begin = 0;

@@ -1,0 +1,170 @@
+// Layouts as rules (sharding/layout.h): the pieces every rule makes tile the shape, FSDP's
+// row-aligned cut as flat_rows gives it equals the unit-wide cut FSDP computes, and
+// overlapping() finds exactly the pieces a brute-force scan finds, in O(log P) steps.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "tessera/core/error.h"
+#include "tessera/sharding/layout.h"
+
+using namespace tessera::sharding;
+
+namespace {
+
+// FSDP's cut as fsdp_param_group.cpp computed it before flat_rows existed: the unit-wide
+// cuts, each moved to a row boundary of the first parameter holding it, then clamped.
+std::vector<std::vector<int64_t>> unit_cut(const std::vector<std::vector<int64_t>>& shapes, int S) {
+  std::vector<int64_t> off, rows, rn;
+  int64_t T = 0;
+  for (const auto& s : shapes) {
+    int64_t n = 1;
+    for (auto d : s) n *= d;
+    off.push_back(T);
+    rows.push_back(s[0]);
+    rn.push_back(s[0] == 0 ? 0 : n / s[0]);
+    T += n;
+  }
+  std::vector<int64_t> cut(S + 1, 0);
+  cut[S] = T;
+  for (int k = 1; k < S; ++k) {
+    int64_t c = T / S * k + T % S * k / S;
+    for (size_t p = 0; p < shapes.size(); ++p) {
+      const int64_t n = rows[p] * rn[p];
+      if (n == 0 || c < off[p] || c >= off[p] + n) continue;
+      c = off[p] + (c - off[p] + rn[p] / 2) / rn[p] * rn[p];
+      break;
+    }
+    cut[k] = std::max(cut[k - 1], c);
+  }
+  std::vector<std::vector<int64_t>> out(shapes.size(), std::vector<int64_t>(S, 0));
+  for (size_t p = 0; p < shapes.size(); ++p) {
+    const int64_t n = rows[p] * rn[p];
+    if (rn[p] == 0) {
+      out[p][0] = rows[p];
+      continue;
+    }
+    for (int r = 0; r < S; ++r)
+      out[p][r] = (std::clamp(cut[r + 1], off[p], off[p] + n) - std::clamp(cut[r], off[p], off[p] + n)) / rn[p];
+  }
+  return out;
+}
+
+std::vector<int64_t> brute_overlap(const Layout& L, const std::vector<int64_t>& shape, const Box& region) {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < L.count(); ++i) {
+    const Box b = L.box(shape, i);
+    if (!b.empty() && !region.empty() && intersect(b, region)) out.push_back(i);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(Layout, FlatRowsEqualFsdpsUnitWideCut) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int nparams = 1 + static_cast<int>(rng() % 5);
+    std::vector<std::vector<int64_t>> shapes;
+    for (int p = 0; p < nparams; ++p) {
+      std::vector<int64_t> s{static_cast<int64_t>(rng() % 9)};
+      if (rng() % 2) s.push_back(static_cast<int64_t>(rng() % 7));
+      if (rng() % 4 == 0) s.push_back(static_cast<int64_t>(1 + rng() % 3));
+      shapes.push_back(s);
+    }
+    const int S = 1 + static_cast<int>(rng() % 12);
+    const auto want = unit_cut(shapes, S);
+    int64_t T = 0;
+    std::vector<int64_t> offs;
+    for (const auto& s : shapes) {
+      int64_t n = 1;
+      for (auto d : s) n *= d;
+      offs.push_back(T);
+      T += n;
+    }
+    for (size_t p = 0; p < shapes.size(); ++p) {
+      int64_t row = 0;
+      for (int r = 0; r < S; ++r) {
+        const Range got = flat_rows(T, offs[p], shapes[p], S, r);
+        ASSERT_EQ(got.size, want[p][static_cast<size_t>(r)]) << "trial " << trial << " param " << p << " rank " << r;
+        if (got.size > 0) ASSERT_EQ(got.begin, row);
+        row += got.size;
+      }
+      ASSERT_EQ(row, shapes[p][0]);
+    }
+  }
+}
+
+TEST(Layout, OverlappingEqualsBruteForceForEveryRule) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 400; ++trial) {
+    std::vector<int64_t> shape{static_cast<int64_t>(rng() % 20), static_cast<int64_t>(1 + rng() % 5)};
+    const int64_t P = 1 + static_cast<int64_t>(rng() % 40);
+    Layout L;
+    switch (trial % 3) {
+      case 0: L = Layout::chunk(static_cast<int64_t>(rng() % 2), P); break;
+      case 1: {
+        const int64_t n = shape[0] * shape[1], before = static_cast<int64_t>(rng() % 50);
+        L = Layout::flat(before + n + static_cast<int64_t>(rng() % 50), before, P);
+        break;
+      }
+      default: L = Layout::whole(0);
+    }
+    L.validate(shape, 1 << 20, "test");
+    int64_t covered = 0;
+    for (int64_t i = 0; i < L.count(); ++i) covered += L.box(shape, i).numel();
+    ASSERT_EQ(covered, shape[0] * shape[1]) << "trial " << trial;
+    for (int q = 0; q < 10; ++q) {
+      Box region = full_box(shape);
+      for (size_t d = 0; d < 2; ++d) {
+        const int64_t a = shape[d] == 0 ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(shape[d]));
+        region.offsets[d] = a;
+        region.sizes[d] = shape[d] == 0 ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(shape[d] - a + 1));
+      }
+      ASSERT_EQ(L.overlapping(shape, region), brute_overlap(L, shape, region)) << "trial " << trial << " " << region.to_string();
+    }
+  }
+}
+
+TEST(Layout, SixteenThousandPiecesOfAWideTensorAreFoundWithoutAWalk) {
+  // 2 rows of 10^8 elements cut over 16,384 ranks: all but two pieces are empty.
+  const std::vector<int64_t> shape{2, 100000000};
+  const Layout L = Layout::flat(200000000, 0, 16384);
+  const auto all = L.overlapping(shape, full_box(shape));
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(L.box(shape, all[0]).sizes[0] + L.box(shape, all[1]).sizes[0], 2);
+}
+
+TEST(Layout, ValidateNamesWhatIsWrong) {
+  const std::vector<int64_t> shape{8, 4};
+  auto msg = [&](const Layout& L, int64_t world) {
+    try {
+      L.validate(shape, world, "key 'w'");
+    } catch (const tessera::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(msg(Layout::chunk(2, 4), 4).find("dimension 2"), std::string::npos);
+  EXPECT_NE(msg(Layout::chunk(0, 4), 3).find("outside [0, 3)"), std::string::npos);
+  EXPECT_NE(msg(Layout::flat(20, 0, 2), 2).find("unit of 20"), std::string::npos);
+  FileMap two_groups{0, 1, 2, 3, 0};  // replica step 3 < 4 pieces: groups would share files
+  EXPECT_NE(msg(Layout::chunk(0, 4, two_groups), 8).find("two pieces in one file"), std::string::npos);
+  Layout list;
+  list.rule = Layout::Rule::List;
+  list.list = {{0, Box{{0, 0}, {5, 4}}}, {1, Box{{4, 0}, {4, 4}}}};
+  EXPECT_NE(msg(list, 2).find("overlap"), std::string::npos);
+  list.list[1].box = Box{{5, 0}, {2, 4}};
+  EXPECT_NE(msg(list, 2).find("cover 28 of 32"), std::string::npos);
+  EXPECT_EQ(msg(Layout::chunk(0, 4, FileMap{0, 1, 2, 4, 1}), 8), "");
+}
+
+TEST(Layout, HybridFileMapSpreadsPiecesOverTheReplicaGroups) {
+  // 2 groups of 4 ranks; group (i + shift) mod 2 stores piece i.
+  const FileMap f{0, 1, 2, 4, 1};
+  EXPECT_EQ(f.file(0), 4);
+  EXPECT_EQ(f.file(1), 1);
+  EXPECT_EQ(f.file(2), 6);
+  EXPECT_EQ(f.file(3), 3);
+}
