@@ -539,10 +539,11 @@ def _parse_files(j, pieces, world_size, what):
     if fm.replicas > 1 and fm.replica_step < pieces * fm.step:
         fail(what, ": files.replica_step ", fm.replica_step, " is below pieces * step = ", pieces * fm.step,
              " (two pieces would share a file)")
-    i = fm.last_file_piece(pieces)
-    f = fm.file(i)
+    # The bound of docs/checkpoint-format.md §3 (the C++ reader's): every replica group's
+    # files lie in the world, whether or not a piece reaches the last group.
+    f = fm.first + (pieces - 1) * fm.step + (fm.replicas - 1) * fm.replica_step
     if f > last:
-        fail(what, ": files puts piece ", i, " in data file ", f, ", outside [0, ", world_size, ") (world_size ",
+        fail(what, ": files reach data file ", f, ", outside [0, ", world_size, ") (world_size ",
              world_size, ")")
     return fm
 

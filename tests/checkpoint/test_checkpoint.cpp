@@ -7,6 +7,7 @@
 
 #include <fstream>
 
+#include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/file_io.h"
@@ -23,10 +24,7 @@ using namespace tessera::testing;
 namespace {
 
 
-std::shared_ptr<distributed::Communicator> solo() {
-  static auto c = distributed::Communicator::create(distributed::World{});
-  return c;
-}
+// solo(): checkpoint/checkpoint_test_util.h
 
 // A sharded tensor over the single-process communicator, split into `pieces` pieces
 // along dim 0 (all on rank 0, as an EnumerableSpec).
@@ -197,6 +195,7 @@ TEST(CheckpointCorruption, EachKindIsDetectedWithTheRightError) {
     for (auto& s : v.problems) all += s + "\n";
     EXPECT_NE(all.find(want), std::string::npos) << "verify: want '" << want << "' in: " << all;
   };
+  downgrade_to_v1(good);  // the version-1 reader's defences (format 2's: test_format_v2.cpp)
   nlohmann::json meta = nlohmann::json::parse(read_bytes(good + "/tessera-checkpoint.json"));
   const auto& chunk = meta["entries"]["model.w"]["chunks"][0];
   const uint64_t w_begin = chunk["byte_range"][0];

@@ -59,6 +59,7 @@ std::string hex_list(const std::vector<uint32_t>& crcs) {
 
 // DIR's metadata edited through `edit` (on the parsed JSON), then re-checksummed.
 void tamper_metadata(const std::string& dir, const std::function<void(json&)>& edit) {
+  tessera::testing::downgrade_to_v1(dir);  // these bounds in version 1's chunk lists (format 2: test_format_v2.cpp)
   json j = json::parse(read_bytes(dir + kMeta));
   edit(j);
   j["metadata_crc32c"] = "00000000";
@@ -106,6 +107,7 @@ std::string save_plain(const std::string& dir, std::vector<int64_t> shape) {
   for (auto d : shape) n *= d;
   sd.set("w", at::arange(n, at::kFloat).reshape(shape));
   ck::save(sd, dir, *solo(), {ck::SaveMode::Sharded});
+  tessera::testing::downgrade_to_v1(dir);  // these tests edit version 1's chunk lists
   return dir;
 }
 
@@ -214,6 +216,7 @@ TEST(FormatBounds, ReaderWidensToAnyValidBlockSizeExactly) {
   sd.set("u8", at::arange(37, at::kLong).to(at::kByte));
   const std::string dir = d + "/ckpt";
   ck::save(sd, dir, *solo(), {ck::SaveMode::Sharded});
+  tessera::testing::downgrade_to_v1(dir);  // version 1's chunk lists are edited below
   for (uint64_t block : {8, 24, 40, 56}) {
     SCOPED_TRACE(block);
     ck::CheckpointMetadata m = ck::open_checkpoint(dir);
@@ -257,12 +260,14 @@ TEST(FormatBounds, ChunkBoxesPastInt64AreRefusedAndWritersCheckCoverage) {
   sd.set("w", split(at::arange(4, at::kFloat), 2));
   const std::string dir = d + "/a/ckpt";
   ck::save(sd, dir, *solo(), {ck::SaveMode::Sharded});
+  tessera::testing::downgrade_to_v1(dir);  // version 1's chunk lists are edited below
   tamper_metadata(dir, [](json& j) { j["entries"]["w"]["chunks"][1]["offsets"] = {kI64Max}; });
   expect_cpp_refuses(dir, {"key 'w'", "lies outside the shape"});
   // An empty chunk outside the shape is refused too (as the Python reader does).
   fs::create_directories(d + "/b");
   const std::string dir2 = d + "/b/ckpt";
   ck::save(sd, dir2, *solo(), {ck::SaveMode::Sharded});
+  tessera::testing::downgrade_to_v1(dir2);  // version 1's chunk lists are edited below
   tamper_metadata(dir2, [](json& j) {
     json c = j["entries"]["w"]["chunks"][1];
     c["offsets"] = {kI64Max};
@@ -278,6 +283,7 @@ TEST(FormatBounds, ChunkBoxesPastInt64AreRefusedAndWritersCheckCoverage) {
   // an error naming the key before anything is written.
   const std::string dir3 = d + "/good";
   ck::save(sd, dir3, *solo(), {ck::SaveMode::Sharded});
+  tessera::testing::downgrade_to_v1(dir3);  // version 1's chunk lists are edited below
   ck::CheckpointMetadata m = ck::open_checkpoint(dir3);
   m.entries.at("w").chunks.pop_back();
   ck::ChunkReader r(m);

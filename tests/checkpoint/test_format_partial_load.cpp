@@ -30,7 +30,8 @@ TEST(FormatPartialLoad, ALoadThatFailsWhileReadingSaysTheTargetWasPartlyOverwrit
   sd.set("b", at::full({1000}, 2.0, at::kFloat));
   ck::save(sd, d + "/ckpt", *solo(), {ck::SaveMode::Sharded});
   const ck::CheckpointMetadata m = ck::open_checkpoint(d + "/ckpt");
-  const auto& cb = m.entries.at("b").chunks.at(0);
+  ck::ChunkReader locate(m);
+  const ck::ChunkInfo cb = locate.chunks("b", m.entries.at("b"), sharding::Box{{0}, {1000}}).at(0);
   std::string bytes = read_bytes(d + "/ckpt/" + cb.file);
   bytes[cb.begin + 5] ^= 0x10;
   write_bytes(d + "/ckpt/" + cb.file, bytes);

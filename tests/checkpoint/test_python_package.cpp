@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint_test_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
@@ -39,10 +40,7 @@ std::string py(const std::string& script_and_args) {
   return std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR + "/tests/python/" + script_and_args;
 }
 
-std::shared_ptr<distributed::Communicator> solo() {
-  static auto c = distributed::Communicator::create(distributed::World{});
-  return c;
-}
+// solo(): checkpoint/checkpoint_test_util.h
 
 // `full` split into `pieces` pieces along `dim`, every piece on this (single) rank.
 sharding::ShardedTensor split(const at::Tensor& full, int64_t dim, int pieces) {
@@ -123,6 +121,7 @@ void flip_byte(const std::string& path, uint64_t at) {
 // metadata_crc32c, as an editor who knows the format would.
 void edit_metadata(const std::string& dir, const std::string& from, const std::string& to, bool recompute) {
   const std::string f = dir + "/tessera-checkpoint.json";
+  tessera::testing::downgrade_to_v1(dir);  // edits of version 1's indented text
   std::string text = read_bytes(f);
   const size_t at = text.find(from);
   ASSERT_NE(at, std::string::npos) << from << " not in " << text;
@@ -139,6 +138,7 @@ void edit_metadata(const std::string& dir, const std::string& from, const std::s
 
 // A chunk of `key` stored in `file` (from the metadata): its first byte in the file.
 uint64_t chunk_begin(const std::string& dir, const std::string& key, const std::string& file) {
+  tessera::testing::downgrade_to_v1(dir);
   auto j = nlohmann::json::parse(read_bytes(dir + "/tessera-checkpoint.json"));
   for (const auto& c : j["entries"][key]["chunks"])
     if (c["file"] == file) return c["byte_range"][0].get<uint64_t>();
@@ -388,7 +388,7 @@ TEST(PythonPackage, InstallsWithPipAndRunsAsAModule) {
                                  " -m tessera_ckpt inspect ckpt && " + env + " -m tessera_ckpt verify ckpt");
   EXPECT_EQ(irc, 0) << iout;
   EXPECT_NE(iout.find(dir + "/site/tessera_ckpt/__init__.py"), std::string::npos) << iout;
-  EXPECT_NE(iout.find("sharded checkpoint, format version 1, world size at save 2"), std::string::npos) << iout;
+  EXPECT_NE(iout.find("sharded checkpoint, format version 2, world size at save 2"), std::string::npos) << iout;
   EXPECT_NE(iout.find("opt.step"), std::string::npos) << iout;
   EXPECT_NE(iout.find("OK: ckpt: "), std::string::npos) << iout;
   EXPECT_NE(iout.find("(CRC32C by google_crc32c)"), std::string::npos) << iout;

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <regex>
 
+#include "checkpoint/checkpoint_test_util.h"
 #include "support/harness.h"
 #include "trainer/trainer_test_util.h"
 #include "support/test_util.h"
@@ -99,6 +100,7 @@ TEST(ReliabilityTamper, EditedAndRechecksummedMetadataIsRefused) {
   const std::string good = dir + "/good", work = dir + "/work";
   auto s = run_ranks(2, {"ckpt_save", good, "sharded", "sharded"}, 120);
   ASSERT_EQ(s.launch.exit_code, 0) << s.all_output();
+  tessera::testing::downgrade_to_v1(good);  // edits of version 1's indented text
   const std::string text = read_bytes(good + kMeta);
   ASSERT_TRUE(ck::verify(good).ok);
   // The writer's layout, which the edits below rely on.
@@ -227,6 +229,7 @@ TEST(ReliabilityTamper, TrainerRefusesOutOfRangeCountersOnResume) {
   }
   const std::string ckpt = tmp.path + "/checkpoints/last.ckpt";
   ASSERT_TRUE(fs::is_directory(ckpt));
+  tessera::testing::downgrade_to_v1(ckpt);
   const std::string text = read_bytes(ckpt + kMeta);
   const std::regex step_re("(\"global_step\": \\{\\s*\"kind\": \"int\",\\s*\"value\": )3\n");
   ASSERT_TRUE(std::regex_search(text, step_re)) << text;

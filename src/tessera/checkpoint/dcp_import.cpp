@@ -452,6 +452,7 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
   world_size = std::max(world_size, 1);
   res.world_size = world_size;
   o.world_size = world_size;
+  o.save_id = new_save_id();
   for (const auto& name : list_dir(dir)) {
     const std::string suffix = ".distcp";
     if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
@@ -488,10 +489,10 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
           res.bytes += byte_size(box.sizes, p.entry.dtype, p.fqn);
         }
       }
-      DataFileResult d = write_data_file(tmp, data_file_name(r), pieces);
-      o.files.emplace_back(d.file, d.size);
+      DataFileResult d = write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id));
       for (auto& [fqn, c] : d.chunks) o.entries.at(fqn).chunks.push_back(std::move(c));
     }
+    layouts_from_chunks(o);
     write_metadata_file(tmp, o);
   });
   return res;

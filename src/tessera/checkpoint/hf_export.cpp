@@ -250,7 +250,8 @@ HfExportResult export_hf(const std::string& src, const std::string& out_arg, con
       const Item& it = items[order[k]];
       const EntryInfo& e = m.entries.at(it.key);
       uint64_t n = 0;
-      for (const auto& c : e.chunks) n += reader.prefetch(it.key, e, c, sharding::full_box(e.shape));
+      const sharding::Box whole = sharding::full_box(e.shape);
+      for (const auto& c : reader.chunks(it.key, e, whole)) n += reader.prefetch(it.key, e, c, whole);
       return n;
     });
     size_t written = 0;

@@ -8,6 +8,7 @@
 
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/save_steps.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
 #include "tessera/core/strings.h"
@@ -110,13 +111,19 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
     const Job* job;
     at::Tensor dst;
     sharding::Box box;
+    std::vector<ChunkInfo> chunks;  // the saved chunks it overlaps, located
   };
   std::vector<Piece> pieces;
+  // Locating the chunks reads the headers of the data files that hold them, and no others
+  // (format 2): a rank's work grows with what it reads, not with the world size at save.
+  // An error here (a missing or mixed-up data file) comes before anything is written.
   for (const auto& j : jobs) {
     if (auto t = std::get_if<at::Tensor>(j.v)) {
-      pieces.push_back({&j, *t, sharding::full_box(j.e->shape)});
+      const sharding::Box box = sharding::full_box(j.e->shape);
+      pieces.push_back({&j, *t, box, reader.chunks(j.fqn, *j.e, box)});
     } else if (auto s = std::get_if<sharding::ShardedTensor>(j.v)) {
-      for (auto& sh : s->local_shards()) pieces.push_back({&j, sh.tensor, sh.meta.box});
+      for (auto& sh : s->local_shards())
+        pieces.push_back({&j, sh.tensor, sh.meta.box, reader.chunks(j.fqn, *j.e, sh.meta.box)});
     }
   }
   // The phases, for TESSERA_LOG_LEVEL=debug: requesting read-ahead (posix_fadvise can
@@ -129,7 +136,7 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
     const auto t0 = Clock::now();
     const Piece& q = pieces[i];
     uint64_t n = 0;
-    for (const auto& c : q.job->e->chunks) n += reader.prefetch(q.job->fqn, *q.job->e, c, q.box);
+    for (const auto& c : q.chunks) n += reader.prefetch(q.job->fqn, *q.job->e, c, q.box);
     prefetch_s += log::seconds(t0, Clock::now());
     bytes += n;
     return n;
@@ -144,7 +151,7 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
       Piece& p = pieces[k];
       const EntryInfo& e = *p.job->e;
       int64_t n = 0;
-      for (const auto& c : e.chunks) n += reader.copy_into(p.job->fqn, e, c, p.dst, p.box);
+      for (const auto& c : p.chunks) n += reader.copy_into(p.job->fqn, e, c, p.dst, p.box);
       TESSERA_CHECK(n == p.box.numel(), "loading '", path, "' key '", p.job->fqn, "': only ", n, " of ",
                     p.box.numel(), " elements of ", p.box.to_string(), " found");
     }
@@ -178,12 +185,12 @@ LoadResult load(state::StateDict& target, const std::string& path, distributed::
   } catch (const std::exception& e) {
     err = e.what();
   }
-  auto all = comm.all_gather_bytes(err);
+  // Every rank learns whether every rank loaded, for O(1) bytes each (save_steps.h).
+  const Agreement a = agree(comm, err);
   if (!err.empty()) throw Error(err);
-  for (size_t r = 0; r < all.size(); ++r)
-    TESSERA_CHECK(all[r].empty(), "loading '", path, "' failed on rank ", r, ": ", all[r], " -- on this rank (",
-                  comm.rank(), ") the target was overwritten from the checkpoint all the same: do not continue ",
-                  "with it");
+  TESSERA_CHECK(a.ok(), "loading '", path, "' failed on rank ", a.failed_rank, ": ", a.error, " -- on this rank (",
+                comm.rank(), ") the target was overwritten from the checkpoint all the same: do not continue ",
+                "with it");
   return res;
 }
 

@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <random>
 #include <set>
 
 #include "tessera/checkpoint/checksum.h"
@@ -254,10 +256,12 @@ void check_tiling(const std::string& fqn, const EntryInfo& e) {
 // one space of indent (nested keys have more, and a newline inside a string is escaped).
 constexpr const char* kMetadataCrcMarker = "\n \"metadata_crc32c\": \"";
 
-std::string to_json(const CheckpointMetadata& m) {
+namespace {
+
+std::string to_json_v1(const CheckpointMetadata& m) {
   json j;
   j["format"] = "tessera-checkpoint";
-  j["version"] = kFormatVersion;
+  j["version"] = 1;
   j["world_size"] = m.world_size;
   j["crc32c_block"] = m.crc_block;
   j["files"] = json::array();
@@ -293,7 +297,118 @@ std::string to_json(const CheckpointMetadata& m) {
   return text;
 }
 
+// Version 2's checksum member: the last of the text.
+constexpr const char* kMetadataCrcTail = ",\"metadata_crc32c\":\"";
+constexpr size_t kTailBytes = 20 + 8 + 2;  // marker, 8 hex digits, "}
+
+json files_json(const sharding::FileMap& f) {
+  json j = {{"first", f.first}, {"step", f.step}};
+  if (f.replicas > 1) {
+    j["replicas"] = f.replicas;
+    j["replica_step"] = f.replica_step;
+    j["shift"] = f.shift;
+  }
+  return j;
+}
+
+json layout_json(const sharding::Layout& L) {
+  using R = sharding::Layout::Rule;
+  switch (L.rule) {
+    case R::Whole: return {{"rule", "whole"}, {"file", L.file}};
+    case R::Chunk: return {{"rule", "chunk"}, {"dim", L.dim}, {"pieces", L.pieces}, {"files", files_json(L.files)}};
+    case R::Flat:
+      return {{"rule", "flat"},
+              {"numel", L.flat_numel},
+              {"offset", L.flat_offset},
+              {"pieces", L.pieces},
+              {"files", files_json(L.files)}};
+    case R::List: {
+      json pieces = json::array();
+      for (const auto& p : L.list) pieces.push_back(json::array({p.file, p.box.offsets, p.box.sizes}));
+      return {{"rule", "list"}, {"pieces", pieces}};
+    }
+  }
+  return {};
+}
+
+json entry_json_v2(const std::string& k, const EntryInfo& e) {
+  if (!e.is_tensor()) return value_json(e.value);
+  TESSERA_CHECK(e.layout.has_value(), "internal: key '", k, "' has no layout for format version 2");
+  return {{"kind", e.kind}, {"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"layout", layout_json(*e.layout)}};
+}
+
+std::string to_json_v2(const CheckpointMetadata& m) {
+  json j;
+  j["format"] = "tessera-checkpoint";
+  j["version"] = 2;
+  j["world_size"] = m.world_size;
+  j["crc32c_block"] = m.crc_block;
+  j["save_id"] = m.save_id;
+  j["keys"] = m.keys;
+  json entries = json::object();
+  for (const auto& k : m.keys) {
+    entries[k] = entry_json_v2(k, m.entries.at(k));
+  }
+  j["entries"] = std::move(entries);
+  std::string text = j.dump();
+  TESSERA_CHECK(!text.empty() && text.back() == '}', "internal: metadata text is not an object");
+  text.pop_back();
+  text += kMetadataCrcTail;
+  text += "00000000\"}";
+  const std::string hex = crc_hex(crc32c(text.data(), text.size()));
+  text.replace(text.size() - 10, 8, hex);
+  return text;
+}
+
+}  // namespace
+
+std::string entry_json(const EntryInfo& e) { return entry_json_v2("", e).dump(); }
+
+std::string to_json(const CheckpointMetadata& m) {
+  TESSERA_CHECK(m.version == 1 || m.version == 2, "internal: cannot write metadata of format version ", m.version);
+  std::string text = m.version == 1 ? to_json_v1(m) : to_json_v2(m);
+  TESSERA_CHECK(text.size() <= kMaxMetadataBytes, "the checkpoint's metadata would be ", text.size(),
+                " bytes, more than the ", kMaxMetadataBytes, "-byte limit every reader enforces (", m.keys.size(),
+                " keys): nothing is committed");
+  return text;
+}
+
+std::string new_save_id() {
+  std::random_device rd;
+  const uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  static const char* d = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 0; i < 16; ++i) s[static_cast<size_t>(i)] = d[(v >> (60 - 4 * i)) & 15];
+  return s;
+}
+
+std::string piece_name(const std::string& fqn, const sharding::Layout& layout, const std::vector<int64_t>& shape,
+                       int64_t i) {
+  if (layout.rule != sharding::Layout::Rule::List) return fqn;
+  const int64_t f = layout.list.at(static_cast<size_t>(i)).file;
+  int64_t k = 0, total = 0;
+  for (size_t j = 0; j < layout.list.size(); ++j) {
+    if (layout.list[j].file != f || layout.list[j].box.empty()) continue;
+    if (static_cast<int64_t>(j) < i) ++k;
+    ++total;
+  }
+  (void)shape;
+  return total == 1 ? fqn : concat(fqn, "@", k);
+}
+
 void check_metadata_checksum(const std::string& text, const std::string& where) {
+  const std::string tail = kMetadataCrcTail;
+  if (text.find(kMetadataCrcMarker) == std::string::npos && text.size() >= kTailBytes &&
+      text.compare(text.size() - kTailBytes, tail.size(), tail) == 0 && text.back() == '}' &&
+      text[text.size() - 2] == '"') {  // version 2: the last member
+    std::string zeroed = text;
+    zeroed.replace(text.size() - 10, 8, "00000000");
+    const uint32_t want = parse_crc_hex(text.substr(text.size() - 10, 8), where + " metadata_crc32c");
+    const uint32_t got = crc32c(zeroed.data(), zeroed.size());
+    TESSERA_CHECK(got == want, where, ": metadata checksum mismatch (metadata_crc32c ", crc_hex(want), ", computed ",
+                  crc_hex(got), ") — the metadata is corrupt");
+    return;
+  }
   const std::string marker = kMetadataCrcMarker;
   const size_t at = text.find(marker);
   TESSERA_CHECK(at != std::string::npos && text.find(marker, at + 1) == std::string::npos &&
@@ -317,6 +432,108 @@ static const json& field(const json& o, const char* key) {
   return it == o.end() ? null_value : *it;
 }
 
+namespace {
+
+sharding::FileMap files_from_json(const json& j, const std::string& what) {
+  TESSERA_CHECK(j.is_object(), what, ": files is not an object");
+  const int64_t big = std::numeric_limits<int64_t>::max() / 4;  // validate() checks the real bounds
+  sharding::FileMap f;
+  f.first = get_int_in(field(j, "first"), 0, big, what + " files.first");
+  f.step = get_int_in(field(j, "step"), 1, big, what + " files.step");
+  if (j.contains("replicas")) {
+    f.replicas = get_int_in(field(j, "replicas"), 1, sharding::kMaxPieces, what + " files.replicas");
+    f.replica_step = get_int_in(field(j, "replica_step"), 0, big, what + " files.replica_step");
+    f.shift = get_int_in(field(j, "shift"), 0, big, what + " files.shift");
+  }
+  return f;
+}
+
+sharding::Layout layout_from_json(const json& j, const std::vector<int64_t>& shape, int world_size,
+                                  const std::string& what) {
+  TESSERA_CHECK(j.is_object() && field(j, "rule").is_string(), what, ": no layout rule");
+  const std::string rule = field(j, "rule").get<std::string>();
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  sharding::Layout L;
+  if (rule == "whole") {
+    L = sharding::Layout::whole(get_int_in(field(j, "file"), 0, kMaxWorldSize, what + " layout.file"));
+  } else if (rule == "chunk") {
+    L = sharding::Layout::chunk(get_int_in(field(j, "dim"), 0, 64, what + " layout.dim"),
+                                get_int_in(field(j, "pieces"), 1, sharding::kMaxPieces, what + " layout.pieces"),
+                                files_from_json(field(j, "files"), what));
+  } else if (rule == "flat") {
+    L = sharding::Layout::flat(get_int_in(field(j, "numel"), 0, big, what + " layout.numel"),
+                               get_int_in(field(j, "offset"), 0, big, what + " layout.offset"),
+                               get_int_in(field(j, "pieces"), 1, sharding::kMaxPieces, what + " layout.pieces"),
+                               files_from_json(field(j, "files"), what));
+  } else if (rule == "list") {
+    L.rule = sharding::Layout::Rule::List;
+    const json& ps = field(j, "pieces");
+    TESSERA_CHECK(ps.is_array(), what, ": layout.pieces is not an array");
+    for (const auto& p : ps) {
+      TESSERA_CHECK(p.is_array() && p.size() == 3, what, ": a list piece is not [file, offsets, sizes]");
+      sharding::LayoutPiece lp;
+      lp.file = get_int_in(p[0], 0, kMaxWorldSize, what + " piece file");
+      lp.box.offsets = get_dims(p[1], what + " piece offsets");
+      lp.box.sizes = get_dims(p[2], what + " piece sizes");
+      L.list.push_back(std::move(lp));
+    }
+  } else {
+    throw Error(concat(what, ": unknown layout rule '", rule, "'"));
+  }
+  L.validate(shape, world_size, what);
+  return L;
+}
+
+// The entries of `j` in key order, checked alike in both versions: keys are strings, each
+// has an entry and appears once, every entry has a kind; plain values are decoded, and a
+// tensor entry's dtype and shape read before `tensor` completes it (its chunks, version 1,
+// or its layout, version 2).
+void parse_entries(const json& j, CheckpointMetadata& m, const std::string& where,
+                   const std::function<void(const json& je, EntryInfo& e, const std::string& fqn,
+                                            const std::string& what)>& tensor) {
+  TESSERA_CHECK(field(j, "keys").is_array() && field(j, "entries").is_object(), where, ": keys/entries missing");
+  const json& entries = field(j, "entries");
+  for (const auto& k : field(j, "keys")) {
+    TESSERA_CHECK(k.is_string(), where, ": a key is not a string");
+    const std::string fqn = k.get<std::string>();
+    TESSERA_CHECK(entries.contains(fqn), where, ": key '", fqn, "' has no entry");
+    TESSERA_CHECK(!m.entries.count(fqn), where, ": key '", fqn, "' listed twice");
+    const json& je = entries[fqn];
+    const std::string what = concat(where, " key '", fqn, "'");
+    TESSERA_CHECK(je.is_object() && je.contains("kind") && field(je, "kind").is_string(), what, ": no kind");
+    EntryInfo e;
+    e.kind = field(je, "kind").get<std::string>();
+    if (e.kind != "tensor" && e.kind != "sharded") {
+      e.value = value_from_json(je, what);
+    } else {
+      TESSERA_CHECK(je.contains("dtype") && field(je, "dtype").is_string(), what, ": no dtype");
+      e.dtype = parse_dtype(field(je, "dtype").get<std::string>(), what);
+      e.shape = get_dims(field(je, "shape"), what + " shape");
+      tensor(je, e, fqn, what);
+    }
+    m.keys.push_back(fqn);
+    m.entries.emplace(fqn, std::move(e));
+  }
+}
+
+void parse_v2(const json& j, CheckpointMetadata& m, const std::string& where) {
+  TESSERA_CHECK(field(j, "save_id").is_string(), where, ": no save_id");
+  m.save_id = field(j, "save_id").get<std::string>();
+  bool hex = m.save_id.size() == 16;
+  for (char c : m.save_id) hex = hex && ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'));
+  TESSERA_CHECK(hex, where, ": save_id is not 16 lowercase hex digits");
+  TESSERA_CHECK(field(j, "keys").is_array() && field(j, "entries").is_object(), where, ": keys/entries missing");
+  const json& entries = field(j, "entries");
+  TESSERA_CHECK(entries.size() == field(j, "keys").size(), where, ": ", entries.size(), " entries for ",
+                field(j, "keys").size(), " keys");
+  parse_entries(j, m, where, [&](const json& je, EntryInfo& e, const std::string&, const std::string& what) {
+    byte_size(e.shape, e.dtype, concat(what, ": shape ", core::shape_string(e.shape)));  // <= 2^62 bytes
+    e.layout = layout_from_json(field(je, "layout"), e.shape, m.world_size, what);
+  });
+}
+
+}  // namespace
+
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir) {
   const std::string where = concat("'", join_path(dir, kMetadataFile), "'");
   json j = parse_json_strict(text, concat(where, ": metadata"));
@@ -336,6 +553,10 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
     m.world_size = static_cast<int>(get_int_in(j["world_size"], 1, kMaxWorldSize, where + " world_size"));
     m.crc_block = get_u64(j["crc32c_block"], where + " crc32c_block");
     check_crc_block(m.crc_block, where + " crc32c_block");
+    if (m.version >= 2) {
+      parse_v2(j, m, where);
+      return m;
+    }
     TESSERA_CHECK(j["files"].is_array(), where, ": files is not an array");
     for (const auto& f : j["files"]) {
       TESSERA_CHECK(f.is_object() && f.contains("name") && field(f, "name").is_string(), where, ": bad files entry");
@@ -346,56 +567,37 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
     // the world size must agree.
     TESSERA_CHECK(m.files.size() == static_cast<size_t>(m.world_size), where, ": world_size is ", m.world_size,
                   " but ", m.files.size(), " data files are listed (one per rank)");
-    TESSERA_CHECK(j["keys"].is_array() && j["entries"].is_object(), where, ": keys/entries missing");
-    for (const auto& k : j["keys"]) {
-      TESSERA_CHECK(k.is_string(), where, ": a key is not a string");
-      const std::string fqn = k.get<std::string>();
-      TESSERA_CHECK(j["entries"].contains(fqn), where, ": key '", fqn, "' has no entry");
-      TESSERA_CHECK(!m.entries.count(fqn), where, ": key '", fqn, "' listed twice");
-      const json& je = j["entries"][fqn];
-      const std::string what = concat(where, " key '", fqn, "'");
-      TESSERA_CHECK(je.is_object() && je.contains("kind") && field(je, "kind").is_string(), what, ": no kind");
-      EntryInfo e;
-      e.kind = field(je, "kind").get<std::string>();
-      if (e.kind != "tensor" && e.kind != "sharded") {
-        e.value = value_from_json(je, what);
-      } else {
-        TESSERA_CHECK(je.contains("dtype") && field(je, "dtype").is_string(), what, ": no dtype");
-        e.dtype = parse_dtype(field(je, "dtype").get<std::string>(), what);
-        e.shape = get_dims(field(je, "shape"), what + " shape");
-        TESSERA_CHECK(field(je, "chunks").is_array(), what, ": chunks is not an array");
-        for (const auto& jc : field(je, "chunks")) {
-          ChunkInfo c;
-          c.box.offsets = get_dims(field(jc, "offsets"), what + " chunk offsets");
-          c.box.sizes = get_dims(field(jc, "sizes"), what + " chunk sizes");
-          TESSERA_CHECK(field(jc, "file").is_string() && field(jc, "name").is_string(), what, ": chunk without file/name");
-          c.file = field(jc, "file").get<std::string>();
-          check_plain_name(c.file, what);
-          c.name = field(jc, "name").get<std::string>();
-          const json& br = field(jc, "byte_range");
-          TESSERA_CHECK(br.is_array() && br.size() == 2, what, ": bad byte_range");
-          c.begin = get_u64(br[0], what + " byte_range");
-          c.end = get_u64(br[1], what + " byte_range");
-          TESSERA_CHECK(c.begin <= c.end && c.end - c.begin == byte_size(c.box.sizes, e.dtype, what), what,
-                        ": byte_range [", c.begin, ", ", c.end, "] does not match chunk ", c.box.to_string());
-          TESSERA_CHECK(field(jc, "crc32c").is_array() && field(jc, "crc32c").size() == num_blocks(c.end - c.begin, m.crc_block),
-                        what, ": chunk ", c.box.to_string(), " needs ", num_blocks(c.end - c.begin, m.crc_block),
-                        " checksums");
-          for (const auto& x : field(jc, "crc32c")) {
-            TESSERA_CHECK(x.is_string(), what, ": checksum is not a string");
-            c.crcs.push_back(parse_crc_hex(x.get<std::string>(), what));
-          }
-          e.chunks.push_back(std::move(c));
+    parse_entries(j, m, where, [&](const json& je, EntryInfo& e, const std::string& fqn, const std::string& what) {
+      TESSERA_CHECK(field(je, "chunks").is_array(), what, ": chunks is not an array");
+      for (const auto& jc : field(je, "chunks")) {
+        ChunkInfo c;
+        c.box.offsets = get_dims(field(jc, "offsets"), what + " chunk offsets");
+        c.box.sizes = get_dims(field(jc, "sizes"), what + " chunk sizes");
+        TESSERA_CHECK(field(jc, "file").is_string() && field(jc, "name").is_string(), what, ": chunk without file/name");
+        c.file = field(jc, "file").get<std::string>();
+        check_plain_name(c.file, what);
+        c.name = field(jc, "name").get<std::string>();
+        const json& br = field(jc, "byte_range");
+        TESSERA_CHECK(br.is_array() && br.size() == 2, what, ": bad byte_range");
+        c.begin = get_u64(br[0], what + " byte_range");
+        c.end = get_u64(br[1], what + " byte_range");
+        TESSERA_CHECK(c.begin <= c.end && c.end - c.begin == byte_size(c.box.sizes, e.dtype, what), what,
+                      ": byte_range [", c.begin, ", ", c.end, "] does not match chunk ", c.box.to_string());
+        TESSERA_CHECK(field(jc, "crc32c").is_array() && field(jc, "crc32c").size() == num_blocks(c.end - c.begin, m.crc_block),
+                      what, ": chunk ", c.box.to_string(), " needs ", num_blocks(c.end - c.begin, m.crc_block),
+                      " checksums");
+        for (const auto& x : field(jc, "crc32c")) {
+          TESSERA_CHECK(x.is_string(), what, ": checksum is not a string");
+          c.crcs.push_back(parse_crc_hex(x.get<std::string>(), what));
         }
-        try {
-          check_tiling(fqn, e);
-        } catch (const Error& err) {  // name the metadata file, as every other error here does
-          throw Error(concat(where, ": ", err.what()));
-        }
+        e.chunks.push_back(std::move(c));
       }
-      m.keys.push_back(fqn);
-      m.entries.emplace(fqn, std::move(e));
-    }
+      try {
+        check_tiling(fqn, e);
+      } catch (const Error& err) {  // name the metadata file, as every other error here does
+        throw Error(concat(where, ": ", err.what()));
+      }
+    });
   } catch (const nlohmann::json::exception& e) {
     throw Error(concat(where, ": malformed metadata: ", e.what()));
   }

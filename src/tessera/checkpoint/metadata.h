@@ -10,15 +10,19 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "tessera/sharding/chunk.h"
+#include "tessera/sharding/layout.h"
 #include "tessera/state/state_dict.h"
 
 namespace tessera::checkpoint {
 
-constexpr int kFormatVersion = 1;
+// The version save and the offline writers write (2: rule layouts, docs/checkpoint-format.md
+// §3); readers take every version from 1.
+constexpr int kFormatVersion = 2;
 constexpr const char* kMetadataFile = "tessera-checkpoint.json";
 constexpr uint64_t kMaxMetadataBytes = 256ull << 20;
 // The largest world size a checkpoint may record (the launcher's limit on ranks).
@@ -37,7 +41,11 @@ struct EntryInfo {
   std::string kind;  // "tensor", "sharded" or a plain kind ("int", "float", ...)
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
+  // Version 1 (and the single-file sources): every chunk, located. Version 2: empty; the
+  // layout says where the pieces are, and a reader locates the ones it needs in their data
+  // files' headers (ChunkReader::chunks).
   std::vector<ChunkInfo> chunks;
+  std::optional<sharding::Layout> layout;
   state::Value value;  // plain values only
   bool is_tensor() const { return kind == "tensor" || kind == "sharded"; }
 };
@@ -48,7 +56,8 @@ struct CheckpointMetadata {
   int version = kFormatVersion;
   int world_size = 1;
   uint64_t crc_block = 0;
-  std::vector<std::pair<std::string, uint64_t>> files;  // sharded: data files and sizes
+  std::string save_id;  // version 2: 16 hex digits, also in every data file's header
+  std::vector<std::pair<std::string, uint64_t>> files;  // version 1: data files and sizes
   std::vector<std::string> keys;                          // order at save
   std::map<std::string, EntryInfo> entries;
 };
@@ -65,12 +74,19 @@ std::string encode_value(const state::Value& v);
 // The inverse; errors name `what`.
 state::Value decode_value(const std::string& json_text, const std::string& what);
 
-// Serializes metadata of a sharded checkpoint, with "metadata_crc32c": the CRC32C of
-// the text with those 8 hex digits read as "00000000".
+// Serializes metadata of a sharded checkpoint in format m.version (2: compact, layouts;
+// 1: indented, every chunk), with "metadata_crc32c": the CRC32C of the text with those 8
+// hex digits read as "00000000". Throws when the text would exceed kMaxMetadataBytes,
+// the bound every reader enforces: a writer never commits what a reader refuses.
 std::string to_json(const CheckpointMetadata& m);
 // Checks the "metadata_crc32c" of metadata text as written by to_json (every byte is
-// covered); throws tessera::Error naming `where` when it is missing or does not match.
+// covered; version 2 has it at the very end, version 1 on its own line); throws
+// tessera::Error naming `where` when it is missing or does not match.
 void check_metadata_checksum(const std::string& text, const std::string& where);
+// The JSON text of one entry as format 2 writes it (kind, dtype, shape, layout or value).
+std::string entry_json(const EntryInfo& e);
+// A fresh random save id (16 lowercase hex digits).
+std::string new_save_id();
 // Parses and validates (version, kinds, dtypes, plain file names, chunk boxes inside
 // the shape and tiling it, byte ranges matching sizes). `dir` is recorded as location.
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir);
@@ -79,6 +95,11 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
 void check_plain_name(const std::string& name, const std::string& what);
 // Validates that the non-empty chunks of an entry tile its shape exactly.
 void check_tiling(const std::string& fqn, const EntryInfo& e);
+
+// Version 2: the name under which piece `i` of entry `fqn` is stored in its data file
+// (FQN, or FQN@k when the file holds several pieces of the entry: list layouts only).
+std::string piece_name(const std::string& fqn, const sharding::Layout& layout, const std::vector<int64_t>& shape,
+                       int64_t i);
 
 // Flattens a StateDict into (FQN, value) pairs like StateDict::flatten, keeping empty
 // nested dicts as entries.

@@ -10,6 +10,7 @@
 #include <iomanip>
 #include <iostream>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 #include "tessera/checkpoint/checksum.h"
@@ -107,6 +108,17 @@ void check_output(const std::string& out, bool force, bool file_output) {
 // The dimension a saved tensor was split along (where its chunks start at different
 // offsets); 0 when it is in one piece.
 int64_t split_dim(const EntryInfo& e) {
+  if (e.layout) {
+    switch (e.layout->rule) {
+      case sharding::Layout::Rule::Chunk: return e.layout->dim;
+      case sharding::Layout::Rule::List:
+        for (size_t d = 0; d < e.shape.size(); ++d)
+          for (const auto& p : e.layout->list)
+            if (p.box.offsets[d] != 0) return static_cast<int64_t>(d);
+        return 0;
+      default: return 0;
+    }
+  }
   for (size_t d = 0; d < e.shape.size(); ++d)
     for (const auto& c : e.chunks)
       if (c.box.offsets[d] != 0) return static_cast<int64_t>(d);
@@ -137,7 +149,8 @@ void write_consolidated(const CheckpointMetadata& m, const std::string& tmp) {
   ReadAhead ahead(tensors.size(), [&](size_t i) {
     const EntryInfo& e = m.entries.at(*tensors[i]);
     uint64_t n = 0;
-    for (const auto& c : e.chunks) n += reader.prefetch(*tensors[i], e, c, sharding::full_box(e.shape));
+    const sharding::Box whole = sharding::full_box(e.shape);
+    for (const auto& c : reader.chunks(*tensors[i], e, whole)) n += reader.prefetch(*tensors[i], e, c, whole);
     return n;
   });
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -167,7 +180,10 @@ std::string inspect(const std::string& path) {
     if (e.is_tensor()) {
       const uint64_t b = byte_size(e.shape, e.dtype, k);
       total += b;
-      rows.push_back({k, e.kind, dtype_name(e.dtype), core::shape_string(e.shape), std::to_string(e.chunks.size()),
+      // Format 2: the layout's non-empty pieces, counted without opening a data file.
+      const size_t chunks =
+          e.layout ? e.layout->overlapping(e.shape, sharding::full_box(e.shape)).size() : e.chunks.size();
+      rows.push_back({k, e.kind, dtype_name(e.dtype), core::shape_string(e.shape), std::to_string(chunks),
                       std::to_string(b)});
     } else {
       rows.push_back({k, e.kind, "-", value_str(e.value), "-", "-"});
@@ -178,7 +194,7 @@ std::string inspect(const std::string& path) {
   if (m.source_kind == "sharded" || m.source_kind == "consolidated")
     os << " (format version " << m.version << ", world size at save " << m.world_size << ")";
   os << "\n";
-  if (m.source_kind == "sharded") os << "data files: " << m.files.size() << "\n";
+  if (m.source_kind == "sharded") os << "data files: " << (m.version >= 2 ? static_cast<size_t>(m.world_size) : m.files.size()) << "\n";
   os << "entries: " << m.keys.size() << ", tensor bytes: " << total << "\n\n";
   Row head{"KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES"};
   size_t w[6] = {0, 0, 0, 0, 0, 0};
@@ -211,7 +227,24 @@ VerifyReport verify(const std::string& path) {
     return rep;
   }
   ChunkReader reader(m);
-  if (m.source_kind == "sharded") {
+  if (m.source_kind == "sharded" && m.version >= 2) {
+    // Every data file: present, of this save and rank, holding exactly the pieces the
+    // layouts place there (a missing one is reported below with its chunk).
+    const auto expected = reader.expected_names();
+    for (int r = 0; r < m.world_size; ++r) {
+      try {
+        const SafetensorsReader& f = reader.data_file(r);
+        std::set<std::string> want(expected[static_cast<size_t>(r)].begin(), expected[static_cast<size_t>(r)].end());
+        for (const auto& t : f.entries())
+          TESSERA_CHECK(want.count(t.name), "'", f.path(), "': tensor '", t.name,
+                        "' is no piece of any layout in the metadata (a foreign or mixed-up data file)");
+      } catch (const ResourceError&) {
+        throw;
+      } catch (const std::exception& e) {
+        rep.problems.push_back(e.what());
+      }
+    }
+  } else if (m.source_kind == "sharded") {
     for (const auto& [name, size] : m.files) {
       try {
         reader.reader(name);
@@ -226,7 +259,22 @@ VerifyReport verify(const std::string& path) {
   rep.has_checksums = m.source_kind == "sharded" || m.source_kind == "consolidated" || m.crc_block > 0;
   for (const auto& k : m.keys) {
     const EntryInfo& e = m.entries.at(k);
-    for (const auto& c : e.chunks) {
+    std::vector<ChunkInfo> chunks;
+    if (e.layout) {
+      // Piece by piece, so that one missing or damaged file is one problem among the others.
+      for (int64_t i : e.layout->overlapping(e.shape, sharding::full_box(e.shape))) {
+        try {
+          for (auto& c : reader.chunks(k, e, e.layout->box(e.shape, i))) chunks.push_back(std::move(c));
+        } catch (const ResourceError&) {
+          throw;
+        } catch (const std::exception& ex) {
+          rep.problems.push_back(ex.what());
+        }
+      }
+    } else {
+      chunks = e.chunks;
+    }
+    for (const auto& c : chunks) {
       try {
         if (rep.has_checksums && c.crcs.empty() && c.end > c.begin)
           throw Error(concat("key '", k, "' chunk ", c.box.to_string(), ": no checksum recorded"));
@@ -336,13 +384,19 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
     CheckpointMetadata o;
     o.world_size = world_size;
     o.crc_block = kCrcBlock;
+    o.save_id = new_save_id();
     o.keys = m.keys;
     for (const auto& k : m.keys) {
       EntryInfo e = m.entries.at(k);
       e.chunks.clear();
+      e.layout.reset();
       if (e.kind == "sharded" && e.shape.empty()) e.kind = "tensor";
+      if (e.kind == "sharded") e.layout = sharding::Layout::chunk(split_dim(m.entries.at(k)), world_size);
+      else if (e.kind == "tensor") e.layout = sharding::Layout::whole(0);
       o.entries.emplace(k, std::move(e));
     }
+    // Written before any data, so an output no reader would take fails here.
+    const std::string text = to_json(o);
     for (int r = 0; r < world_size; ++r) {
       std::vector<Piece> pieces;
       for (const auto& k : m.keys) {
@@ -359,11 +413,9 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
         if (box.empty()) continue;
         pieces.push_back({k, e.dtype, box, [&reader, &e, k, box] { return reader.read_box(k, e, box); }});
       }
-      DataFileResult d = write_data_file(tmp, data_file_name(r), pieces);
-      o.files.emplace_back(d.file, d.size);
-      for (auto& [fqn, c] : d.chunks) o.entries.at(fqn).chunks.push_back(std::move(c));
+      write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id));
     }
-    write_metadata_file(tmp, o);
+    write_metadata_text(tmp, text);
   });
 }
 

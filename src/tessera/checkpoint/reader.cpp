@@ -10,6 +10,8 @@
 #include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/interop.h"
+#include "tessera/checkpoint/writer.h"
+#include "tessera/core/strings.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {
@@ -217,6 +219,67 @@ const SafetensorsReader& ChunkReader::reader(const std::string& file) {
   return *it->second;
 }
 
+const SafetensorsReader& ChunkReader::data_file(int64_t rank) {
+  const std::string name = data_file_name(static_cast<int>(rank));
+  const SafetensorsReader& r = reader(name);
+  if (identified_.count(rank)) return r;
+  const std::string where = concat("checkpoint '", meta_.location, "': data file '", name, "'");
+  TESSERA_CHECK(r.meta("tessera.format") == "tessera-data" && r.meta("tessera.version") == "2", where,
+                " is not a data file of format version 2 (tessera.format '", r.meta("tessera.format"),
+                "', tessera.version '", r.meta("tessera.version"), "')");
+  TESSERA_CHECK(r.meta("tessera.save_id") == meta_.save_id, where, " belongs to another save (save id '",
+                r.meta("tessera.save_id"), "', the metadata's is '", meta_.save_id, "'): replaced or mixed up");
+  TESSERA_CHECK(r.meta("tessera.rank") == std::to_string(rank), where, " was written as rank '", r.meta("tessera.rank"),
+                "': renamed or mixed up");
+  TESSERA_CHECK(r.crc_block() == meta_.crc_block, where, " has checksum blocks of ", r.crc_block(),
+                " bytes, the metadata says ", meta_.crc_block);
+  identified_.insert(rank);
+  return r;
+}
+
+std::vector<ChunkInfo> ChunkReader::chunks(const std::string& fqn, const EntryInfo& e, const sharding::Box& box) {
+  std::vector<ChunkInfo> out;
+  if (!e.layout) {
+    for (const auto& c : e.chunks)
+      if (!c.box.empty() && sharding::intersect(c.box, box)) out.push_back(c);
+    return out;
+  }
+  const sharding::Layout& L = *e.layout;
+  for (int64_t i : L.overlapping(e.shape, box)) {
+    ChunkInfo c;
+    c.box = L.box(e.shape, i);
+    const int64_t rank = L.file_of(i);
+    const SafetensorsReader& r = data_file(rank);
+    c.file = data_file_name(static_cast<int>(rank));
+    c.name = piece_name(fqn, L, e.shape, i);
+    const TensorEntry* t = r.find(c.name);
+    TESSERA_CHECK(t != nullptr, "'", r.path(), "' key '", fqn, "': piece ", c.box.to_string(), " (tensor '", c.name,
+                  "') is not in the data file (incomplete or mixed-up checkpoint)");
+    TESSERA_CHECK(t->dtype == e.dtype && t->shape == c.box.sizes, "'", r.path(), "' key '", fqn, "': tensor '", c.name,
+                  "' has dtype ", dtype_name(t->dtype), " and shape ", core::shape_string(t->shape), ", the layout says ",
+                  dtype_name(e.dtype), " ", core::shape_string(c.box.sizes));
+    const std::vector<uint32_t>* crcs = r.crcs(c.name);
+    TESSERA_CHECK(crcs != nullptr, "'", r.path(), "' key '", fqn, "': tensor '", c.name, "' has no checksums");
+    c.begin = t->begin;
+    c.end = t->end;
+    c.crcs = *crcs;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+std::vector<std::vector<std::string>> ChunkReader::expected_names() const {
+  std::vector<std::vector<std::string>> out(static_cast<size_t>(meta_.world_size));
+  for (const auto& k : meta_.keys) {
+    const EntryInfo& e = meta_.entries.at(k);
+    if (!e.layout) continue;
+    const sharding::Layout& L = *e.layout;
+    for (int64_t i = 0; i < L.count(); ++i)
+      if (!L.box(e.shape, i).empty()) out[static_cast<size_t>(L.file_of(i))].push_back(piece_name(k, L, e.shape, i));
+  }
+  return out;
+}
+
 void ChunkReader::check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c) {
   const SafetensorsReader& r = reader(c.file);
   const TensorEntry* t = r.find(c.name);
@@ -337,7 +400,7 @@ at::Tensor ChunkReader::read_box(const std::string& fqn, const EntryInfo& e, con
 void ChunkReader::fill_box(const std::string& fqn, const EntryInfo& e, at::Tensor& dst, const sharding::Box& box,
                            const std::string& what) {
   int64_t n = 0;
-  for (const auto& c : e.chunks) n += copy_into(fqn, e, c, dst, box);
+  for (const auto& c : chunks(fqn, e, box)) n += copy_into(fqn, e, c, dst, box);
   TESSERA_CHECK(n == box.numel(), "'", meta_.location, "' key '", fqn, "': the chunks cover ", n, " of the ",
                 box.numel(), " elements of ", box.to_string(), " -- ", what, " would hold memory never read ",
                 "from the checkpoint (incomplete or tampered checkpoint)");

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <list>
+#include <set>
 #include <map>
 #include <memory>
 #include <string>
@@ -41,6 +42,17 @@ class ChunkReader {
   // closing the least recently used and opening it again when needed (the same file:
   // SafetensorsReader::file()).
   explicit ChunkReader(const CheckpointMetadata& meta);
+  // The chunks of entry `fqn` that overlap `box`, located. Version 1 and the single-file
+  // sources: those of the metadata's list. Version 2: the pieces the entry's layout puts
+  // there, found in the headers of the data files that hold them (and no others), each
+  // checked there (present, dtype, shape) and each file checked to belong to this save
+  // and rank (tessera.save_id, tessera.rank).
+  std::vector<ChunkInfo> chunks(const std::string& fqn, const EntryInfo& e, const sharding::Box& box);
+  // Version 2: for every data file (by rank), the names of the pieces the layouts place
+  // there (for verify: a file must hold exactly these). O(every piece of every entry).
+  std::vector<std::vector<std::string>> expected_names() const;
+  // Version 2: opens data file `rank` and checks that it belongs to this save and rank.
+  const SafetensorsReader& data_file(int64_t rank);
   // Copies the overlap of chunk `c` (of entry `fqn`) with `dst_box` into `dst`, which
   // holds the elements of `dst_box`. Reads only the checksum blocks that cover the
   // overlap. Returns the number of elements copied.
@@ -89,6 +101,7 @@ class ChunkReader {
   void close_files(size_t keep);
   const CheckpointMetadata& meta_;
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
+  std::set<int64_t> identified_;  // version 2: data files whose identity was checked
   std::list<std::string> open_;  // data files with an open descriptor, most recently used first
   size_t max_open_;
   DirectReader io_;  // its worker threads start at the first large read

@@ -280,7 +280,7 @@ SafetensorsLayout layout_safetensors(const std::string& path, const std::vector<
     blocks += num_blocks(nb);
   }
   metadata["format"] = metadata.count("format") ? metadata["format"] : "pt";
-  metadata["tessera.version"] = "1";
+  if (!metadata.count("tessera.version")) metadata["tessera.version"] = "1";  // data files of format 2 say "2"
   metadata["tessera.crc32c_block"] = std::to_string(kCrcBlock);
   metadata["tessera.crc32c"] = std::string(8 * blocks, '0');
   metadata["tessera.header_crc32c"] = "00000000";  // patched once the data is written

@@ -16,6 +16,7 @@
 #include "tessera/checkpoint/checksum.h"
 #include "tessera/checkpoint/file_io.h"
 #include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/save_plan.h"
 #include "tessera/checkpoint/save_steps.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/device.h"
@@ -148,75 +149,116 @@ std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string
 
 }  // namespace
 
+// A sharded save (format 2). Every rank computes the whole metadata alone (every rank
+// knows every shard's box: ShardedTensor keeps them) and the pieces it stores
+// (save_plan.h); each writes its data file; the ranks then compare a digest of the
+// metadata text and learn each other's outcome through agree(), an all-reduce of three
+// integers, so a save moves O(1) bytes per rank whatever the world size (plus the
+// temporary's path from rank 0). Ranks that disagree on keys, order, shapes or layouts
+// are refused before rank 0 commits, naming the first rank that differs from rank 0.
 void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
   const int rank = comm.rank();
+  const std::string what = concat("saving '", path, "'");
   auto flat = flatten_values(sd);
   TempGuard guard;
-  std::string tmp, err;
-  if (rank == 0) err = prepare_target(path, true, guard.tmp);
-  tmp = broadcast_or_throw(comm, err, guard.tmp, concat("saving '", path, "'"));
+  std::string err, save_id;
+  if (rank == 0) {
+    err = prepare_target(path, true, guard.tmp);
+    save_id = new_save_id();
+  }
+  const std::string info = broadcast_or_throw(comm, err, Packer().str(guard.tmp).str(save_id).bytes(), what);
+  Unpacker in(info, "rank 0's temporary");
+  const std::string tmp = in.str();
+  save_id = in.str();
 
   CheckpointMetadata m;
+  m.version = kFormatVersion;
   m.world_size = comm.size();
   m.crc_block = kCrcBlock;
+  m.save_id = save_id;
   std::vector<Piece> pieces;
+  std::string text;
   std::string local_err;
   try {
+    // The saving rank of every world rank, for tensors on other communicators (subgroups).
+    const std::vector<int>& members = comm.members();
+    std::vector<int64_t> saving_rank_of;
+    for (size_t r = 0; r < members.size(); ++r) {
+      if (static_cast<size_t>(members[r]) >= saving_rank_of.size()) saving_rank_of.resize(members[r] + 1, -1);
+      saving_rank_of[static_cast<size_t>(members[r])] = static_cast<int64_t>(r);
+    }
+    std::map<const distributed::Communicator*, GroupPlacement> groups;
+    int64_t key_index = 0;
     for (const auto& [fqn, v] : flat) {
       EntryInfo e = describe(fqn, *v);
       if (auto t = std::get_if<at::Tensor>(v)) {
-        if (rank == 0 && t->numel() > 0) {  // replicated: rank 0 writes it
+        e.layout = sharding::Layout::whole(0);  // replicated: rank 0 writes it
+        if (rank == 0 && t->numel() > 0) {
           const at::Tensor tt = *t;
           pieces.push_back({fqn, e.dtype, sharding::full_box(e.shape), [tt] { return tt; }});
         }
       } else if (auto s = std::get_if<sharding::ShardedTensor>(v)) {
-        for (const auto& sh : s->local_shards()) {
-          if (sh.meta.box.empty()) continue;
-          const at::Tensor tt = sh.tensor;
-          pieces.push_back({fqn, e.dtype, sh.meta.box, [tt] { return tt; }});
+        const distributed::Communicator* c = s->comm().get();
+        auto g = groups.find(c);
+        if (g == groups.end()) {
+          std::vector<int64_t> ranks;
+          for (int w : c->members()) {
+            TESSERA_CHECK(w >= 0 && static_cast<size_t>(w) < saving_rank_of.size() && saving_rank_of[w] >= 0,
+                          "cannot save key '", fqn, "': it lives on world rank ", w, ", outside the saving communicator");
+            ranks.push_back(saving_rank_of[static_cast<size_t>(w)]);
+          }
+          g = groups.emplace(c, group_placement(ranks, comm.size(), fqn)).first;
         }
+        SavedLayout plan = plan_saved_layout(fqn, e.shape, s->shards_metadata(), s->layout(), g->second, comm.size(),
+                                             rank, key_index);
+        for (int64_t i : plan.mine) {
+          // The local shard holding piece i (FSDP and chunked tensors hold one).
+          const sharding::Box box = plan.layout.box(e.shape, i);
+          const sharding::Shard* own = nullptr;
+          for (const auto& sh : s->local_shards())
+            if (sh.meta.box == box) own = &sh;
+          TESSERA_CHECK(own != nullptr, "cannot save key '", fqn, "': rank ", rank, " stores piece ", box.to_string(),
+                        " but holds no local shard with that box");
+          const at::Tensor tt = own->tensor;
+          pieces.push_back({fqn, e.dtype, box, [tt] { return tt; }});
+        }
+        e.layout = std::move(plan.layout);
       }
       m.keys.push_back(fqn);
       m.entries.emplace(fqn, std::move(e));
+      ++key_index;
     }
+    text = to_json(m);  // the same on every rank that saves the same thing; bounded (metadata.h)
   } catch (const std::exception& e) {
     local_err = e.what();
   }
-  const std::vector<bool> keep = plan_writers(pieces, local_err, comm, err);
-  if (err.empty()) {
-    std::string mine;
+  const Agreement planned = agree_or_throw(comm, local_err, what, fnv1a64(text));
+  if (!planned.same_digest) {
+    // Only now (an error path): every rank's digest, and the first rank that differs.
+    SaveLayout mine;
+    for (const auto& k : m.keys) mine.records.emplace_back(k, entry_json(m.entries.at(k)));
+    const auto all = comm.all_gather_bytes(Packer().u64(mine.digest()).bytes());
+    std::vector<uint64_t> digests;
+    for (size_t r = 0; r < all.size(); ++r) digests.push_back(Unpacker(all[r], concat("rank ", r, "'s digest")).u64());
+    check_same_layout(comm, mine, digests, path);
+    throw Error(concat(what, ": the ranks' metadata differ (in the save id or the world size)"));
+  }
+  try {
+    write_data_file(tmp, data_file_name(rank), pieces, data_file_identity(rank, save_id));
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  agree_or_throw(comm, err, what);
+  if (rank == 0) {
     try {
-      std::vector<Piece> writing;
-      for (size_t i = 0; i < pieces.size(); ++i)
-        if (keep[i]) writing.push_back(std::move(pieces[i]));
-      mine = to_json(write_data_file(tmp, data_file_name(rank), writing));
+      write_metadata_text(tmp, text);
+      commit_rename(tmp, path);
+      guard.committed = true;
     } catch (const std::exception& e) {
       err = e.what();
     }
-    const AllStatus all = exchange_status(comm, {err, mine});
-    err = all.errors();
-    if (rank == 0 && err.empty()) {
-      try {
-        for (size_t r = 0; r < all.ranks.size(); ++r) {
-          DataFileResult d = data_file_result_from_json(all.ranks[r].payload);
-          m.files.emplace_back(d.file, d.size);
-          for (auto& [fqn, c] : d.chunks) {
-            auto it = m.entries.find(fqn);
-            TESSERA_CHECK(it != m.entries.end(), "rank ", r, " saved key '", fqn, "' that rank 0 does not have");
-            it->second.chunks.push_back(std::move(c));
-          }
-        }
-        for (const auto& k : m.keys)
-          if (m.entries[k].is_tensor()) check_tiling(k, m.entries[k]);
-        write_metadata_file(tmp, m);
-        commit_rename(tmp, path);
-        guard.committed = true;
-      } catch (const std::exception& e) {
-        err = e.what();
-      }
-    }
   }
-  agree(comm, err, concat("saving '", path, "'"));
+  agree_or_throw(comm, rank == 0 ? err : std::string(), what);
 }
 
 namespace {

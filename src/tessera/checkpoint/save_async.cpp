@@ -83,7 +83,7 @@ at::Tensor host_copy(const at::Tensor& t, std::vector<c10::Device>& staged) {
 }
 
 std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg,
-                                                std::vector<c10::Device>& staged) {
+                                                std::vector<c10::Device>& staged, bool sharded) {
   auto out = std::make_shared<state::StateDict>();
   for (const auto& k : sd.keys()) {
     const Value& v = sd.at(k);
@@ -98,9 +98,15 @@ std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, cons
       }
       auto all = s->shards_metadata();
       for (auto& m : all) m.placement.device = c10::kCPU;
-      out->set(k, sharding::ShardedTensor::from_parts(std::move(local), all, s->shape(), s->dtype(), bg));
+      // Over the background communicator, unless a sharded save is asked of a tensor on a
+      // subgroup (the shard groups of HYBRID_SHARD): it maps the pieces to ranks through the
+      // subgroup's members and runs no collective over it. (A full save gathers over the
+      // tensor's communicator, which must be the background one.)
+      const auto& own = s->comm();
+      out->set(k, sharding::ShardedTensor::from_parts(std::move(local), all, s->shape(), s->dtype(),
+                                                      sharded && own->size() != bg->size() ? own : bg, s->layout()));
     } else if (auto d = std::get_if<std::shared_ptr<state::StateDict>>(&v); d && *d) {
-      out->set(k, snapshot_into(**d, bg, staged));
+      out->set(k, snapshot_into(**d, bg, staged, sharded));
     } else {
       out->set(k, v);
     }
@@ -108,9 +114,10 @@ std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, cons
   return out;
 }
 
-std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg) {
+std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg,
+                                           bool sharded) {
   std::vector<c10::Device> staged;
-  auto out = snapshot_into(sd, bg, staged);
+  auto out = snapshot_into(sd, bg, staged, sharded);
   for (const auto& d : staged) core::synchronize(d);  // the pinned copies are complete
   return out;
 }
@@ -165,7 +172,7 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
   const auto t1 = Clock::now();
   auto bg = background_comm(comm);
   const auto t2 = Clock::now();
-  auto snap = snapshot(sd, bg);
+  auto snap = snapshot(sd, bg, options.mode == SaveMode::Sharded);
   const auto t3 = Clock::now();
   auto st = std::make_shared<AsyncSave::State>();
   std::function<void()> hook;

@@ -1,5 +1,6 @@
 #include "tessera/checkpoint/save_steps.h"
 
+#include <ATen/ATen.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -81,6 +82,39 @@ std::vector<std::string> exchange_or_throw(distributed::Communicator& comm, cons
   return out;
 }
 
+std::string Agreement::message() const { return ok() ? std::string() : concat("rank ", failed_rank, ": ", error); }
+
+Agreement agree(distributed::Communicator& comm, const std::string& error, uint64_t digest) {
+  const int64_t n = comm.size();
+  const int64_t d = static_cast<int64_t>(digest >> 2);  // 62 bits: both d and -d fit
+  at::Tensor t = at::tensor({error.empty() ? n : static_cast<int64_t>(comm.rank()), d, -d}, at::kLong);
+  comm.all_reduce(t, distributed::ReduceOp::Min);
+  const int64_t* v = t.data_ptr<int64_t>();
+  Agreement a;
+  a.same_digest = v[1] == -v[2];
+  if (v[0] < n) {
+    a.failed_rank = static_cast<int>(v[0]);
+    a.error = comm.broadcast_bytes(comm.rank() == a.failed_rank ? error : std::string(), a.failed_rank);
+  }
+  return a;
+}
+
+Agreement agree_or_throw(distributed::Communicator& comm, const std::string& error, const std::string& what,
+                         uint64_t digest) {
+  Agreement a = agree(comm, error, digest);
+  TESSERA_CHECK(a.ok(), what, ": ", a.message());
+  return a;
+}
+
+uint64_t fnv1a64(const std::string& bytes) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 std::string broadcast_or_throw(distributed::Communicator& comm, const std::string& rank0_error,
                                const std::string& rank0_payload, const std::string& what) {
   const std::string b = comm.broadcast_bytes(
@@ -100,14 +134,7 @@ std::string SaveLayout::packed() const {
   return p.bytes();
 }
 
-uint64_t SaveLayout::digest() const {
-  uint64_t h = 14695981039346656037ull;
-  for (unsigned char c : packed()) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
+uint64_t SaveLayout::digest() const { return fnv1a64(packed()); }
 
 void check_same_layout(distributed::Communicator& comm, const SaveLayout& mine, const std::vector<uint64_t>& digests,
                        const std::string& path) {

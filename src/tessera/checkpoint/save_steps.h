@@ -68,6 +68,26 @@ AllStatus exchange_status(distributed::Communicator& comm, const RankStatus& min
 // failed; else every rank's payload.
 std::vector<std::string> exchange_or_throw(distributed::Communicator& comm, const std::string& error,
                                            const std::string& payload, const std::string& what);
+// The outcome of a step every rank takes together, learned by every rank for O(1) bytes
+// each (one all-reduce of three integers; a broadcast of the message only when a rank
+// failed), whatever the world size: whether every rank succeeded, the lowest rank that
+// failed and its error, and whether every rank passed the same digest.
+struct Agreement {
+  int failed_rank = -1;  // the lowest rank that failed; -1 when none did
+  std::string error;     // its error
+  bool same_digest = true;
+  bool ok() const { return failed_rank < 0; }
+  // "rank 3: <error>" ("" when ok): the same text on every rank.
+  std::string message() const;
+};
+Agreement agree(distributed::Communicator& comm, const std::string& error, uint64_t digest = 0);
+// The same, throwing tessera::Error("<what>: rank r: <error>") on every rank when a rank failed.
+Agreement agree_or_throw(distributed::Communicator& comm, const std::string& error, const std::string& what,
+                         uint64_t digest = 0);
+
+// 64-bit FNV-1a of `bytes`.
+uint64_t fnv1a64(const std::string& bytes);
+
 // Rank 0's outcome (its error, or its payload) on every rank: throws
 // tessera::Error("<what>: <error>") everywhere when rank 0 failed, else returns the payload.
 std::string broadcast_or_throw(distributed::Communicator& comm, const std::string& rank0_error,

@@ -20,7 +20,12 @@ std::string data_file_name(int rank) {
   return buf;
 }
 
-DataFileResult write_data_file(const std::string& dir, const std::string& name, const std::vector<Piece>& pieces) {
+std::map<std::string, std::string> data_file_identity(int rank, const std::string& save_id) {
+  return {{"tessera.version", "2"}, {"tessera.rank", std::to_string(rank)}, {"tessera.save_id", save_id}};
+}
+
+DataFileResult write_data_file(const std::string& dir, const std::string& name, const std::vector<Piece>& pieces,
+                               const std::map<std::string, std::string>& identity) {
   std::vector<SafetensorsWriter::Spec> specs;
   std::map<std::string, int> count, seen;
   for (const auto& p : pieces) count[p.fqn]++;
@@ -31,7 +36,9 @@ DataFileResult write_data_file(const std::string& dir, const std::string& name, 
     specs.push_back({names.back(), p.dtype, p.box.sizes});
   }
   const std::string path = join_path(dir, name);
-  SafetensorsWriter w(path, specs, {{"tessera.format", "tessera-data"}});
+  std::map<std::string, std::string> meta = identity;
+  meta["tessera.format"] = "tessera-data";
+  SafetensorsWriter w(path, specs, std::move(meta));
   for (size_t i = 0; i < pieces.size(); ++i) {
     at::Tensor t = pieces[i].data();
     TESSERA_CHECK(t.defined() && t.sizes().vec() == pieces[i].box.sizes, "key '", pieces[i].fqn,
@@ -53,6 +60,29 @@ DataFileResult write_data_file(const std::string& dir, const std::string& name, 
     r.chunks.emplace_back(pieces[i].fqn, std::move(c));
   }
   return r;
+}
+
+void layouts_from_chunks(CheckpointMetadata& m) {
+  for (auto& [fqn, e] : m.entries) {
+    if (!e.is_tensor()) continue;
+    sharding::Layout L;
+    L.rule = sharding::Layout::Rule::List;
+    for (const auto& c : e.chunks) {
+      int rank = -1;
+      for (int64_t r = 0; r < m.world_size && rank < 0; ++r)
+        if (data_file_name(static_cast<int>(r)) == c.file) rank = static_cast<int>(r);
+      TESSERA_CHECK(rank >= 0, "internal: key '", fqn, "' has a chunk in '", c.file, "', no data file of the checkpoint");
+      L.list.push_back({rank, c.box});
+    }
+    if (L.list.size() == 1 && L.list[0].box == sharding::full_box(e.shape)) L = sharding::Layout::whole(L.list[0].file);
+    for (size_t i = 0; i < e.chunks.size(); ++i)
+      TESSERA_CHECK(e.chunks[i].box.empty() || piece_name(fqn, L, e.shape, static_cast<int64_t>(i)) == e.chunks[i].name,
+                    "internal: key '", fqn, "' chunk ", e.chunks[i].box.to_string(), " is named '", e.chunks[i].name,
+                    "' in its data file, its layout names it '", piece_name(fqn, L, e.shape, static_cast<int64_t>(i)), "'");
+    L.validate(e.shape, m.world_size, concat("key '", fqn, "'"));
+    e.layout = std::move(L);
+    e.chunks.clear();
+  }
 }
 
 std::string to_json(const DataFileResult& r) {
@@ -82,8 +112,11 @@ DataFileResult data_file_result_from_json(const std::string& text) {
   return r;
 }
 
-void write_metadata_file(const std::string& dir, const CheckpointMetadata& m) {
-  const std::string text = to_json(m);
+void write_metadata_file(const std::string& dir, const CheckpointMetadata& m) { write_metadata_text(dir, to_json(m)); }
+
+void write_metadata_text(const std::string& dir, const std::string& text) {
+  TESSERA_CHECK(text.size() <= kMaxMetadataBytes, "the checkpoint's metadata would be ", text.size(),
+                " bytes, more than the ", kMaxMetadataBytes, "-byte limit every reader enforces: nothing is committed");
   File f(join_path(dir, kMetadataFile), "w");
   f.write_all(text.data(), text.size());
   f.fsync();

@@ -30,15 +30,30 @@ struct DataFileResult {
   std::vector<std::pair<std::string, ChunkInfo>> chunks;  // (fqn, chunk)
 };
 
-// Writes `dir/name` (a safetensors file, fsync'ed) holding the pieces.
-DataFileResult write_data_file(const std::string& dir, const std::string& name, const std::vector<Piece>& pieces);
+// Writes `dir/name` (a safetensors file, fsync'ed) holding the pieces (named FQN, or FQN@k
+// when several pieces of one FQN are in the file). `identity` goes into __metadata__
+// (format 2: data_file_identity).
+DataFileResult write_data_file(const std::string& dir, const std::string& name, const std::vector<Piece>& pieces,
+                               const std::map<std::string, std::string>& identity = {});
+// The __metadata__ that ties a data file of a format-2 checkpoint to its rank and save:
+// tessera.version "2", tessera.rank, tessera.save_id.
+std::map<std::string, std::string> data_file_identity(int rank, const std::string& save_id);
+
+// Format 2 for metadata assembled from written data files (offline writers that place
+// pieces irregularly: DCP import): each tensor entry's chunks (in data files named by
+// data_file_name) become its layout: `whole` for one full chunk, else a `list`. Throws
+// (internal) if a chunk's name in its file is not the one the layout gives it.
+void layouts_from_chunks(CheckpointMetadata& m);
 
 // JSON round trip of a DataFileResult (exchanged between ranks).
 std::string to_json(const DataFileResult& r);
 DataFileResult data_file_result_from_json(const std::string& text);
 
-// Writes `dir/tessera-checkpoint.json` (fsync'ed) and fsyncs `dir`.
+// Writes `dir/tessera-checkpoint.json` (fsync'ed) and fsyncs `dir`: to_json(m), which
+// refuses metadata a reader would refuse (kMaxMetadataBytes) before anything is written.
 void write_metadata_file(const std::string& dir, const CheckpointMetadata& m);
+// The same with the text already made by to_json.
+void write_metadata_text(const std::string& dir, const std::string& text);
 
 // The __metadata__ of a consolidated file for the entries of `m` (kinds, plain
 // values, key order, world size).

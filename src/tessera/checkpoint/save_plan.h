@@ -1,0 +1,43 @@
+// What a format-2 sharded save records and writes, computed by every rank alone from
+// what it already knows (docs/checkpoint-format.md §3): the layout of each sharded tensor
+// with its pieces mapped to data files, and the pieces this rank stores. No list of
+// chunks crosses the network; the ranks only compare a digest of the result (save.cpp).
+// Pure functions over plain descriptions, so the scale harness (bench/scale) runs the
+// same planning for any number of virtual ranks.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessera/sharding/layout.h"
+#include "tessera/sharding/spec.h"
+
+namespace tessera::checkpoint {
+
+// Where the ranks of a tensor's communicator sit among the saving ranks: group `group`
+// of `replicas` blocks of `size` consecutive saving ranks (one block, replicas 1, when the
+// tensor lives on the saving communicator itself; HYBRID_SHARD's shard groups otherwise).
+struct GroupPlacement {
+  int64_t size = 1, group = 0, replicas = 1;
+};
+// From the saving rank of each rank of the tensor's communicator (in its rank order).
+// Throws tessera::Error naming `fqn` when they are not such a block.
+GroupPlacement group_placement(const std::vector<int64_t>& saving_ranks, int64_t world, const std::string& fqn);
+
+struct SavedLayout {
+  sharding::Layout layout;    // files are saving ranks
+  std::vector<int64_t> mine;  // the non-empty pieces saving rank `rank` stores
+};
+// The layout recorded for a sharded tensor of `shape` whose shards (in the tensor's
+// communicator's ranks) are `shards`, following `hint` when given (shard i = piece i on
+// rank i, as ShardedTensor::from_parts checks); else torch.chunk's rule when the shards
+// follow it, else an explicit list. With several replica groups, group (i + key_index)
+// mod replicas stores piece i, so the groups share the writing. O(1) with a hint and a
+// step-1 map, O(shards) otherwise.
+SavedLayout plan_saved_layout(const std::string& fqn, const std::vector<int64_t>& shape,
+                              const std::vector<sharding::ShardMetadata>& shards,
+                              const std::optional<sharding::Layout>& hint, const GroupPlacement& group, int64_t world,
+                              int64_t rank, int64_t key_index);
+
+}  // namespace tessera::checkpoint

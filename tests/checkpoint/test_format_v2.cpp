@@ -1,0 +1,171 @@
+// Format version 2 (docs/checkpoint-format.md §3) and version-1 compatibility: the v1
+// checkpoints committed under tests/checkpoint/fixtures/v1 (written by the version-1 writer)
+// read exactly as their consolidated copy; a v2 directory's data files are tied to their
+// save and rank; the metadata of a regular layout does not grow with the world size; and
+// a writer refuses metadata a reader would refuse before it commits anything.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "checkpoint/checkpoint_test_util.h"
+#include "support/test_util.h"
+#include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/save_plan.h"
+#include "tessera/core/error.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+namespace ck = tessera::checkpoint;
+
+namespace {
+
+const std::string kFixtures = std::string(TESSERA_SOURCE_DIR) + "/tests/checkpoint/fixtures/v1";
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         (a.numel() == 0 || at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte)));
+}
+
+// Every tensor of `m` as one dense tensor.
+std::map<std::string, at::Tensor> read_all(const ck::CheckpointMetadata& m) {
+  ck::ChunkReader r(m);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& k : m.keys) {
+    const auto& e = m.entries.at(k);
+    if (e.is_tensor()) out[k] = r.read_box(k, e, sharding::full_box(e.shape));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(FormatV2, Version1FixtureReadsExactlyAsItsConsolidatedCopy) {
+  const auto v1 = ck::open_checkpoint(kFixtures + "/fsdp3.ckpt");
+  const auto full = ck::open_checkpoint(kFixtures + "/fsdp3-consolidated.safetensors");
+  ASSERT_EQ(v1.version, 1);
+  ASSERT_EQ(v1.world_size, 3);
+  ASSERT_EQ(v1.keys, full.keys);
+  const auto a = read_all(v1), b = read_all(full);
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_GT(a.size(), 50u);
+  for (const auto& [k, t] : a) EXPECT_TRUE(same_bits(t, b.at(k))) << k;
+  for (const auto& k : v1.keys)
+    if (!v1.entries.at(k).is_tensor())
+      EXPECT_EQ(ck::encode_value(v1.entries.at(k).value), ck::encode_value(full.entries.at(k).value)) << k;
+  EXPECT_TRUE(ck::verify(kFixtures + "/fsdp3.ckpt").ok);
+  // A slice that crosses the 3-rank cut of an embedding reads the same bytes.
+  ck::ChunkReader r(v1);
+  const auto& e = v1.entries.at("model.tok.weight");
+  const sharding::Box rows{{70, 3}, {120, 10}};
+  EXPECT_TRUE(same_bits(r.read_box("model.tok.weight", e, rows),
+                        b.at("model.tok.weight").narrow(0, 70, 120).narrow(1, 3, 10)));
+}
+
+TEST(FormatV2, ReshardOfAVersion1CheckpointWritesVersion2WithTheSameValues) {
+  const std::string d = temp_dir();
+  const std::string out = d + "/r5.ckpt";
+  ck::reshard(kFixtures + "/fsdp3.ckpt", 5, out, false);
+  const auto m = ck::open_checkpoint(out);
+  EXPECT_EQ(m.version, 2);
+  EXPECT_EQ(m.world_size, 5);
+  EXPECT_EQ(m.save_id.size(), 16u);
+  const std::string text = read_bytes(out + "/tessera-checkpoint.json");
+  EXPECT_EQ(text.find('\n'), std::string::npos) << "compact JSON";
+  EXPECT_EQ(m.entries.at("model.tok.weight").layout->rule_name(), "chunk");
+  const auto a = read_all(m), b = read_all(ck::open_checkpoint(kFixtures + "/fsdp3-consolidated.safetensors"));
+  for (const auto& [k, t] : a) EXPECT_TRUE(same_bits(t, b.at(k))) << k;
+  EXPECT_TRUE(ck::verify(out).ok);
+}
+
+TEST(FormatV2, DataFilesOfAnotherSaveOrRankAreRefusedNamingThem) {
+  const std::string d = temp_dir();
+  ck::reshard(kFixtures + "/fsdp3.ckpt", 2, d + "/a.ckpt", false);
+  ck::reshard(kFixtures + "/fsdp3.ckpt", 2, d + "/b.ckpt", false);
+  // b's rank-1 file in a: same shapes, another save.
+  write_bytes(d + "/a.ckpt/data-rank00001.safetensors", read_bytes(d + "/b.ckpt/data-rank00001.safetensors"));
+  const std::string other = error_of([&] { read_all(ck::open_checkpoint(d + "/a.ckpt")); });
+  EXPECT_NE(other.find("data-rank00001.safetensors' belongs to another save"), std::string::npos) << other;
+  const auto rep = ck::verify(d + "/a.ckpt");
+  EXPECT_FALSE(rep.ok);
+  // b's two files swapped: each is of this save, but of the other rank.
+  std::rename((d + "/b.ckpt/data-rank00000.safetensors").c_str(), (d + "/b.ckpt/x").c_str());
+  std::rename((d + "/b.ckpt/data-rank00001.safetensors").c_str(), (d + "/b.ckpt/data-rank00000.safetensors").c_str());
+  std::rename((d + "/b.ckpt/x").c_str(), (d + "/b.ckpt/data-rank00001.safetensors").c_str());
+  const std::string swapped = error_of([&] { read_all(ck::open_checkpoint(d + "/b.ckpt")); });
+  EXPECT_NE(swapped.find("was written as rank '1'"), std::string::npos) << swapped;
+}
+
+TEST(FormatV2, ALoadOpensOnlyTheDataFilesItsPiecesNeed) {
+  const std::string d = temp_dir();
+  ck::reshard(kFixtures + "/fsdp3.ckpt", 6, d + "/r6.ckpt", false);
+  // Rank 4's file gone: reading rows that lie in ranks 0-1 and plain values still works;
+  // reading the whole tensor names the missing file.
+  ::unlink((d + "/r6.ckpt/data-rank00004.safetensors").c_str());
+  const auto m = ck::open_checkpoint(d + "/r6.ckpt");
+  ck::ChunkReader r(m);
+  const auto& e = m.entries.at("model.tok.weight");  // [256, 16] chunked over 6: 43 rows each
+  EXPECT_NO_THROW(r.read_box("model.tok.weight", e, sharding::Box{{0, 0}, {80, 16}}));
+  const std::string err = error_of([&] { r.read_box("model.tok.weight", e, sharding::full_box(e.shape)); });
+  EXPECT_NE(err.find("data-rank00004.safetensors"), std::string::npos) << err;
+}
+
+TEST(FormatV2, MetadataOfAFlatLayoutDoesNotGrowWithTheWorldSize) {
+  // The metadata every rank computes for a 3-tensor FSDP unit, at 8 and at 16,384 ranks.
+  auto text_at = [](int64_t world) {
+    ck::CheckpointMetadata m;
+    m.world_size = static_cast<int>(world);
+    m.crc_block = 4194304;
+    m.save_id = "0123456789abcdef";
+    const std::vector<std::vector<int64_t>> shapes{{50257, 768}, {768}, {2304, 768}};
+    int64_t T = 0;
+    for (const auto& s : shapes) T += s.size() == 1 ? s[0] : s[0] * s[1];
+    int64_t off = 0, key = 0;
+    for (const auto& s : shapes) {
+      const std::string fqn = "w" + std::to_string(key);
+      ck::GroupPlacement g{world, 0, 1};
+      auto plan = ck::plan_saved_layout(fqn, s, {}, sharding::Layout::flat(T, off, world), g, world, 0, key++);
+      ck::EntryInfo e;
+      e.kind = "sharded";
+      e.shape = s;
+      e.layout = plan.layout;
+      m.keys.push_back(fqn);
+      m.entries.emplace(fqn, e);
+      off += s.size() == 1 ? s[0] : s[0] * s[1];
+    }
+    return ck::to_json(m);
+  };
+  const std::string small = text_at(8), large = text_at(16384);
+  EXPECT_LE(large.size(), small.size() + 4 * 4) << "only the digits of the piece counts and the world size may grow";
+  const auto back = ck::parse_metadata(large, "/nowhere");
+  EXPECT_EQ(back.entries.at("w0").layout->pieces, 16384);
+}
+
+TEST(FormatV2, AWriterRefusesMetadataAReaderWouldRefuseAndKeepsThePreviousCheckpoint) {
+  const std::string d = temp_dir();
+  const std::string path = d + "/ck";
+  ck::save(state_of(4, 1.0), path, *solo());
+  state::StateDict big = state_of(4, 2.0);
+  big.set("notes", std::string(ck::kMaxMetadataBytes, 'x'));
+  const std::string err = error_of([&] { ck::save(big, path, *solo()); });
+  EXPECT_NE(err.find("more than the 268435456-byte limit every reader enforces"), std::string::npos) << err;
+  state::StateDict back = state_of(4, 0.0);
+  ck::load_local(back, path);
+  EXPECT_EQ(std::get<int64_t>(back.at("step")), 1);
+  EXPECT_EQ(ck::list_dir(d).size(), 1u) << "no temporary left behind";
+}
+
+TEST(FormatV2, PythonPackageReadsBothVersionsAndRefusesWhatCxxRefuses) {
+  // The package's own v2 suite (it writes v2 checkpoints of every layout and damages them),
+  // then the v1 fixture and a C++-written v2 reshard of it, each against the consolidated copy.
+  const std::string d = temp_dir();
+  ck::reshard(kFixtures + "/fsdp3.ckpt", 4, d + "/r4.ckpt", false);
+  const std::string script = std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR + "/tests/python/tessera_ckpt_v2_check.py";
+  for (const std::string dir : {kFixtures + "/fsdp3.ckpt", d + "/r4.ckpt"}) {
+    auto [rc, out] = run_command(script + " --v1 " + dir + " " + kFixtures + "/fsdp3-consolidated.safetensors");
+    EXPECT_EQ(rc, 0) << dir << "\n" << out;
+    EXPECT_NE(out.find("ok tessera_ckpt_v2_check:"), std::string::npos) << out;
+  }
+}
