@@ -41,7 +41,7 @@ double best_seconds(distributed::Communicator& c, int iters, F&& f) {
 
 int main(int argc, char** argv) {
   std::string out = argc > 1 ? argv[1] : "bench/results/collectives.json";
-  // The table's name in docs/benchmarks.md: one per libtorch build measured.
+  // The table's name in docs/benchmarks-history.md: one per libtorch build measured.
   std::string name = argc > 2 ? argv[2] : "collectives";
   distributed::CommOptions opts{std::chrono::seconds(300)};
   auto comm = distributed::Communicator::create(distributed::World::from_env(), opts);

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Renders bench/results/*.json into the tables of docs/benchmarks.md.
+"""Renders bench/results/*.json into the tables of docs/benchmarks-history.md.
 
 Each result file has {"benchmark": NAME, "rows": [...], ...}; its table replaces
-the text between <!-- BEGIN NAME --> and <!-- END NAME --> in docs/benchmarks.md
+the text between <!-- BEGIN NAME --> and <!-- END NAME --> in docs/benchmarks-history.md
 (appended as a new section when the markers are missing).
 """
 import json
@@ -10,7 +10,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
+DOC = ROOT / "docs" / "benchmarks-history.md"
 
 
 def fmt(v):
