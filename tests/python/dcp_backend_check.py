@@ -1,0 +1,613 @@
+"""tessera_ckpt.dcp against the real torch.distributed.checkpoint (torch 2.x, Gloo on the CPU).
+
+    python tests/python/dcp_backend_check.py [--tessera build/bin/tessera] [--keep DIR]
+
+(a) An FSDP2 model (fully_shard on a CPU DeviceMesh) after one AdamW step, plus DTensors of
+    every safetensors dtype sharded on dim 0, dim 1 or replicated, a plain tensor, a 12 MiB
+    tensor of three checksum blocks, a ShardedTensor of irregular boxes (a `list` layout, two
+    pieces in one data file: FQN@k) and plain values (NaN, -0.0, int64 max, bytes, a tuple,
+    None), is saved with dcp.save(storage_writer=Writer) at N = 1, 2, 3 ranks and loaded with
+    dcp.load(storage_reader=Reader) at M = 1, 2, 3 ranks into DTensors of other placements;
+    model, optimizer state (through set_state_dict) and values must be bit-exact. A rank
+    loading some rows of the 12 MiB tensor must read less than the whole of it.
+(b) The Tessera version-1 fixture tests/checkpoint/fixtures/v1/fsdp3.ckpt and its consolidated
+    copy, loaded through Reader into plain tensors (no process group) and into DTensors at
+    M ranks, equal tessera_ckpt.load bit for bit, plain values included.
+(c) Every Writer checkpoint passes tessera_ckpt.verify() and `tessera ckpt verify` (when the
+    binary exists), and tessera_ckpt.load gives the saved tensors; the layouts are the rules
+    expected (`chunk` for FSDP's dim-0 shards, `chunk` dim 1, `whole`, `list`).
+Refusals: a value Tessera cannot hold and an unsupported dtype (naming the key, nothing left
+at the path or beside it), a non-empty directory that is no checkpoint (untouched), a flipped
+data byte (checksum mismatch naming the key); an existing checkpoint is replaced atomically.
+
+Ranks are separate processes (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, a free port).
+Prints "ok dcp_backend_check: ..." at the end.
+"""
+import datetime
+import math
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+FIXTURE = os.path.join(ROOT, "tests", "checkpoint", "fixtures", "v1", "fsdp3.ckpt")
+FIXTURE_CONSOLIDATED = os.path.join(ROOT, "tests", "checkpoint", "fixtures", "v1", "fsdp3-consolidated.safetensors")
+BIG_ROWS, BIG_COLS = 3072, 1024  # 12 MiB of float32: three 4 MiB checksum blocks
+WORLDS = (1, 2, 3)
+
+warnings.filterwarnings("ignore")
+
+
+def fail(msg):
+    raise AssertionError(msg)
+
+
+# ---------------------------------------------------------------- comparisons
+
+
+def same_bits(a, b, what):
+    import torch
+
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        fail(f"{what}: expected two tensors, got {type(a).__name__} and {type(b).__name__}")
+    if a.dtype != b.dtype or list(a.shape) != list(b.shape):
+        fail(f"{what}: {a.dtype} {list(a.shape)} != {b.dtype} {list(b.shape)}")
+    x = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    y = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    if not torch.equal(x, y):
+        fail(f"{what}: tensors differ")
+
+
+def same_value(a, b, what):
+    """Plain values, bit for bit (floats by their bits, so NaN and -0.0 count); containers
+    must keep their type (a tuple stays a tuple)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return same_bits(a, b, what)
+    if type(a) is not type(b):
+        fail(f"{what}: {a!r} ({type(a).__name__}) != {b!r} ({type(b).__name__})")
+    if isinstance(a, float):
+        if struct.pack(">d", a) != struct.pack(">d", b):
+            fail(f"{what}: {a!r} != {b!r}")
+    elif isinstance(a, dict):
+        if list(a) != list(b):
+            fail(f"{what}: keys {list(a)} != {list(b)}")
+        for k in a:
+            same_value(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            fail(f"{what}: {len(a)} items != {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_value(x, y, f"{what}.{i}")
+    elif a != b:
+        fail(f"{what}: {a!r} != {b!r}")
+
+
+def flatten(obj, prefix="", out=None):
+    """Tessera's flattening of a nested state: dicts and lists/tuples joined with '.', None left out."""
+    out = {} if out is None else out
+    if isinstance(obj, dict):
+        if not obj and prefix:
+            out[prefix[:-1]] = {}
+        for k, v in obj.items():
+            flatten(v, f"{prefix}{k}.", out)
+    elif isinstance(obj, (list, tuple)):
+        if not obj and prefix:
+            out[prefix[:-1]] = {}
+        for i, v in enumerate(obj):
+            flatten(v, f"{prefix}{i}.", out)
+    elif obj is not None:
+        out[prefix[:-1]] = obj
+    return out
+
+
+# ---------------------------------------------------------------- the state every rank builds
+
+
+def build_model(seed):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 5), torch.nn.GELU(), torch.nn.Linear(5, 2))
+
+
+def fsdp_model(world, seed):
+    """The model sharded by FSDP2 over a CPU mesh of every rank, after one AdamW step."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(seed)
+    for m in (model[1], model[3]):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95))
+    torch.manual_seed(seed + 1)
+    x = torch.randint(0, 7, (3, 2))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return mesh, model, opt
+
+
+def extra_full():
+    """Whole tensors of the extra entries (the same on every rank and in the checking process)."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    f32 = torch.randn(5, 3, generator=g)
+    f32[0, 0], f32[0, 1], f32[0, 2] = float("nan"), float("-inf"), -0.0
+    return {
+        "bf16_rows": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+        "f16_cols": torch.randn(3, 5, generator=g).to(torch.float16),
+        "f64_rep": torch.randn(4, generator=g, dtype=torch.float64),
+        "f32_special": f32,
+        "i64_cols": torch.tensor([[-(2**63), 2**63 - 1, 0, 1, -1]] * 3, dtype=torch.int64),
+        "i32": torch.arange(-6, 6, dtype=torch.int32).reshape(4, 3),
+        "i16": torch.arange(-4, 4, dtype=torch.int16),
+        "i8": torch.arange(-3, 3, dtype=torch.int8).reshape(2, 3),
+        "u8": torch.arange(250, 256, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 3),
+        "big": torch.arange(BIG_ROWS * BIG_COLS, dtype=torch.float32).reshape(BIG_ROWS, BIG_COLS),
+        "plain": torch.arange(6, dtype=torch.int32).reshape(2, 3) * 7,
+        "scalar": torch.tensor(3.25),
+        "st": torch.arange(24, dtype=torch.float32).reshape(4, 6) - 10,
+    }
+
+
+# Saving placements (DTensor over the 1-D mesh) and, for loading, other ones.
+SAVE_PLACE = {"bf16_rows": "S0", "f16_cols": "S1", "f64_rep": "R", "f32_special": "S0", "i64_cols": "S1", "i32": "S0",
+              "i16": "S0", "i8": "S1", "u8": "S0", "bool": "R", "empty": "S0", "big": "S0"}
+LOAD_PLACE = {"bf16_rows": "S1", "f16_cols": "S0", "f64_rep": "S0", "f32_special": "R", "i64_cols": "S0", "i32": "S1",
+              "i16": "R", "i8": "S0", "u8": "S0", "bool": "S0", "empty": "S1", "big": "S0", "plain": "S0",
+              "scalar": "R", "st": "S1"}
+
+
+def st_boxes(world):
+    """Irregular boxes of the 4x6 ShardedTensor (file/rank, offsets, sizes): never a rule."""
+    if world == 1:
+        return [(0, [0, 0], [1, 6]), (0, [1, 0], [3, 6])]
+    if world == 2:
+        return [(0, [0, 0], [1, 6]), (1, [1, 0], [2, 6]), (0, [3, 0], [1, 6])]
+    return [(0, [0, 0], [1, 6]), (1, [1, 0], [3, 2]), (2, [1, 2], [3, 4])]
+
+
+def placement(code):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}[code]
+
+
+def local_part(full, code, rank, world):
+    """This rank's part of ``full`` under placement ``code``: DTensor's torch.chunk rule
+    (ranks past the last chunk hold an empty one)."""
+    if code == "R":
+        return full.clone()
+    d = int(code[1])
+    parts = list(full.chunk(world, dim=d)) if full.shape[d] else []
+    if rank < len(parts):
+        return parts[rank].contiguous()
+    shape = list(full.shape)
+    shape[d] = 0
+    return full.new_empty(shape)
+
+
+def dtensor(full, mesh, code):
+    """A DTensor of ``full`` over the 1-D ``mesh`` built without communication
+    (distribute_tensor scatters, which Gloo refuses for some dtypes)."""
+    from torch.distributed.tensor import DTensor
+
+    import torch.distributed as dist
+
+    local = local_part(full, code, dist.get_rank(), dist.get_world_size())
+    return DTensor.from_local(local, mesh, [placement(code)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def values():
+    return {"step": 3, "name": "dcp \u00e9", "blob": b"\x00\xff\x10", "nan": float("nan"), "negzero": -0.0,
+            "inf": float("inf"), "flag": False, "big_int": 2**63 - 1, "pair": (1, "two", 3.5), "nothing": None,
+            "nested": [(1, 2), [], {"a": 1.5}]}
+
+
+def dummy_values():
+    # the same structure (DCP plans the load from the target's keys), other contents
+    return {"step": 0, "name": "", "blob": b"", "nan": 0.0, "negzero": 0.0, "inf": 0.0, "flag": True, "big_int": 0,
+            "pair": (), "nothing": 1, "nested": [(0,), [7], {"a": 0.0}]}
+
+
+# ---------------------------------------------------------------- workers (one process per rank)
+
+
+def worker_save(out):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard as STShard, init_from_local_shards
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import tessera_ckpt.dcp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh, model, opt = fsdp_model(world, seed=0)
+    msd, osd = get_state_dict(model, opt)
+    full = extra_full()
+    extra = {k: dtensor(full[k], mesh, p) for k, p in SAVE_PLACE.items()}
+    extra["plain"] = full["plain"]
+    extra["scalar"] = full["scalar"]
+    st = full["st"]
+    shards = [STShard(st[o[0]:o[0] + s[0], o[1]:o[1] + s[1]].clone(), ShardMetadata(o, s, f"rank:{r}/cpu"))
+              for r, o, s in st_boxes(world) if r == rank]
+    extra["st"] = init_from_local_shards(shards, list(st.shape))
+    state = {"model": msd, "optimizer": osd, "extra": extra, "values": values()}
+    dcp.save(state, storage_writer=tessera_ckpt.dcp.Writer(out))
+
+    # The reference: whole tensors (collectives: every rank), written by rank 0.
+    def whole(v):
+        if hasattr(v, "full_tensor"):
+            return v.full_tensor()
+        if isinstance(v, dict):
+            return {k: whole(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [whole(x) for x in v]
+        return v
+
+    ref = {"model": whole(msd), "optimizer": whole(osd)}
+    if rank == 0:
+        torch.save(ref, out + ".ref.pt")
+    dist.barrier()
+
+
+def worker_load(v2, dirs):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    import tessera_ckpt
+    import tessera_ckpt.dcp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = extra_full()
+    checks = 0
+    for d in dirs:
+        # Another seed and input: every value differs from the saved one until loaded.
+        mesh, model, opt = fsdp_model(world, seed=100 + world)
+        msd, osd = get_state_dict(model, opt)
+        extra = {k: dtensor(torch.zeros_like(full[k]), mesh, p) for k, p in LOAD_PLACE.items()}
+        state = {"model": msd, "optimizer": osd, "extra": extra, "values": dummy_values()}
+        dcp.load(state, storage_reader=tessera_ckpt.dcp.Reader(d))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=True))
+        ref = torch.load(d + ".ref.pt", weights_only=False)
+        msd2, osd2 = get_state_dict(model, opt)  # what the model and optimizer now hold
+
+        def whole(v):
+            if isinstance(v, DTensor):
+                return v.full_tensor()
+            if isinstance(v, dict):
+                return {k: whole(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [whole(x) for x in v]
+            return v
+
+        same_value(whole(msd2), ref["model"], f"{d} at {world} rank(s): model")
+        same_value(whole(osd2), ref["optimizer"], f"{d} at {world} rank(s): optimizer")
+        for k, code in LOAD_PLACE.items():
+            same_bits(extra[k].to_local(), local_part(full[k], code, rank, world),
+                      f"{d} at {world} rank(s), rank {rank}: extra.{k}")
+        same_value(state["values"], values(), f"{d} at {world} rank(s): values")
+        checks += 1
+
+        # Byte ranges: the rows of `big` this rank holds, and only about them, are read.
+        got = {"n": 0}
+        orig = tessera_ckpt.pread_into
+
+        def counting(fd, view, offset, path):
+            got["n"] += len(view)
+            return orig(fd, view, offset, path)
+
+        big = dtensor(torch.zeros(BIG_ROWS, BIG_COLS), mesh, "S0")
+        tessera_ckpt.pread_into = counting
+        try:
+            dcp.load({"extra": {"big": big}}, storage_reader=tessera_ckpt.dcp.Reader(d))
+        finally:
+            tessera_ckpt.pread_into = orig
+        same_bits(big.to_local(), local_part(full["big"], "S0", rank, world),
+                  f"{d} at {world} rank(s), rank {rank}: extra.big alone")
+        total = BIG_ROWS * BIG_COLS * 4
+        share = big.to_local().numel() * 4
+        if world > 1 and not share <= got["n"] < total:
+            fail(f"{d} at {world} rank(s), rank {rank}: read {got['n']} bytes of extra.big for a share of {share} "
+                 f"(the whole is {total})")
+
+    # (b) at this world size: a version-2 checkpoint of every rule written by the format
+    # test's own writer at 8 ranks (flat with replicas, chunk on dim 1, list with two pieces in
+    # one file, 40-byte checksum blocks: partial blocks are read and verified).
+    want = tessera_ckpt.load(v2)
+    sd = {}
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            sd[k] = dtensor(torch.zeros_like(v), mesh, "S0" if v.dim() else "R")
+            if v.dim() == 2 and k == "model.list":
+                sd[k] = dtensor(torch.zeros_like(v), mesh, "S1")
+    dcp.load(sd, storage_reader=tessera_ckpt.dcp.Reader(v2))
+    for k, t in sd.items():
+        code = "R" if t.dim() == 0 else ("S1" if k == "model.list" else "S0")
+        same_bits(t.to_local(), local_part(want[k], code, rank, world), f"{v2} at {world} rank(s), rank {rank}: {k}")
+    checks += 1
+
+    # (b) at this world size: the version-1 fixture and its consolidation into DTensors.
+    want = tessera_ckpt.load(FIXTURE)
+    for path in (FIXTURE, FIXTURE_CONSOLIDATED):
+        sd = {"model": {k[len("model."):]: dtensor(torch.zeros_like(v), mesh, "S0")
+                        for k, v in want.items() if k.startswith("model.")}}
+        dcp.load(sd, storage_reader=tessera_ckpt.dcp.Reader(path))
+        for k, v in sd["model"].items():
+            same_bits(v.to_local(), local_part(want["model." + k], "S0", rank, world),
+                      f"{path} at {world} rank(s), rank {rank}: model.{k}")
+        checks += 1
+    if rank == 0:
+        print(f"  load at {world} rank(s): {checks} checkpoints bit-exact", flush=True)
+    dist.barrier()
+
+
+def worker_main(argv):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        if argv[0] == "save":
+            worker_save(argv[1])
+        else:
+            worker_load(argv[1], argv[2:])
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world, args, timeout=600):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+               OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    for r in range(world):
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"] + args,
+                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs, bad = [], []
+    deadline = time.time() + timeout
+    for r, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            fail(f"{args[0]} at {world} rank(s): timed out after {timeout} s")
+        outs.append(out)
+        if p.returncode != 0:
+            bad.append(r)
+    if bad:
+        fail(f"{args[0]} at {world} rank(s): rank(s) {bad} failed:\n" + "\n".join(
+            f"--- rank {r} ---\n{outs[r][-6000:]}" for r in bad))
+    sys.stdout.write(outs[0])
+
+
+def expect_error(fn, *needles):
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        msg = str(e)
+        for n in needles:
+            if n not in msg:
+                fail(f"error without {n!r}: {msg}")
+        return msg
+    fail(f"no error (expected one mentioning {needles})")
+
+
+def siblings(path):
+    parent, base = os.path.dirname(path), os.path.basename(path)
+    return sorted(n for n in os.listdir(parent) if n.startswith("." + base + ".tessera-"))
+
+
+def check_fixture_plain(v2):
+    """(b) without a process group: every key of the fixtures (and of the independent v2
+    checkpoint) into plain tensors / values."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import tessera_ckpt
+    import tessera_ckpt.dcp
+
+    n = 0
+    for path in (FIXTURE, FIXTURE_CONSOLIDATED, v2):
+        want = tessera_ckpt.load(FIXTURE if path == FIXTURE_CONSOLIDATED else path)
+        have = tessera_ckpt.load(path)
+        # model.* nested (DCP flattens {"model": {...}} to the same keys), the rest flat
+        sd = {"model": {}}
+        for k, v in have.items():
+            t = torch.full_like(v, 7) if isinstance(v, torch.Tensor) else None
+            if k.startswith("model."):
+                sd["model"][k[len("model."):]] = t
+            else:
+                sd[k] = t
+        dcp.load(sd, storage_reader=tessera_ckpt.dcp.Reader(path), no_dist=True)
+        for k, v in have.items():
+            got = sd["model"][k[len("model."):]] if k.startswith("model.") else sd[k]
+            same_value(got, want[k], f"{path} {k}")
+            n += 1
+    return n
+
+
+def check_written(d, world, tessera):
+    """(c) a Writer checkpoint: verify(), tessera_ckpt.load, the layouts, `tessera ckpt verify`."""
+    import torch
+
+    import tessera_ckpt
+
+    res = tessera_ckpt.verify(d)
+    if not res["checksummed"]:
+        fail(f"{d}: not checksummed")
+    info = tessera_ckpt.inspect(d)
+    if info["version"] != 2 or info["world_size"] != world or len(info["files"]) != world:
+        fail(f"{d}: version {info['version']}, world size {info['world_size']}")
+    got = tessera_ckpt.load(d)
+    ref = torch.load(d + ".ref.pt", weights_only=False)
+    want = flatten({"model": ref["model"], "optimizer": ref["optimizer"], "extra": extra_full(), "values": values()})
+    if set(got) != set(want):
+        fail(f"{d}: keys differ: extra {sorted(set(got) - set(want))}, missing {sorted(set(want) - set(got))}")
+    for k in want:
+        same_value(got[k], want[k], f"{d} {k}")
+    rules = {k: (v.get("layout"), v.get("chunks")) for k, v in info["keys"].items() if "dtype" in v}
+    expect = {"model.1.weight": "chunk" if world > 1 else "whole", "extra.f16_cols": "chunk" if world > 1 else "whole",
+              "extra.f64_rep": "whole", "extra.plain": "whole", "extra.scalar": "whole", "extra.st": "list",
+              "optimizer.state.1.weight.exp_avg": "chunk" if world > 1 else "whole"}
+    for k, rule in expect.items():
+        if rules[k][0] != rule:
+            fail(f"{d}: {k} has layout {rules[k][0]}, expected {rule}")
+    if tessera:
+        r = subprocess.run([tessera, "ckpt", "verify", d], capture_output=True, text=True)
+        if r.returncode != 0 or not r.stdout.startswith("OK"):
+            fail(f"`{tessera} ckpt verify {d}` exit {r.returncode}: {r.stdout}{r.stderr}")
+    return len(want)
+
+
+def check_refusals(work):
+    """Refusals and replacement, in one process (dcp.save / dcp.load without a process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import tessera_ckpt
+    import tessera_ckpt.dcp
+
+    n = 0
+    p = os.path.join(work, "refused")
+    expect_error(lambda: dcp.save({"model": {"w": torch.ones(2)}, "when": datetime.date(2026, 1, 1)},
+                                  storage_writer=tessera_ckpt.dcp.Writer(p), no_dist=True), "'when'", "datetime.date")
+    if os.path.exists(p) or siblings(p):
+        fail(f"a refused save left {p} or {siblings(p)}")
+    expect_error(lambda: dcp.save({"model": {"c": torch.ones(2, dtype=torch.complex64)}},
+                                  storage_writer=tessera_ckpt.dcp.Writer(p), no_dist=True), "'model.c'", "complex64")
+    if os.path.exists(p) or siblings(p):
+        fail(f"a refused save left {p} or {siblings(p)}")
+    expect_error(lambda: dcp.save({"x": {"k": [torch.ones(1)]}, "t": (torch.ones(1), 2)},
+                                  storage_writer=tessera_ckpt.dcp.Writer(p), no_dist=True), "'t'")
+    n += 3
+
+    # a non-empty directory that is not a checkpoint stays untouched
+    os.makedirs(p)
+    with open(os.path.join(p, "notes.txt"), "w") as f:
+        f.write("mine")
+    expect_error(lambda: dcp.save({"w": torch.ones(2)}, storage_writer=tessera_ckpt.dcp.Writer(p), no_dist=True),
+                 p, "not a Tessera checkpoint")
+    if os.listdir(p) != ["notes.txt"] or siblings(p):
+        fail(f"{p} was touched: {os.listdir(p)} {siblings(p)}")
+    n += 1
+
+    # an existing checkpoint is replaced, nothing left beside it
+    q = os.path.join(work, "replaced")
+    dcp.save({"w": torch.ones(3), "v": 1}, storage_writer=tessera_ckpt.dcp.Writer(q), no_dist=True)
+    dcp.save({"w": torch.full((3,), 2.0), "v": 2}, storage_writer=tessera_ckpt.dcp.Writer(q), no_dist=True)
+    sd = {"w": torch.zeros(3), "v": 0}
+    dcp.load(sd, storage_reader=tessera_ckpt.dcp.Reader(q), no_dist=True)
+    if sd["v"] != 2 or not torch.equal(sd["w"], torch.full((3,), 2.0)) or siblings(q):
+        fail(f"{q}: not replaced ({sd}, {siblings(q)})")
+    n += 1
+
+    # a flipped data byte: the load fails naming the file, key and block
+    from tessera_ckpt._format import Safetensors
+
+    c = os.path.join(work, "corrupt")
+    shutil.copytree(q, c)
+    f = os.path.join(c, "data-rank00000.safetensors")
+    begin = Safetensors(f).tensors["w"][2]
+    with open(f, "r+b") as fh:
+        fh.seek(begin + 5)
+        b = fh.read(1)
+        fh.seek(begin + 5)
+        fh.write(bytes([b[0] ^ 0x10]))
+    expect_error(lambda: dcp.load({"w": torch.zeros(3)}, storage_reader=tessera_ckpt.dcp.Reader(c), no_dist=True),
+                 "checksum mismatch", "'w'", "data-rank00000.safetensors")
+    n += 1
+    return n
+
+
+def main():
+    args = sys.argv[1:]
+    if args and args[0] == "--worker":
+        worker_main(args[1:])
+        return
+    tessera = os.path.join(ROOT, "build", "bin", "tessera")
+    keep = None
+    while args:
+        if args[0] == "--tessera" and len(args) > 1:
+            tessera, args = args[1], args[2:]
+        elif args[0] == "--keep" and len(args) > 1:
+            keep, args = args[1], args[2:]
+        else:
+            sys.exit(__doc__)
+    if not os.path.exists(tessera):
+        print(f"  (no {tessera}: `tessera ckpt verify` not run)")
+        tessera = None
+
+    import torch
+
+    try:
+        import torch.distributed.checkpoint  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"dcp_backend_check needs torch 2.x with FSDP2 (fully_shard); this is torch {torch.__version__}: {e}")
+    import tessera_ckpt.dcp  # noqa: F401
+
+    t0 = time.time()
+    work = keep or tempfile.mkdtemp(prefix="dcp_backend_check.")
+    os.makedirs(work, exist_ok=True)
+    try:
+        sys.path.insert(0, HERE)
+        import tessera_ckpt_v2_check
+
+        v2 = os.path.join(work, "v2-independent")
+        tessera_ckpt_v2_check.build_main(v2)
+        dirs = []
+        for n in WORLDS:
+            d = os.path.join(work, f"saved-at-{n}")
+            launch(n, ["save", d])
+            dirs.append(d)
+        written = sum(check_written(d, n, tessera) for d, n in zip(dirs, WORLDS))
+        for m in WORLDS:
+            launch(m, ["load", v2] + dirs)
+        fixture = check_fixture_plain(v2)
+        refusals = check_refusals(work)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"ok dcp_backend_check: torch {torch.__version__}, saved at {list(WORLDS)} rank(s) and each loaded at "
+          f"{list(WORLDS)} (FSDP2 model + AdamW state, every dtype, DTensor/ShardedTensor/plain, values), "
+          f"{written} keys checked in the written checkpoints{' (and tessera ckpt verify)' if tessera else ''}, "
+          f"{fixture} keys of the v1 fixtures and a v2 checkpoint of every rule without a process group, {refusals} refusals, {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
