@@ -24,6 +24,8 @@ if [ -x .venv-torch2/bin/python ]; then
 else
   echo "== checkpoints vs PyTorch DCP: skipped, no .venv-torch2 (make test-torch2 creates it) =="
 fi
+echo "== checkpoints at scale: save / load planning for 8-16384 virtual ranks, Tessera vs PyTorch DCP (bench/scale) =="
+bash bench/scale/run.sh "$BUILD"
 echo "== optimizer: one AdamW step, libtorch's vs Tessera's one-pass, against a memcpy of the same bytes =="
 OMP_NUM_THREADS=1 "$BUILD/bin/optim_bench" bench/results/optim.json
 if [ -f bench/strategy/run.sh ]; then

@@ -1,0 +1,876 @@
+// Checkpoints at scale (issue 33 item 5): the real planning code of a format-2 sharded
+// save and load (docs/checkpoint-format.md §3) run for N virtual ranks in one process,
+// with no tensor data. For each model, sharding and world size it measures what every
+// rank computes alone: the metadata text (to_json, identical on every rank), a sampled
+// rank's save planning (its CheckpointMetadata, plan_saved_layout of every tensor, the
+// pieces it stores, to_json and the digest agree() compares) and its load planning for a
+// resume at the same N (open_checkpoint: read, parse_metadata, checksum; then
+// ChunkReader::chunks for each of the rank's target boxes, which finds the overlapping
+// pieces with Layout::overlapping and reads the headers of the data files holding them,
+// real sparse files whose headers are exactly what write_data_file writes), plus the
+// bytes of the save's coordination, computed from its protocol (save.cpp save_sharded).
+// bench/scale/run.sh runs it with the DCP side (dcp_scale.py) and writes
+// bench/results/scale.json; docs/benchmarks.md explains the figures.
+//
+//   scale_bench [--ranks 8,64,...] [--models gpt2-124m,...] [--shardings full,hybrid]
+//               [--reshard 16384:1024,1024:16384] [--repeats 3] [--out FILE] [--work DIR]
+//   scale_bench --predict --model tiny-gpt [--n-layer L --n-head H --d-model D --seq-len T
+//               --tie] --ranks N [--sharding full|hybrid --shard-group S] [--strategy fsdp|ddp]
+//               [--metadata DIR/tessera-checkpoint.json]
+//
+// --predict prints the metadata a `gpt train` run of examples/gpt saves (model + AdamW
+// state under the Trainer's names). With --metadata (a real save's metadata), it rebuilds
+// that file's text with every tensor entry recomputed by the planner from the model's
+// shapes (keys, plain values and save id taken from the file, which no planner can know)
+// and compares it byte for byte: exit 0 and "match" when equal.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <numeric>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "alloc_count.h"
+#include "models.h"
+#include "tessera/checkpoint/checksum.h"
+#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/save_plan.h"
+#include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/writer.h"
+#include "tessera/sharding/layout.h"
+#include "tessera/state/state_dict.h"
+
+namespace ck = tessera::checkpoint;
+namespace sh = tessera::sharding;
+using tessera::state::Value;
+using json = nlohmann::ordered_json;
+using scale::Model;
+using scale::Param;
+
+namespace {
+
+constexpr const char* kSaveId = "5c0e2d9a11f03b77";  // a save id is 16 random hex digits
+constexpr int64_t kHybridGroup = 8;
+
+// ------------------------------------------------------------------ the saved state
+
+// One key of the state a Trainer saves: a tensor (sharded or whole) or a plain value.
+struct Key {
+  enum Kind { Sharded, Tensor, Plain } kind = Plain;
+  std::string fqn;
+  const Param* param = nullptr;  // tensors: shape, unit, flat offset
+  Value value;                   // plain values
+};
+
+// A state at world size `world` whose FSDP shard groups have `group` ranks (group ==
+// world: FULL_SHARD; 8: HYBRID_SHARD with world / 8 replica groups).
+struct Setup {
+  const Model* model = nullptr;
+  int64_t world = 1, group = 1;
+  std::vector<Key> keys;
+  int64_t replicas() const { return world / group; }
+};
+
+// The keys in the order a Trainer's state flattens: "model.<fqn>" for every parameter,
+// then the optimizer state as state::optimizer_state_dict names it (a one-group AdamW:
+// per parameter a plain int "step" and the exp_avg / exp_avg_sq tensors, sharded like the
+// parameter), then the group's options and parameter names.
+std::vector<Key> trainer_keys(const Model& m, bool sharded) {
+  std::vector<Key> keys;
+  const Key::Kind tk = sharded ? Key::Sharded : Key::Tensor;
+  for (const auto& p : m.params) keys.push_back({tk, "model." + p.fqn, &p, {}});
+  keys.push_back({Key::Plain, "optimizer_0.optimizer", nullptr, std::string("adamw")});
+  for (const auto& p : m.params) {
+    const std::string s = "optimizer_0.state." + p.fqn + ".";
+    keys.push_back({Key::Plain, s + "step", nullptr, int64_t{100000}});
+    keys.push_back({tk, s + "exp_avg", &p, {}});
+    keys.push_back({tk, s + "exp_avg_sq", &p, {}});
+  }
+  const std::string g = "optimizer_0.param_groups.0.";
+  keys.push_back({Key::Plain, g + "lr", nullptr, 3e-4});
+  keys.push_back({Key::Plain, g + "beta1", nullptr, 0.9});
+  keys.push_back({Key::Plain, g + "beta2", nullptr, 0.95});
+  keys.push_back({Key::Plain, g + "eps", nullptr, 1e-8});
+  keys.push_back({Key::Plain, g + "weight_decay", nullptr, 0.1});
+  keys.push_back({Key::Plain, g + "amsgrad", nullptr, false});
+  for (size_t i = 0; i < m.params.size(); ++i)
+    keys.push_back({Key::Plain, g + "params." + std::to_string(i), nullptr, m.params[i].fqn});
+  return keys;
+}
+
+Setup make_setup(const Model& m, int64_t world, int64_t group) {
+  Setup s;
+  s.model = &m;
+  s.world = world;
+  s.group = group;
+  s.keys = trainer_keys(m, group > 1);  // FSDP keeps whole parameters when a group has one rank
+  return s;
+}
+
+// FSDP's layout of a parameter (fsdp.cpp register_sharded_params): the unit's flat
+// vector cut over the shard group.
+sh::Layout fsdp_layout(const Setup& s, const Param& p) {
+  return sh::Layout::flat(s.model->unit_numel[static_cast<size_t>(p.unit)], p.offset, s.group);
+}
+
+// The box rank `rank` holds of key `k` (its local shard; FSDP ranks hold one).
+sh::Box target_box(const Setup& s, const Key& k, int64_t rank) {
+  if (k.kind == Key::Tensor) return sh::full_box(k.param->shape);
+  return fsdp_layout(s, *k.param).box(k.param->shape, rank % s.group);
+}
+
+// ------------------------------------------------------------------ save planning
+
+struct SaveOut {
+  size_t bytes = 0;
+  uint64_t digest = 0;
+  int64_t pieces = 0;
+};
+
+// What save_sharded computes on rank `rank` before anything is written (save.cpp), in
+// the same steps: the saving rank of every world rank, the tensors' communicator
+// placement (group_placement), every entry with its layout (plan_saved_layout, FSDP's
+// rule as the hint, as ShardedTensor::layout() gives it), the pieces this rank stores,
+// the metadata text and the digest the ranks compare.
+SaveOut plan_save(const Setup& s, int64_t rank, std::string* text_out = nullptr) {
+  static const std::vector<sh::ShardMetadata> kNoShards;  // the hint makes the list unused
+  SaveOut out;
+  ck::CheckpointMetadata m;
+  m.version = ck::kFormatVersion;
+  m.world_size = static_cast<int>(s.world);
+  m.crc_block = ck::kCrcBlock;
+  m.save_id = kSaveId;
+  std::vector<int64_t> saving_rank_of(static_cast<size_t>(s.world));
+  std::iota(saving_rank_of.begin(), saving_rank_of.end(), int64_t{0});
+  std::vector<int64_t> members(static_cast<size_t>(s.group));
+  for (int64_t p = 0; p < s.group; ++p) members[static_cast<size_t>(p)] = saving_rank_of[static_cast<size_t>(rank / s.group * s.group + p)];
+  const ck::GroupPlacement g = ck::group_placement(members, s.world, s.keys.front().fqn);
+  struct PieceDesc {
+    const std::string* fqn;
+    sh::Box box;
+  };
+  std::vector<PieceDesc> pieces;
+  int64_t key_index = 0;
+  for (const Key& k : s.keys) {
+    ck::EntryInfo e;
+    if (k.kind == Key::Plain) {
+      e.kind = tessera::state::kind_name(k.value);
+      e.value = k.value;
+    } else {
+      e.dtype = at::kFloat;
+      e.shape = k.param->shape;
+      if (k.kind == Key::Tensor) {
+        e.kind = "tensor";
+        e.layout = sh::Layout::whole(0);
+        if (rank == 0 && k.param->numel() > 0) pieces.push_back({&k.fqn, sh::full_box(e.shape)});
+      } else {
+        e.kind = "sharded";
+        ck::SavedLayout plan =
+            ck::plan_saved_layout(k.fqn, e.shape, kNoShards, fsdp_layout(s, *k.param), g, s.world, rank, key_index);
+        for (int64_t i : plan.mine) pieces.push_back({&k.fqn, plan.layout.box(e.shape, i)});
+        e.layout = std::move(plan.layout);
+      }
+    }
+    m.keys.push_back(k.fqn);
+    m.entries.emplace(k.fqn, std::move(e));
+    ++key_index;
+  }
+  std::string text = ck::to_json(m);
+  out.digest = ck::fnv1a64(text);
+  out.bytes = text.size();
+  out.pieces = static_cast<int64_t>(pieces.size());
+  if (text_out) *text_out = std::move(text);
+  return out;
+}
+
+// ------------------------------------------------------------------ data files
+
+// The pieces of `L` stored in file `f` (the inverse of FileMap::file for the rules).
+std::vector<int64_t> pieces_in_file(const sh::Layout& L, int64_t f) {
+  std::vector<int64_t> out;
+  using R = sh::Layout::Rule;
+  if (L.rule == R::Whole) {
+    if (L.file == f) out.push_back(0);
+  } else if (L.rule == R::List) {
+    for (size_t i = 0; i < L.list.size(); ++i)
+      if (L.list[i].file == f) out.push_back(static_cast<int64_t>(i));
+  } else {
+    const sh::FileMap& m = L.files;
+    const int64_t d = f - m.first;
+    if (d < 0) return out;
+    int64_t i = -1;
+    if (m.replicas == 1) {
+      if (d % m.step == 0) i = d / m.step;
+    } else {
+      const int64_t g = d / m.replica_step, rem = d % m.replica_step;
+      if (rem % m.step == 0 && g < m.replicas) i = rem / m.step;
+    }
+    if (i >= 0 && i < L.pieces && L.file_of(i) == f) out.push_back(i);
+  }
+  return out;
+}
+
+// Writes data file `f` of the checkpoint `meta` describes as a sparse file: the header
+// write_data_file writes for the pieces its layouts place there (identity, names, shapes,
+// offsets, a block checksum per 4 MiB, the header checksum), the data a hole of the right
+// size. SafetensorsReader checks all of it as for a real file. Returns the header bytes.
+uint64_t write_data_file_header(const std::string& dir, const ck::CheckpointMetadata& meta, int64_t f) {
+  std::vector<ck::TensorSpec> specs;
+  for (const auto& k : meta.keys) {
+    const ck::EntryInfo& e = meta.entries.at(k);
+    if (!e.is_tensor()) continue;
+    for (int64_t i : pieces_in_file(*e.layout, f)) {
+      const sh::Box b = e.layout->box(e.shape, i);
+      if (!b.empty()) specs.push_back({ck::piece_name(k, *e.layout, e.shape, i), e.dtype, b.sizes});
+    }
+  }
+  auto identity = ck::data_file_identity(static_cast<int>(f), meta.save_id);
+  identity["tessera.format"] = "tessera-data";
+  const std::string path = ck::join_path(dir, ck::data_file_name(static_cast<int>(f)));
+  const ck::SafetensorsLayout L = ck::layout_safetensors(path, specs, identity);
+  std::vector<std::vector<uint32_t>> crcs;
+  for (const auto& t : L.tensors) crcs.emplace_back(ck::num_blocks(t.nbytes()), 0u);
+  const std::string prefix = L.final_prefix(crcs);
+  ck::File out(path, "w");
+  out.pwrite_exact(0, prefix.data(), prefix.size());
+  out.resize(L.file_size());
+  out.close();
+  return prefix.size();
+}
+
+// The data files rank `rank` of `tgt` opens to load from `meta` (Layout::overlapping).
+std::set<int64_t> files_needed(const ck::CheckpointMetadata& meta, const Setup& tgt, int64_t rank) {
+  std::set<int64_t> files;
+  for (const Key& k : tgt.keys) {
+    if (k.kind == Key::Plain) continue;
+    const ck::EntryInfo& e = meta.entries.at(k.fqn);
+    const sh::Box box = target_box(tgt, k, rank);
+    for (int64_t i : e.layout->overlapping(e.shape, box)) files.insert(e.layout->file_of(i));
+  }
+  return files;
+}
+
+// ------------------------------------------------------------------ load planning
+
+struct LoadOut {
+  int64_t files = 0, pieces = 0;
+  double open_ms = 0;  // open_checkpoint alone (read, parse, checksum of the metadata)
+};
+
+// What load_local does on rank `rank` of `tgt` before it reads any tensor byte
+// (load.cpp): open_checkpoint (read, parse_metadata, metadata checksum), match every
+// wanted key with its entry (kind, shape, dtype), and locate the saved pieces under each
+// local shard (ChunkReader::chunks: Layout::overlapping, then the headers of the data
+// files holding them, each checked against its save id and rank). The located chunks are
+// kept, as load_local keeps them until it has read them.
+LoadOut plan_load(const std::string& dir, const Setup& tgt, int64_t rank) {
+  LoadOut out;
+  const auto t0 = std::chrono::steady_clock::now();
+  ck::CheckpointMetadata meta = ck::open_checkpoint(dir);
+  out.open_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ck::ChunkReader reader(meta);
+  std::vector<std::vector<ck::ChunkInfo>> located;
+  std::vector<Value> values;
+  std::set<std::string> files;
+  for (const Key& k : tgt.keys) {
+    auto it = meta.entries.find(k.fqn);
+    if (it == meta.entries.end()) throw std::runtime_error("missing key " + k.fqn);
+    const ck::EntryInfo& e = it->second;
+    if (k.kind == Key::Plain) {
+      if (e.is_tensor()) throw std::runtime_error("kind mismatch " + k.fqn);
+      values.push_back(e.value);
+      continue;
+    }
+    if (!e.is_tensor() || e.shape != k.param->shape || e.dtype != at::kFloat)
+      throw std::runtime_error("mismatch " + k.fqn);
+    located.push_back(reader.chunks(k.fqn, e, target_box(tgt, k, rank)));
+    for (const auto& c : located.back()) files.insert(c.file);
+    out.pieces += static_cast<int64_t>(located.back().size());
+  }
+  out.files = static_cast<int64_t>(files.size());
+  return out;
+}
+
+// ------------------------------------------------------------------ measuring
+
+using Clock = std::chrono::steady_clock;
+
+struct Measured {
+  double ms = 0;        // median over the repeats
+  int64_t peak = 0;     // heap bytes above those live at the start (max over repeats)
+};
+
+template <class F>
+Measured measure(int repeats, F&& f) {
+  std::vector<double> t;
+  Measured m;
+  for (int r = 0; r < repeats; ++r) {
+    const int64_t base = scale::alloc::reset_peak();
+    const auto t0 = Clock::now();
+    f();
+    t.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    m.peak = std::max(m.peak, scale::alloc::peak() - base);
+  }
+  std::sort(t.begin(), t.end());
+  m.ms = t[t.size() / 2];
+  return m;
+}
+
+std::vector<int64_t> sample_ranks(int64_t n) {
+  std::set<int64_t> s{0, n / 2, n - 1};
+  return {s.begin(), s.end()};
+}
+
+int64_t ceil_log2(int64_t n) {
+  int64_t k = 0;
+  while ((int64_t{1} << k) < n) ++k;
+  return k;
+}
+
+// Bytes a rank sends + receives in a successful save_sharded (save.cpp): one
+// broadcast_or_throw of rank 0's temporary path and save id (broadcast_bytes: an 8-byte
+// length, then the packed message), then three agree() calls (after planning, after
+// writing, after the commit), each an all-reduce of 3 int64 (24 bytes). A load adds one
+// agree(). Two models of the collectives: "pipelined" (a ring all-reduce: each rank
+// sends and receives 2(N-1)/N of the buffer; a chain broadcast: each rank receives the
+// message once and forwards it once) and "tree" (what small messages get: recursive
+// doubling, log2 N exchanges of the whole buffer each way; a binomial-tree broadcast
+// whose root sends the message log2 N times, the busiest rank).
+json coordination(int64_t n, const std::string& ckpt_path) {
+  const std::string dir = ckpt_path.substr(0, ckpt_path.rfind('/'));
+  const std::string base = ckpt_path.substr(ckpt_path.rfind('/') + 1);
+  const std::string tmp = dir + "/." + base + ".tessera-tmp-4194304-0";  // temp_sibling, 7-digit pid
+  const std::string message = ck::Packer().str("").str(ck::Packer().str(tmp).str(kSaveId).bytes()).bytes();
+  const double bcast = 8.0 + static_cast<double>(message.size());  // length, then the message
+  const double ar = 24.0;
+  const int64_t lg = ceil_log2(n);
+  const double ring_ar = n > 1 ? 2.0 * 2.0 * static_cast<double>(n - 1) / static_cast<double>(n) * ar : 0;
+  const double tree_ar = n > 1 ? 2.0 * static_cast<double>(lg) * ar : 0;
+  const double chain_bc = n > 1 ? 2.0 * bcast : 0;
+  const double tree_bc = n > 1 ? static_cast<double>(lg) * bcast : 0;
+  json j;
+  j["path"] = ckpt_path;
+  j["temporary"] = tmp;
+  j["broadcast_message_bytes"] = message.size() + 8;
+  j["all_reduces"] = 3;
+  j["all_reduce_bytes"] = 24;
+  j["pipelined_bytes_per_rank"] = chain_bc + 3 * ring_ar;
+  j["tree_bytes_busiest_rank"] = tree_bc + 3 * tree_ar;
+  j["bytes_per_rank"] = std::max(chain_bc + 3 * ring_ar, tree_bc + 3 * tree_ar);
+  j["load_bytes_per_rank"] = std::max(ring_ar, tree_ar);
+  return j;
+}
+
+// Heap bytes of the shard lists the ShardedTensors handed to a save carry (each holds
+// every rank's ShardMetadata: fsdp.cpp register_sharded_params builds one of `group`
+// entries per parameter, optimizer_state_dict copies it into exp_avg and exp_avg_sq).
+// Not the planner's memory (it reads none of them when FSDP gives its rule), but a rank
+// holds them while it saves.
+int64_t shard_list_bytes(const Setup& s) {
+  int64_t total = 0;
+  for (const Key& k : s.keys) {
+    if (k.kind != Key::Sharded) continue;
+    const int64_t before = scale::alloc::live();
+    {
+      std::vector<sh::ShardMetadata> v;
+      v.reserve(static_cast<size_t>(s.group));
+      for (int64_t r = 0; r < s.group; ++r) {
+        sh::ShardMetadata m;
+        m.box.offsets.assign(k.param->shape.size(), 0);
+        m.box.sizes = k.param->shape;
+        m.placement.rank = static_cast<int>(r);
+        v.push_back(std::move(m));
+      }
+      total += scale::alloc::live() - before;
+    }
+  }
+  return total;
+}
+
+// Metadata bytes the Trainer's RNG state adds (trainer/rng_state.cpp: every rank's CPU
+// generator state, all-gathered, saved as rng.cpu_<r> bytes entries; rng.world_size).
+int64_t trainer_rng_bytes(int64_t n) {
+  at::Tensor st = at::detail::getDefaultCPUGenerator().get_state();
+  ck::EntryInfo e;
+  e.kind = "bytes";
+  e.value = tessera::state::Bytes{std::string(static_cast<size_t>(st.numel()), '\0')};
+  const int64_t entry = static_cast<int64_t>(ck::entry_json(e).size());
+  int64_t total = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t key = static_cast<int64_t>(("rng.cpu_" + std::to_string(r)).size()) + 2;  // quoted
+    total += (key + 1) + (key + 1 + entry + 1);  // in "keys": "k", ; in "entries": "k":{...},
+  }
+  return total;
+}
+
+// ------------------------------------------------------------------ one configuration
+
+struct Options {
+  std::vector<int64_t> ranks{8, 64, 512, 1024, 4096, 16384};
+  std::vector<std::string> models{"gpt2-124m", "llama3-8b", "llama3-70b"};
+  std::vector<std::string> shardings{"full", "hybrid"};
+  std::vector<std::pair<int64_t, int64_t>> reshard{{16384, 1024}, {1024, 16384}};
+  int repeats = 3;
+  std::string out, work, path = "/checkpoints/llama-3-70b/step-00100000";
+};
+
+int64_t group_of(const std::string& sharding, int64_t n) { return sharding == "hybrid" ? std::min(kHybridGroup, n) : n; }
+
+// Saves `s` "to" dir: the metadata rank 0 writes (every rank computes the same; checked).
+ck::CheckpointMetadata write_checkpoint(const Setup& s, const std::string& dir, std::string& text) {
+  ck::make_dir(dir);
+  plan_save(s, 0, &text);
+  ck::write_metadata_text(dir, text);
+  return ck::parse_metadata(text, dir);
+}
+
+json load_rank(const std::string& dir, const ck::CheckpointMetadata& meta, const Setup& tgt, int64_t rank,
+               std::set<int64_t>& written, int repeats) {
+  const std::set<int64_t> need = files_needed(meta, tgt, rank);
+  uint64_t header_bytes = 0;
+  for (int64_t f : need) {
+    const uint64_t h = write_data_file_header(dir, meta, f);
+    header_bytes += h;
+    written.insert(f);
+  }
+  LoadOut lo;
+  std::vector<double> open_ms;
+  const Measured m = measure(repeats, [&] {
+    lo = plan_load(dir, tgt, rank);
+    open_ms.push_back(lo.open_ms);
+  });
+  std::sort(open_ms.begin(), open_ms.end());
+  if (lo.files != static_cast<int64_t>(need.size()))
+    throw std::runtime_error("load opened " + std::to_string(lo.files) + " files, overlapping() says " +
+                             std::to_string(need.size()));
+  json r;
+  r["rank"] = rank;
+  r["ms"] = m.ms;
+  r["metadata_ms"] = open_ms[open_ms.size() / 2];
+  r["peak_bytes"] = m.peak;
+  r["files"] = lo.files;
+  r["pieces"] = lo.pieces;
+  r["header_bytes"] = header_bytes;
+  return r;
+}
+
+void clear_data_files(const std::string& dir, std::set<int64_t>& written) {
+  for (int64_t f : written) ::unlink(ck::join_path(dir, ck::data_file_name(static_cast<int>(f))).c_str());
+  written.clear();
+}
+
+json max_of(const json& rows, const char* field) {
+  json best = rows[0][field];
+  for (const auto& r : rows)
+    if (r[field].get<double>() > best.get<double>()) best = r[field];
+  return best;
+}
+
+json run_config(const Model& model, const std::string& sharding, int64_t n, const Options& o, const std::string& work) {
+  const Setup s = make_setup(model, n, group_of(sharding, n));
+  json row;
+  row["model"] = model.name;
+  row["sharding"] = sharding;
+  row["ranks"] = n;
+  row["shard_group"] = s.group;
+  int64_t tensors = 0;
+  for (const auto& k : s.keys) tensors += k.kind != Key::Plain;
+  row["keys"] = s.keys.size();
+  row["tensor_keys"] = tensors;
+  // Save planning on the sampled ranks; every rank must produce the same text.
+  json save = json::array();
+  uint64_t digest = 0;
+  size_t bytes = 0;
+  for (int64_t r : sample_ranks(n)) {
+    SaveOut so;
+    const Measured m = measure(o.repeats, [&] { so = plan_save(s, r); });
+    if (digest == 0) {
+      digest = so.digest;
+      bytes = so.bytes;
+    } else if (digest != so.digest) {
+      throw std::runtime_error("ranks computed different metadata (" + model.name + ", N=" + std::to_string(n) + ")");
+    }
+    save.push_back({{"rank", r}, {"ms", m.ms}, {"peak_bytes", m.peak}, {"pieces", so.pieces}});
+  }
+  row["metadata_bytes"] = bytes;
+  row["save"] = {{"ms_max", max_of(save, "ms")}, {"peak_bytes_max", max_of(save, "peak_bytes")}, {"ranks", save}};
+  row["coordination"] = coordination(n, o.path);
+  // Load planning of a resume (the same layout at the same N).
+  const std::string dir = ck::join_path(work, model.name + "-" + sharding + "-" + std::to_string(n));
+  std::string text;
+  const ck::CheckpointMetadata meta = write_checkpoint(s, dir, text);
+  json load = json::array();
+  std::set<int64_t> written;
+  for (int64_t r : sample_ranks(n)) {
+    load.push_back(load_rank(dir, meta, s, r, written, o.repeats));
+    clear_data_files(dir, written);
+  }
+  row["load"] = {{"ms_max", max_of(load, "ms")},
+                 {"peak_bytes_max", max_of(load, "peak_bytes")},
+                 {"files_max", max_of(load, "files")},
+                 {"ranks", load}};
+  // Where a load's metadata time goes: JSON parsing as nlohmann parses (no checks), the
+  // strict parse (duplicate keys refused), parse_metadata (strict parse + every entry and
+  // layout validated), the checksum.
+  {
+    json parse;
+    parse["plain_json_ms"] = measure(o.repeats, [&] { (void)nlohmann::json::parse(text); }).ms;
+    parse["parse_json_strict_ms"] = measure(o.repeats, [&] { (void)ck::parse_json_strict(text, "m"); }).ms;
+    parse["parse_metadata_ms"] = measure(o.repeats, [&] { (void)ck::parse_metadata(text, dir); }).ms;
+    parse["checksum_ms"] = measure(o.repeats, [&] { ck::check_metadata_checksum(text, "m"); }).ms;
+    row["metadata_parse"] = parse;
+  }
+  row["state_shard_lists_bytes"] = shard_list_bytes(s);
+  row["trainer_rng_metadata_bytes"] = trainer_rng_bytes(n);
+  ck::remove_all(dir);
+  return row;
+}
+
+json run_reshard(const Model& model, const std::string& sharding, int64_t n, int64_t m_ranks, const Options& o,
+                 const std::string& work) {
+  const Setup src = make_setup(model, n, group_of(sharding, n));
+  const Setup tgt = make_setup(model, m_ranks, group_of(sharding, m_ranks));
+  if ((src.group > 1) != (tgt.group > 1)) throw std::runtime_error("reshard between sharded and whole states");
+  const std::string dir =
+      ck::join_path(work, model.name + "-" + sharding + "-" + std::to_string(n) + "-to-" + std::to_string(m_ranks));
+  std::string text;
+  const ck::CheckpointMetadata meta = write_checkpoint(src, dir, text);
+  json rows = json::array();
+  std::set<int64_t> written;
+  for (int64_t r : sample_ranks(m_ranks)) {
+    rows.push_back(load_rank(dir, meta, tgt, r, written, o.repeats));
+    clear_data_files(dir, written);
+  }
+  ck::remove_all(dir);
+  return {{"model", model.name},
+          {"sharding", sharding},
+          {"from_ranks", n},
+          {"to_ranks", m_ranks},
+          {"metadata_bytes", text.size()},
+          {"ms_max", max_of(rows, "ms")},
+          {"peak_bytes_max", max_of(rows, "peak_bytes")},
+          {"files_max", max_of(rows, "files")},
+          {"ranks", rows}};
+}
+
+// ------------------------------------------------------------------ --predict
+
+struct PredictOptions {
+  int64_t n_layer = 4, n_head = 4, d_model = 128, seq_len = 64;
+  bool tie = false;
+  int64_t ranks = 1, group = 0;  // group 0: FULL (the world)
+  std::string strategy = "fsdp", metadata;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read '" + path + "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+int predict(const PredictOptions& p) {
+  const Model model = scale::gpt("tiny-gpt", 256, p.n_layer, p.d_model, p.seq_len, p.tie);  // examples/gpt: byte vocab
+  const int64_t group = p.strategy == "ddp" ? 1 : (p.group > 0 ? p.group : p.ranks);
+  if (p.ranks % group != 0) throw std::runtime_error("--shard-group must divide --ranks");
+  const Setup s = make_setup(model, p.ranks, group);
+  std::cout << "model: examples/gpt, " << p.n_layer << " layers, d_model " << p.d_model << ", seq_len " << p.seq_len
+            << (p.tie ? ", tied head" : ", untied head") << ": " << model.numel() << " parameters in "
+            << model.params.size() << " tensors\n";
+  std::cout << "layout: " << p.strategy << ", " << p.ranks << " ranks, shard groups of " << group << "\n";
+  if (p.metadata.empty()) {
+    // The model and AdamW state alone, with placeholder plain values (a Trainer adds its
+    // own: loop, sampler, scheduler, callbacks, RNG states, hparams).
+    std::string text;
+    plan_save(s, 0, &text);
+    const ck::CheckpointMetadata m = ck::parse_metadata(text, "predicted");
+    int64_t tensor_bytes = 0;
+    for (const auto& k : m.keys) {
+      const ck::EntryInfo& e = m.entries.at(k);
+      if (!e.is_tensor()) continue;
+      const int64_t key = static_cast<int64_t>(json(k).dump().size());
+      tensor_bytes += (key + 1) + (key + 1 + static_cast<int64_t>(ck::entry_json(e).size()) + 1);
+    }
+    std::cout << "predicted_metadata_bytes " << text.size() << " (model + AdamW state, placeholder plain values)\n";
+    std::cout << "tensor_entry_bytes " << tensor_bytes << " (each tensor's key in \"keys\" and its entry, with separators)\n";
+    return 0;
+  }
+  // A real save's metadata: keep what the planner cannot know (keys and their order,
+  // plain values, save id, world size), recompute every tensor entry, compare the texts.
+  const std::string real = read_file(p.metadata);
+  const ck::CheckpointMetadata got = ck::parse_metadata(real, p.metadata);
+  std::map<std::string, const Key*> tensors;
+  for (const Key& k : s.keys)
+    if (k.kind != Key::Plain) tensors[k.fqn] = &k;
+  ck::CheckpointMetadata m;
+  m.version = got.version;
+  m.world_size = got.world_size;
+  m.crc_block = got.crc_block;
+  m.save_id = got.save_id;
+  m.keys = got.keys;
+  if (got.world_size != p.ranks)
+    throw std::runtime_error("the metadata's world_size is " + std::to_string(got.world_size) + ", --ranks " +
+                             std::to_string(p.ranks));
+  std::vector<std::string> problems;
+  std::set<std::string> seen;
+  std::vector<int64_t> members(static_cast<size_t>(group));
+  int64_t key_index = 0, predicted = 0;
+  for (const auto& k : got.keys) {
+    const ck::EntryInfo& real_e = got.entries.at(k);
+    auto it = tensors.find(k);
+    if (!real_e.is_tensor()) {
+      if (it != tensors.end()) problems.push_back("'" + k + "' is a tensor in the model, a plain value in the file");
+      m.entries.emplace(k, real_e);
+    } else if (it == tensors.end()) {
+      problems.push_back("'" + k + "' is a tensor in the file but not in the model");
+      m.entries.emplace(k, real_e);
+    } else {
+      seen.insert(k);
+      const Key& key = *it->second;
+      ck::EntryInfo e;
+      e.dtype = at::kFloat;
+      e.shape = key.param->shape;
+      if (key.kind == Key::Tensor) {
+        e.kind = "tensor";
+        e.layout = sh::Layout::whole(0);
+      } else {
+        e.kind = "sharded";
+        std::iota(members.begin(), members.end(), int64_t{0});
+        const ck::GroupPlacement g = ck::group_placement(members, p.ranks, k);
+        e.layout = ck::plan_saved_layout(k, e.shape, {}, fsdp_layout(s, *key.param), g, p.ranks, 0, key_index).layout;
+      }
+      if (got.version == 1) {
+        // Version 1 lists every chunk: compare boxes (and files, which FULL_SHARD's
+        // ranks write themselves; HYBRID's writers were chosen at save time).
+        std::set<std::pair<std::string, std::vector<int64_t>>> want, have;
+        for (int64_t i = 0; i < e.layout->count(); ++i) {
+          const sh::Box b = e.layout->box(e.shape, i);
+          if (b.empty()) continue;
+          std::vector<int64_t> v = b.offsets;
+          v.insert(v.end(), b.sizes.begin(), b.sizes.end());
+          want.insert({group == p.ranks ? ck::data_file_name(static_cast<int>(e.layout->file_of(i))) : "", v});
+        }
+        for (const auto& c : real_e.chunks) {
+          if (c.box.empty()) continue;
+          std::vector<int64_t> v = c.box.offsets;
+          v.insert(v.end(), c.box.sizes.begin(), c.box.sizes.end());
+          have.insert({group == p.ranks ? c.file : "", v});
+        }
+        if (want != have || real_e.shape != e.shape || real_e.dtype != e.dtype)
+          problems.push_back("'" + k + "': chunks differ from the predicted layout");
+      }
+      m.entries.emplace(k, std::move(e));
+      ++predicted;
+    }
+    ++key_index;
+  }
+  for (const auto& [k, key] : tensors)
+    if (!seen.count(k)) problems.push_back("'" + k + "' is in the model but not in the file");
+  std::cout << "tensor entries predicted: " << predicted << " of " << got.keys.size() << " keys (version "
+            << got.version << ")\n";
+  if (got.version >= 2) {
+    const std::string text = ck::to_json(m);
+    std::cout << "predicted_metadata_bytes " << text.size() << "\nreal_metadata_bytes " << real.size() << "\n";
+    if (text != real) {
+      size_t at = 0;
+      while (at < text.size() && at < real.size() && text[at] == real[at]) ++at;
+      const size_t from = at > 60 ? at - 60 : 0;
+      problems.push_back("texts differ at byte " + std::to_string(at) + ": predicted ..." + text.substr(from, 120) +
+                         "... real ..." + real.substr(from, 120) + "...");
+    }
+  } else {
+    std::cout << "real_metadata_bytes " << real.size() << " (version 1: chunk lists compared, not text)\n";
+  }
+  for (const auto& q : problems) std::cout << "DIFF " << q << "\n";
+  std::cout << (problems.empty() ? "match" : "MISMATCH") << "\n";
+  return problems.empty() ? 0 : 1;
+}
+
+// ------------------------------------------------------------------ main
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+int64_t peak_rss_kib() {
+  struct rusage ru {};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_maxrss;
+}
+
+std::string fmt_bytes(double b) {
+  char buf[64];
+  if (b >= 1 << 20) std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1 << 20));
+  else if (b >= 1 << 10) std::snprintf(buf, sizeof buf, "%.1f KiB", b / (1 << 10));
+  else std::snprintf(buf, sizeof buf, "%.0f B", b);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Options o;
+    PredictOptions p;
+    bool predict_mode = false;
+    std::string model_name;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto next = [&]() -> std::string {
+        if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--ranks") {
+        o.ranks.clear();
+        for (const auto& x : split(next(), ',')) o.ranks.push_back(std::stoll(x));
+        p.ranks = o.ranks.empty() ? 1 : o.ranks.front();
+      } else if (a == "--models") {
+        o.models = split(next(), ',');
+      } else if (a == "--shardings") {
+        o.shardings = split(next(), ',');
+      } else if (a == "--reshard") {
+        o.reshard.clear();
+        for (const auto& x : split(next(), ',')) {
+          const auto c = x.find(':');
+          if (c == std::string::npos) throw std::runtime_error("--reshard takes N:M pairs");
+          o.reshard.emplace_back(std::stoll(x.substr(0, c)), std::stoll(x.substr(c + 1)));
+        }
+      } else if (a == "--repeats") {
+        o.repeats = std::max(1, std::stoi(next()));
+      } else if (a == "--out") {
+        o.out = next();
+      } else if (a == "--work") {
+        o.work = next();
+      } else if (a == "--path") {
+        o.path = next();
+      } else if (a == "--predict") {
+        predict_mode = true;
+      } else if (a == "--model") {
+        model_name = next();
+      } else if (a == "--n-layer") {
+        p.n_layer = std::stoll(next());
+      } else if (a == "--n-head") {
+        p.n_head = std::stoll(next());  // shapes do not depend on it
+      } else if (a == "--d-model") {
+        p.d_model = std::stoll(next());
+      } else if (a == "--seq-len") {
+        p.seq_len = std::stoll(next());
+      } else if (a == "--tie") {
+        p.tie = true;
+      } else if (a == "--sharding") {
+        const std::string v = next();
+        if (v == "hybrid" && p.group == 0) p.group = kHybridGroup;
+        else if (v != "full" && v != "hybrid") throw std::runtime_error("--sharding full|hybrid");
+      } else if (a == "--shard-group") {
+        p.group = std::stoll(next());
+      } else if (a == "--strategy") {
+        p.strategy = next();
+        if (p.strategy != "fsdp" && p.strategy != "ddp") throw std::runtime_error("--strategy fsdp|ddp");
+      } else if (a == "--metadata") {
+        p.metadata = next();
+      } else if (a == "-h" || a == "--help") {
+        std::cout << "see the comment at the top of bench/scale/scale_bench.cpp\n";
+        return 0;
+      } else {
+        throw std::runtime_error("unknown argument '" + a + "'");
+      }
+    }
+    if (predict_mode) {
+      if (model_name != "tiny-gpt") throw std::runtime_error("--predict supports --model tiny-gpt");
+      return predict(p);
+    }
+    std::string work = o.work;
+    bool own_work = false;
+    if (work.empty()) {
+      char tmpl[] = "/tmp/tessera-scale-XXXXXX";
+      if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp failed");
+      work = tmpl;
+      own_work = true;
+    } else {
+      ck::make_dir(work);
+    }
+    json result;
+    result["benchmark"] = "scale-tessera";
+    result["method"] = {
+        {"save", "per sampled rank: CheckpointMetadata + plan_saved_layout of every tensor + its pieces + to_json + "
+                 "fnv1a64, as save_sharded; median of the repeats"},
+        {"load", "per sampled rank: open_checkpoint (read, parse_metadata, checksum) + ChunkReader::chunks for every "
+                 "local shard (Layout::overlapping, then the headers of the data files holding the pieces: sparse "
+                 "files whose headers are what write_data_file writes)"},
+        {"memory", "peak of live heap bytes above those live at the start, counted by replaced global operator "
+                   "new/delete (malloc_usable_size of every block)"},
+        {"repeats", o.repeats}};
+    json rows = json::array(), reshards = json::array(), models = json::array();
+    const auto t_start = Clock::now();
+    for (const auto& name : o.models) {
+      const Model model = scale::model_by_name(name);
+      int64_t tensors = 0;
+      models.push_back({{"name", name}, {"note", model.note}, {"parameters", model.numel()},
+                        {"parameter_tensors", model.params.size()}, {"fsdp_units", model.unit_numel.size()}});
+      (void)tensors;
+      for (const auto& sharding : o.shardings) {
+        for (int64_t n : o.ranks) {
+          const auto t0 = Clock::now();
+          json row = run_config(model, sharding, n, o, work);
+          std::printf("%-11s %-6s N=%-6lld metadata %-11s save %7.2f ms %-10s load %7.2f ms %-10s files %-5lld (%.1f s)\n",
+                      name.c_str(), sharding.c_str(), static_cast<long long>(n),
+                      fmt_bytes(row["metadata_bytes"].get<double>()).c_str(), row["save"]["ms_max"].get<double>(),
+                      fmt_bytes(row["save"]["peak_bytes_max"].get<double>()).c_str(),
+                      row["load"]["ms_max"].get<double>(),
+                      fmt_bytes(row["load"]["peak_bytes_max"].get<double>()).c_str(),
+                      static_cast<long long>(row["load"]["files_max"].get<int64_t>()),
+                      std::chrono::duration<double>(Clock::now() - t0).count());
+          std::fflush(stdout);
+          rows.push_back(std::move(row));
+        }
+        for (const auto& [n, m] : o.reshard) {
+          json r = run_reshard(model, sharding, n, m, o, work);
+          std::printf("%-11s %-6s reshard %lld -> %lld: load %7.2f ms %-10s files %lld\n", name.c_str(),
+                      sharding.c_str(), static_cast<long long>(n), static_cast<long long>(m), r["ms_max"].get<double>(),
+                      fmt_bytes(r["peak_bytes_max"].get<double>()).c_str(),
+                      static_cast<long long>(r["files_max"].get<int64_t>()));
+          std::fflush(stdout);
+          reshards.push_back(std::move(r));
+        }
+      }
+    }
+    result["models"] = models;
+    result["configs"] = rows;
+    result["reshard"] = reshards;
+    result["wall_s"] = std::chrono::duration<double>(Clock::now() - t_start).count();
+    result["peak_rss_kib"] = peak_rss_kib();
+    if (own_work) ck::remove_all(work);
+    const std::string text = result.dump(1);
+    if (o.out.empty()) {
+      std::cout << text << "\n";
+    } else {
+      std::ofstream(o.out) << text << "\n";
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "scale_bench: " << e.what() << "\n";
+    return 2;
+  }
+}
