@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make bench: every benchmark, results as JSON under bench/results/, tables in
-# docs/benchmarks.md regenerated from them.
+# docs/benchmarks-history.md regenerated from them.
 set -euo pipefail
 BUILD=${1:-build}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
