@@ -1,5 +1,7 @@
 #include "tessera/checkpoint/save_plan.h"
 
+#include <algorithm>
+
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
 
@@ -41,6 +43,11 @@ std::optional<sharding::Layout> infer_chunk(const std::vector<int64_t>& shape,
 
 }  // namespace
 
+int64_t hybrid_shift(int64_t key_index, const GroupPlacement& group) {
+  if (group.replicas <= 1) return 0;
+  return key_index % std::min(kHybridSpread, group.replicas);
+}
+
 SavedLayout plan_saved_layout(const std::string& fqn, const std::vector<int64_t>& shape,
                               const std::vector<sharding::ShardMetadata>& shards,
                               const std::optional<sharding::Layout>& hint, const GroupPlacement& group, int64_t world,
@@ -54,7 +61,7 @@ SavedLayout plan_saved_layout(const std::string& fqn, const std::vector<int64_t>
     if (R > 1) {
       L.files.replicas = R;
       L.files.replica_step = S;
-      L.files.shift = key_index % R;
+      L.files.shift = hybrid_shift(key_index, group);
     }
     L.validate(shape, world, concat("key '", fqn, "'"));
     // The piece stored in this rank's file: the one at its place in its block, if its
@@ -71,7 +78,7 @@ SavedLayout plan_saved_layout(const std::string& fqn, const std::vector<int64_t>
   for (size_t i = 0; i < shards.size(); ++i) {
     const int64_t p = shards[i].placement.rank;
     TESSERA_CHECK(p >= 0 && p < S, "key '", fqn, "': shard ", i, " is on rank ", p, " of a communicator of ", S);
-    const int64_t g = R > 1 ? (static_cast<int64_t>(i) + key_index) % R : group.group;
+    const int64_t g = R > 1 ? (static_cast<int64_t>(i) + hybrid_shift(key_index, group)) % R : group.group;
     L.list.push_back({g * S + p, shards[i].box});
     if (g * S + p == rank && !shards[i].box.empty()) out.mine.push_back(static_cast<int64_t>(i));
   }

@@ -25,6 +25,16 @@ struct GroupPlacement {
 // Throws tessera::Error naming `fqn` when they are not such a block.
 GroupPlacement group_placement(const std::vector<int64_t>& saving_ranks, int64_t world, const std::string& fqn);
 
+// Replica groups (HYBRID_SHARD): which group stores piece i of the entry at `key_index` is
+// (i + shift) mod replicas, shift = key_index mod min(kHybridSpread, replicas). A rank
+// resuming at the same layout (shard position p) thus reads its pieces from at most
+// kHybridSpread data files whatever the world size, and up to kHybridSpread * size ranks
+// share the writing (every rank of small worlds; 512 ranks with 8-rank shard groups). A
+// shift of key_index mod replicas spread the writing over every rank but sent a resuming
+// rank to 816 files at 16,384 ranks (Llama-3-70B, bench/scale).
+constexpr int64_t kHybridSpread = 64;
+int64_t hybrid_shift(int64_t key_index, const GroupPlacement& group);
+
 struct SavedLayout {
   sharding::Layout layout;    // files are saving ranks
   std::vector<int64_t> mine;  // the non-empty pieces saving rank `rank` stores
@@ -32,8 +42,8 @@ struct SavedLayout {
 // The layout recorded for a sharded tensor of `shape` whose shards (in the tensor's
 // communicator's ranks) are `shards`, following `hint` when given (shard i = piece i on
 // rank i, as ShardedTensor::from_parts checks); else torch.chunk's rule when the shards
-// follow it, else an explicit list. With several replica groups, group (i + key_index)
-// mod replicas stores piece i, so the groups share the writing. O(1) with a hint and a
+// follow it, else an explicit list. With several replica groups, group
+// (i + hybrid_shift(key_index)) mod replicas stores piece i. O(1) with a hint and a
 // step-1 map, O(shards) otherwise.
 SavedLayout plan_saved_layout(const std::string& fqn, const std::vector<int64_t>& shape,
                               const std::vector<sharding::ShardMetadata>& shards,
