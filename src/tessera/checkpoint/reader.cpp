@@ -361,14 +361,31 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   const SafetensorsReader& r = reader(c.file);
   const Range rg = range_of(fqn, e, c, *ov);
   const uint64_t is = itemsize(e.dtype);
-  const uint64_t block = rg.block, b0 = rg.b0, b1 = rg.b1;
+  // Checksum blocks this reader verified before need no second check: the bytes of the
+  // overlap are read alone, not widened to whole blocks. (A reshard to many ranks reads a
+  // few hundred bytes of each source block for every output rank: widening re-read and
+  // re-checked each 4 MiB block a thousand times.)
+  std::vector<bool>* seen = nullptr;
+  bool verified = false;
+  uint64_t blk0 = 0, blk1 = 0;
+  if (!c.crcs.empty()) {
+    seen = &checked_[{r.path(), c.begin}];
+    if (seen->size() != c.crcs.size()) seen->assign(c.crcs.size(), false);
+    blk0 = rg.b0 / rg.block;
+    blk1 = (rg.b1 + rg.block - 1) / rg.block;
+    verified = blk1 <= seen->size();
+    for (uint64_t k = blk0; verified && k < blk1; ++k) verified = (*seen)[k];
+  }
+  const uint64_t block = verified ? 1 : rg.block;
+  const uint64_t b0 = verified ? static_cast<uint64_t>(rg.first) * is : rg.b0;
+  const uint64_t b1 = verified ? static_cast<uint64_t>(rg.last + 1) * is : rg.b1;
   // Fast path: the overlap is one contiguous byte range of the chunk (whole rows, or
   // the whole chunk), the range needs no widening to checksum blocks, and the
   // destination holds it contiguously on the CPU: read straight into the destination
   // (a sharded load of a consolidated file reads each rank's rows this way).
   at::Tensor view = sharding::narrow_to(dst, dst_box, *ov);
   const bool whole_rows = c.box.dim() == 0 || std::equal(ov->sizes.begin() + 1, ov->sizes.end(), c.box.sizes.begin() + 1);
-  const bool direct = whole_rows && rg.exact && view.device().is_cpu() && view.is_contiguous();
+  const bool direct = whole_rows && (rg.exact || verified) && view.device().is_cpu() && view.is_contiguous();
   // A device destination is filled from a pinned host buffer (a DMA copy per chunk piece).
   at::Tensor buf = direct ? view
                           : at::empty({static_cast<int64_t>((b1 - b0) / is)},
@@ -377,7 +394,9 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
                 "-byte read into a buffer of ", buf.numel(), " elements");
   auto* p = static_cast<char*>(buf.data_ptr());
   // Checks the checksum blocks of the `n` bytes at `at` (from b0; block-aligned).
-  auto check = [&](uint64_t at, const char* q, uint64_t n) { check_blocks(r.path(), fqn, c, b0 + at, q, n); };
+  auto check = [&](uint64_t at, const char* q, uint64_t n) {
+    if (!verified) check_blocks(r.path(), fqn, c, b0 + at, q, n);
+  };
   if (b1 - b0 >= DirectReader::kMinBytes) {
     // Segments of whole checksum blocks, read and checked two at a time off this thread.
     io_.read(r.file(), c.begin + b0, p, b1 - b0, c.crcs.empty() ? 1 : block, check);
@@ -385,6 +404,8 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
     r.file().pread_exact(c.begin + b0, p, b1 - b0);
     check(0, p, b1 - b0);
   }
+  if (seen != nullptr && !verified)
+    for (uint64_t k = blk0; k < blk1 && k < seen->size(); ++k) (*seen)[k] = true;
   if (direct) return ov->numel();
   at::Tensor src = buf.as_strided(ov->sizes, rg.strides, rg.first - static_cast<int64_t>(b0 / is));
   view.copy_(src);

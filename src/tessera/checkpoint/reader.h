@@ -55,7 +55,8 @@ class ChunkReader {
   const SafetensorsReader& data_file(int64_t rank);
   // Copies the overlap of chunk `c` (of entry `fqn`) with `dst_box` into `dst`, which
   // holds the elements of `dst_box`. Reads only the checksum blocks that cover the
-  // overlap. Returns the number of elements copied.
+  // overlap, and checks them; blocks this reader already checked are not read again
+  // whole (only the overlap's bytes). Returns the number of elements copied.
   int64_t copy_into(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c, at::Tensor& dst,
                     const sharding::Box& dst_box);
   // Asks the kernel to start reading the bytes copy_into(fqn, e, c, ., dst_box) will
@@ -102,6 +103,9 @@ class ChunkReader {
   const CheckpointMetadata& meta_;
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
   std::set<int64_t> identified_;  // version 2: data files whose identity was checked
+  // The checksum blocks verified so far, per chunk (data file path, chunk's first byte):
+  // a later read inside them reads only its own bytes.
+  std::map<std::pair<std::string, uint64_t>, std::vector<bool>> checked_;
   std::list<std::string> open_;  // data files with an open descriptor, most recently used first
   size_t max_open_;
   DirectReader io_;  // its worker threads start at the first large read
