@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The harness against reality (issue 33 item 5): real `gpt train` FSDP saves at 2, 8, 32
+# and 64 ranks on this machine (a tiny model, real processes and c10d groups), each compared
+# byte for byte with the metadata scale_bench --predict computes from the model's shapes
+# with the same planning code (keys' order, plain values and the save id taken from the
+# real file: what no planner can know). Results in bench/results/scale-validate.json.
+#   bench/scale/validate.sh [BUILD] [RANKS...]   (default ranks: 2 8 32 64)
+set -euo pipefail
+BUILD=${1:-build}
+shift || true
+RANKS=("$@")
+[ ${#RANKS[@]} -gt 0 ] || RANKS=(2 8 32 64)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+W=$(mktemp -d /tmp/tessera-scale-validate-XXXXXX)
+trap 'rm -rf "$W"' EXIT
+model=(--n-layer 2 --n-head 2 --d-model 32 --seq-len 16)
+rows=()
+for n in "${RANKS[@]}"; do
+  out="$W/run$n"
+  "$BUILD/bin/tessera" run -n "$n" -- "$BUILD/bin/gpt" train "${model[@]}" --batch-size "$n" --max-steps 1 \
+    --val-every 0 --limit-val-batches 0 --threads 1 --no-progress-bar --out "$out" > "$W/train$n.log" 2>&1 ||
+    { tail -20 "$W/train$n.log"; exit 1; }
+  meta="$out/checkpoints/last.ckpt/tessera-checkpoint.json"
+  if "$BUILD/bin/scale_bench" --predict --model tiny-gpt "${model[@]}" --ranks "$n" --metadata "$meta" \
+      > "$W/predict$n.log" 2>&1; then ok=true; else ok=false; fi
+  echo "ranks $n: $(stat -c %s "$meta") metadata bytes, prediction: $(tail -1 "$W/predict$n.log")"
+  rows+=("{\"ranks\": $n, \"metadata_bytes\": $(stat -c %s "$meta"), \"match\": $ok}")
+done
+mkdir -p bench/results
+( IFS=,; echo "{\"benchmark\": \"scale-validate\", \"date\": \"$(date -u +%FT%TZ)\", \"runs\": [${rows[*]}]}" ) \
+  > bench/results/scale-validate.json
+cat bench/results/scale-validate.json
