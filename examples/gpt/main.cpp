@@ -109,6 +109,10 @@ int main(int argc, char** argv) {
                     "AdamW implementation: one-pass (tessera::optim::AdamW, each parameter updated in one pass "
                     "over its memory) or libtorch (torch::optim::AdamW); the same optimizer state either way")
       ->check(CLI::IsMember({"one-pass", "libtorch"}))->capture_default_str();
+  train->add_option("--comm-timeout", ta.comm_timeout,
+                    "seconds a collective (or the rendezvous) waits for the other ranks; a rank that times out exits "
+                    "naming the collective and the ranks that had not arrived")
+      ->check(gpt::positive_float())->capture_default_str();
   train->add_flag("--async-ckpt", ta.async_ckpt, "write checkpoints in the background while training goes on (one in flight)");
   train->add_option("--state-dict", ta.state_dict, "checkpoint kind: sharded|full (default: sharded for fsdp)")
       ->check(CLI::IsMember({"sharded", "full"}));

@@ -283,6 +283,7 @@ int run_train(TrainArgs a) {
   o.fabric.devices = local;
   o.fabric.num_nodes = std::max(1, world / std::max(1, local));
   o.fabric.precision = a.precision;
+  o.fabric.comm.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(a.comm_timeout * 1000)));
   using SS = strategy::ShardingStrategy;
   o.fabric.fsdp.sharding = a.sharding == "full"      ? SS::FullShard
                            : a.sharding == "grad-op" ? SS::ShardGradOp

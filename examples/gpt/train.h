@@ -16,6 +16,7 @@ struct TrainArgs {
   int64_t max_steps = 300, batch_size = 16, seq_len = 64, n_layer = 4, n_head = 4, d_model = 128;
   int64_t warmup_steps = -1, decay_steps = 0, ckpt_every = 0, val_every = 50, log_every = 10;
   int64_t limit_val_batches = -1;  // batches per validation; -1: all, 0: no validation
+  double comm_timeout = 60;  // seconds a collective may wait for the other ranks (CommOptions::timeout)
   double lr = 2e-3, min_lr_ratio = 0.1, weight_decay = 0.01, grad_clip = 1.0, val_fraction = 0.1;
   uint64_t seed = 1234;
   std::vector<std::string> data;
