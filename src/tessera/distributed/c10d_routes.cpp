@@ -53,8 +53,13 @@ WorkList exchange(compat::BackendBase& be, int me, int n, int tag,
 
 }  // namespace
 
-C10dRoutes::C10dRoutes(ProcessGroups groups, const CommOptions& options, const GroupPlace& place)
-    : groups_(std::move(groups)), timeout_(options.timeout), gloo_native_(options.gloo_native), place_(place) {}
+C10dRoutes::C10dRoutes(ProcessGroups groups, const CommOptions& options, const GroupPlace& place,
+                       ArrivalBoard& board)
+    : groups_(std::move(groups)),
+      timeout_(options.timeout),
+      gloo_native_(options.gloo_native),
+      place_(place),
+      board_(board) {}
 
 compat::BackendBase& C10dRoutes::backend(const at::Tensor& t) {
   if (t.is_cuda()) {
@@ -72,13 +77,20 @@ compat::BackendBase& C10dRoutes::backend(const at::Tensor& t) {
 // stream, the host goes on (so a prefetched all-gather overlaps the compute queued after
 // it). Passing a timeout to NCCL's wait() would instead block the host until the
 // collective finished; NCCL's watchdog enforces the process group's timeout (set at
-// creation) either way.
-void C10dRoutes::wait_work(const c10::intrusive_ptr<compat::Work>& work, const char* what, const at::Tensor& t) {
-  place_.guarded(what, t, [&] {
-    if (t.is_cuda())
-      work->wait();
-    else
-      work->wait(timeout_);
+// creation) either way. On the CPU each work is waited for with the timeout, in one
+// piece: Gloo's send and recv works end themselves (with the timeout as their error)
+// when a wait with a timeout runs out, so a wait in slices could not be resumed; the
+// board's thread records the long wait meanwhile (arrivals.h).
+void C10dRoutes::wait_works(const WorkList& works, const char* what, const at::Tensor& t, int64_t seq) {
+  if (t.is_cuda()) {
+    place_.guarded(what, t, [&] {
+      for (auto& w : works) w->wait();
+      return 0;
+    });
+    return;
+  }
+  board_.waited(what, t, seq, [&] {
+    for (auto& w : works) w->wait(timeout_);
     return 0;
   });
 }
@@ -131,8 +143,8 @@ Pending C10dRoutes::all_reduce(const at::Tensor& tensor, ReduceOp op) {
     o.reduceOp = to_c10d(op);
     o.timeout = timeout_;
     auto work = backend(tensor).allreduce(v, o);
-    return Pending([this, work, work_t, tensor, op, n]() mutable {
-      wait_work(work, "all_reduce", tensor);
+    return Pending([this, work, work_t, tensor, op, n, seq = board_.issued()]() mutable {
+      wait_works({work}, "all_reduce", tensor, seq);
       finish_avg(work_t, op, n);
       if (!work_t.is_same(tensor)) tensor.copy_(work_t);
       return tensor;
@@ -183,8 +195,8 @@ Pending C10dRoutes::all_gather(const at::Tensor& local, const std::vector<int64_
       works.push_back(be.allgather(outs, ins));
       send_w = padded;
     }
-    return Pending([this, works, send_w, buf, out_w, out, sizes, p, local, n]() {
-      for (auto& w : works) wait_work(w, "all_gather", local);
+    return Pending([this, works, send_w, buf, out_w, out, sizes, p, local, n, seq = board_.issued()]() {
+      wait_works(works, "all_gather", local, seq);
       if (buf.defined()) {
         for (int r = 0; r < n; ++r)
           if (sizes[r] > 0) out_w.narrow(0, p.off[r], sizes[r]).copy_(buf.narrow(0, r * p.maxs, sizes[r]));
@@ -245,8 +257,8 @@ Pending C10dRoutes::reduce_scatter(const at::Tensor& full, const std::vector<int
         works.push_back(be.alltoall_base(out, in, out_splits, in_splits, o));
       }
     }
-    return Pending([this, works, in, out, p, emulated, mine, me, n, op, full, upcast]() {
-      for (auto& w : works) wait_work(w, "reduce_scatter", full);
+    return Pending([this, works, in, out, p, emulated, mine, me, n, op, full, upcast, seq = board_.issued()]() {
+      wait_works(works, "reduce_scatter", full, seq);
       at::Tensor r;
       if (emulated) {
         auto part = [&](int k) {
@@ -281,8 +293,8 @@ Pending C10dRoutes::broadcast(const at::Tensor& tensor, int src) {
   o.rootRank = src;
   o.timeout = timeout_;
   auto work = place_.guarded("broadcast", tensor, [&] { return backend(tensor).broadcast(v, o); });
-  return Pending([this, work, work_t, tensor]() mutable {
-    wait_work(work, "broadcast", tensor);
+  return Pending([this, work, work_t, tensor, seq = board_.issued()]() mutable {
+    wait_works({work}, "broadcast", tensor, seq);
     if (!work_t.is_same(tensor)) tensor.copy_(work_t);
     return tensor;
   });
@@ -301,7 +313,7 @@ at::Tensor C10dRoutes::all_to_all(const at::Tensor& send, const std::vector<int6
   c10d::AllToAllOptions o;
   o.timeout = timeout_;
   auto work = place_.guarded("all_to_all", send, [&] { return backend(send).alltoall_base(out_w, in_w, rs, ss, o); });
-  wait_work(work, "all_to_all", send);
+  wait_works({work}, "all_to_all", send, board_.issued());
   return out;
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tessera/core/compat.h"
+#include "tessera/distributed/arrivals.h"
 #include "tessera/distributed/collective_common.h"
 #include "tessera/distributed/communicator.h"
 #include "tessera/distributed/process_group.h"
@@ -24,7 +25,10 @@ class C10dRoutes {
  public:
   using Capabilities = Communicator::Capabilities;
 
-  C10dRoutes(ProcessGroups groups, const CommOptions& options, const GroupPlace& place);
+  // `board` numbers the collectives and explains the ones that time out (arrivals.h); it
+  // outlives the routes. The front numbers each collective (board.issue()) before it
+  // comes here, so the number a route captures is board.issued().
+  C10dRoutes(ProcessGroups groups, const CommOptions& options, const GroupPlace& place, ArrivalBoard& board);
   C10dRoutes(const C10dRoutes&) = delete;
   C10dRoutes& operator=(const C10dRoutes&) = delete;
 
@@ -51,8 +55,10 @@ class C10dRoutes {
  private:
   compat::BackendBase& backend(const at::Tensor& t);
   Capabilities& caps(const at::Tensor& t) { return caps(t.is_cuda()); }
-  // Waits on a c10d work item, failures named like the collective (see the .cpp).
-  void wait_work(const c10::intrusive_ptr<compat::Work>& work, const char* what, const at::Tensor& t);
+  // Waits on the c10d work items of collective #seq; failures named like the collective,
+  // with the ranks that had not arrived when it timed out (see the .cpp).
+  void wait_works(const std::vector<c10::intrusive_ptr<compat::Work>>& works, const char* what, const at::Tensor& t,
+                  int64_t seq);
   int next_p2p_tag() { return static_cast<int>(p2p_seq_++ % (1u << 30)); }
   // Issues a collective on `t` through `issue(no_bf16)`, with no_bf16 true when `t` is
   // bf16 and the backend is known to lack bf16 kernels. A bf16 collective refused as
@@ -66,6 +72,7 @@ class C10dRoutes {
   // (CommOptions::gloo_native after TESSERA_GLOO_NATIVE).
   bool gloo_native_;
   GroupPlace place_;
+  ArrivalBoard& board_;
   Capabilities caps_cpu_, caps_cuda_;
   uint32_t p2p_seq_ = 0;  // tags of point-to-point exchanges (same sequence on every rank)
 };

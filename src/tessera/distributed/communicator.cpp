@@ -17,6 +17,7 @@
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
 #include "tessera/core/strings.h"
+#include "tessera/distributed/arrivals.h"
 #include "tessera/distributed/c10d_routes.h"
 #include "tessera/distributed/collective_common.h"
 #include "tessera/distributed/process_group.h"
@@ -37,6 +38,8 @@ at::Tensor Pending::wait() {
 struct Communicator::Impl {
   World world;
   CommOptions options;
+  // Numbers the collectives and explains timeouts (arrivals.h); before c10d, which uses it.
+  std::unique_ptr<ArrivalBoard> board;
   std::unique_ptr<C10dRoutes> c10d;  // the process groups (none for a single process) and their routes
   std::unique_ptr<ShmChannel> shm;   // CPU collectives of a one-host group
   int rank = 0;
@@ -52,6 +55,17 @@ struct Communicator::Impl {
   template <typename F>
   auto guarded(const char* what, const at::Tensor& t, F&& f) -> decltype(f()) {
     return place().guarded(what, t, std::forward<F>(f));
+  }
+  // A collective over the shared-memory channel, as collective #seq.
+  template <typename F>
+  void over_shm(const char* what, const at::Tensor& t, int64_t seq, F&& f) {
+    board->waited(what, t, seq, [&] { f(); return 0; });
+  }
+  // The routes of a group whose c10d groups are `groups`, with the board over their store.
+  void make_routes(ProcessGroups groups) {
+    board = std::make_unique<ArrivalBoard>(groups.store, place(), options.timeout,
+                                           world.rank == 0 && !world.agent_store);
+    c10d = std::make_unique<C10dRoutes>(std::move(groups), options, place(), *board);
   }
 };
 
@@ -69,8 +83,7 @@ std::shared_ptr<Communicator> Communicator::create(const World& world, const Com
   impl->size = world.world_size;
   impl->members.resize(world.world_size);
   std::iota(impl->members.begin(), impl->members.end(), 0);
-  impl->c10d = std::make_unique<C10dRoutes>(create_world_groups(world, impl->options, impl->prefix),
-                                            impl->options, impl->place());
+  impl->make_routes(create_world_groups(world, impl->options, impl->prefix));
   if (world.is_distributed()) impl->c10d->probe_bf16();
   std::shared_ptr<Communicator> comm(new Communicator(std::move(impl)));
   comm->attach_shared_memory();
@@ -141,12 +154,13 @@ Communicator::Counts Communicator::counts() const {
 Pending Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   Impl& I = *impl_;
   ++I.n_all_reduce;
+  const int64_t seq = I.board->issue();
   const int n = I.size;
   if (n == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
   if (ShmChannel* shm = I.shm_for(tensor)) {
     // Done when this returns: the data is in shared memory, not in flight.
     at::Tensor work_t = tensor.is_contiguous() ? tensor : tensor.contiguous();
-    I.guarded("all_reduce", tensor, [&] { shm->all_reduce(work_t, op); return 0; });
+    I.over_shm("all_reduce", tensor, seq, [&] { shm->all_reduce(work_t, op); });
     finish_avg(work_t, op, n);
     if (!work_t.is_same(tensor)) tensor.copy_(work_t);
     return Pending([tensor] { return tensor; });
@@ -160,6 +174,7 @@ void Communicator::all_reduce(at::Tensor& tensor, ReduceOp op) { all_reduce_asyn
 Pending Communicator::all_gather_async(const at::Tensor& local, const std::vector<int64_t>& sizes, at::Tensor out) {
   Impl& I = *impl_;
   ++I.n_all_gather;
+  const int64_t seq = I.board->issue();
   const int n = I.size, me = I.rank;
   TESSERA_CHECK(local.dim() >= 1, "all_gather needs a tensor of at least one dimension, got a scalar");
   TESSERA_CHECK(static_cast<int>(sizes.size()) == n, "all_gather: ", sizes.size(),
@@ -185,7 +200,7 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
   if (ShmChannel* shm = I.shm_for(local)) {
     const at::Tensor send = local.contiguous();
     const auto counts = element_counts(sizes, total > 0 ? out.numel() / total : 0);
-    I.guarded("all_gather", local, [&] { shm->all_gather(send, counts, out); return 0; });
+    I.over_shm("all_gather", local, seq, [&] { shm->all_gather(send, counts, out); });
     return Pending([out] { return out; });
   }
   return I.c10d->all_gather(local, sizes, out);
@@ -213,6 +228,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
                                            ReduceOp op) {
   Impl& I = *impl_;
   ++I.n_reduce_scatter;
+  const int64_t seq = I.board->issue();
   const int n = I.size, me = I.rank;
   TESSERA_CHECK(full.dim() >= 1, "reduce_scatter needs a tensor of at least one dimension");
   TESSERA_CHECK(static_cast<int>(sizes.size()) == n, "reduce_scatter: ", sizes.size(),
@@ -228,7 +244,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
     const at::Tensor in = full.contiguous();
     const auto counts = element_counts(sizes, total > 0 ? in.numel() / total : 0);
     at::Tensor r = at::empty(rest_shape(in, mine), in.options());
-    I.guarded("reduce_scatter", full, [&] { shm->reduce_scatter(in, counts, op, r); return 0; });
+    I.over_shm("reduce_scatter", full, seq, [&] { shm->reduce_scatter(in, counts, op, r); });
     finish_avg(r, op, n);
     return Pending([r] { return r; });
   }
@@ -251,12 +267,13 @@ at::Tensor Communicator::reduce_scatter(const at::Tensor& full, ReduceOp op) {
 Pending Communicator::broadcast_async(at::Tensor tensor, int src) {
   Impl& I = *impl_;
   ++I.n_broadcast;
+  const int64_t seq = I.board->issue();
   TESSERA_CHECK(src >= 0 && src < I.size, "broadcast source rank ", src, " is outside the group of ",
                 I.size);
   if (I.size == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
   if (ShmChannel* shm = I.shm_for(tensor)) {
     at::Tensor work_t = tensor.is_contiguous() ? tensor : tensor.contiguous();
-    I.guarded("broadcast", tensor, [&] { shm->broadcast(work_t, src); return 0; });
+    I.over_shm("broadcast", tensor, seq, [&] { shm->broadcast(work_t, src); });
     if (!work_t.is_same(tensor)) tensor.copy_(work_t);
     return Pending([tensor] { return tensor; });
   }
@@ -270,6 +287,7 @@ at::Tensor Communicator::all_to_all(const at::Tensor& send, const std::vector<in
                                     const std::vector<int64_t>& recv_sizes) {
   Impl& I = *impl_;
   ++I.n_all_to_all;
+  I.board->issue();
   const int n = I.size;
   TESSERA_CHECK(send.dim() >= 1, "all_to_all needs a tensor of at least one dimension");
   TESSERA_CHECK(static_cast<int>(send_sizes.size()) == n && static_cast<int>(recv_sizes.size()) == n,
@@ -358,10 +376,9 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<std::vector<
   impl->rank = static_cast<int>(std::find(grp.begin(), grp.end(), I.rank) - grp.begin());
   for (int r : grp) impl->members.push_back(I.members[r]);
   impl->prefix = concat(I.prefix, "/split", id, "/g", mine);
-  impl->c10d = std::make_unique<C10dRoutes>(
-      impl->size > 1 ? create_subgroups(I.c10d->groups(), id, mine, impl->rank, impl->size, I.world, impl->options)
-                     : ProcessGroups{},
-      impl->options, impl->place());
+  impl->make_routes(impl->size > 1 ? create_subgroups(I.c10d->groups(), id, mine, impl->rank, impl->size, I.world,
+                                                      impl->options)
+                                    : ProcessGroups{});
   impl->c10d->caps(false).bf16 = I.c10d->caps(false).bf16;
   impl->c10d->caps(true).bf16 = I.c10d->caps(true).bf16;
   std::shared_ptr<Communicator> sub(new Communicator(std::move(impl)));
