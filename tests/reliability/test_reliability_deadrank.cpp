@@ -11,6 +11,7 @@
 
 #include <iostream>
 #include <random>
+#include <regex>
 
 #include "support/harness.h"
 #include "reliability/reliability_util.h"
@@ -124,7 +125,9 @@ INSTANTIATE_TEST_SUITE_P(Phases, ReliabilityDeadRank,
 
 // A rank that stops (SIGSTOP inside a collective) instead of dying keeps its sockets
 // open: only the Communicator timeout can end the survivors' wait. They must exit with
-// an error after about the timeout, not hang.
+// an error after about the timeout, not hang, naming the collective (its number in the
+// communicator, size and dtype), the group size, the timeout and the stopped rank as the
+// one that had not arrived, and not themselves (distributed/arrivals.h).
 class ReliabilityDeadRankFrozen : public ::testing::TestWithParam<bool> {};
 
 TEST_P(ReliabilityDeadRankFrozen, SurvivorsOfAStoppedRankFailAfterTheTimeout) {
@@ -150,6 +153,15 @@ TEST_P(ReliabilityDeadRankFrozen, SurvivorsOfAStoppedRankFailAfterTheTimeout) {
     if (st == -1) continue;
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) != 0) << "rank " << r << " status " << st << "\n" << ranks[r].text;
     EXPECT_NE(ranks[r].text.find("CommError"), std::string::npos) << ranks[r].text;
+    // "all_reduce #25 (Float [2097152], 2097152 elements, 8 MiB) in a group of 3 on rank 0
+    // timed out after 5 s: rank 1 had not arrived (2 of 3 ranks were waiting in it) [...]"
+    std::smatch m;
+    const std::regex timed_out("(all_reduce|all_gather|reduce_scatter|broadcast|all_to_all) #[0-9]+ "
+                               "\\((Float|Long|Int) \\[[0-9, ]*\\], [0-9]+ elements, [^)]+\\) in a group of 3 on rank " +
+                               std::to_string(r) + " timed out after 5 s: ([^:\\[]*) had not arrived");
+    const bool named = std::regex_search(ranks[r].text, m, timed_out);
+    EXPECT_TRUE(named) << ranks[r].text;
+    if (named) EXPECT_EQ(m[3].str(), "rank " + std::to_string(victim)) << ranks[r].text;  // not the survivors
     EXPECT_LE(dt, kTimeoutMs + 5000) << "rank " << r << " took " << dt << " ms to exit";
     figures += " rank " + std::to_string(r) + " " + std::to_string(dt) + " ms";
   }
