@@ -44,4 +44,6 @@ if [ -x build-torch2/bin/gpt ] && [ -x .venv-torch2/bin/python ]; then
 else
   echo "== GPT vs FSDP2 / DDP / Lightning Fabric: skipped, no build-torch2 or .venv-torch2 (make build-torch2 creates both) =="
 fi
+echo "== faults: a 2-rank GPT hit by 20 failures (SIGKILL/SIGSEGV/SIGSTOP), restarted by tessera run --max-restarts, vs uninterrupted =="
+bash bench/faults/run.sh "$BUILD"
 /usr/bin/python3 bench/report.py

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The chaos benchmark (issue 34): the demo model (4 layers, d_model 128, seq 64, global
+# batch 16) on 2 ranks under `tessera run -n 2 --max-restarts K -- gpt train --resume auto
+# --ckpt-every 10`, hit by 20 failures (SIGKILL, SIGSEGV, SIGSTOP of random ranks, about
+# one per 50 steps, seeded), with synchronous and with async checkpoints, each against an
+# uninterrupted run of the same command (bench/faults/chaos.py, which the chaos test in
+# `make test` also uses). Measures recovered/injected, bit-identical final state, work lost
+# per failure against the interval, time from failure and from restart to the first step,
+# and goodput (the uninterrupted run's wall time over the chaos run's, same steps).
+# Writes bench/results/faults.json (one row per mode) and faults-failures.json (one row
+# per failure).
+#
+#   bench/faults/run.sh BUILD_DIR
+#     FAULTS_FAILURES (20), FAULTS_GAP (50 steps between failures), FAULTS_CKPT_EVERY (10),
+#     FAULTS_SEED (34), FAULTS_COMM_TIMEOUT (3 s: how long a rank waits for a stopped peer),
+#     FAULTS_MODES ("sync async"), FAULTS_GRACE (the launcher's --grace, default 5 s as a
+#     user gets it)
+set -euo pipefail
+BUILD=${1:-build}
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+PY=/usr/bin/python3
+FAILURES=${FAULTS_FAILURES:-20}
+GAP=${FAULTS_GAP:-50}
+EVERY=${FAULTS_CKPT_EVERY:-10}
+SEED=${FAULTS_SEED:-34}
+TIMEOUT=${FAULTS_COMM_TIMEOUT:-3}
+MODES=${FAULTS_MODES:-"sync async"}
+GRACE=${FAULTS_GRACE:-5}
+STEPS=$((GAP * (FAILURES + 1)))
+source "$HERE/../common/run_env.sh"
+bench_run_env faults
+
+# The floor of any restart: starting the gpt binary (exec, libtorch's shared libraries),
+# best of 3.
+START_S=$("$PY" - "$BUILD/bin/gpt" <<'EOF'
+import subprocess, sys, time
+best = 1e9
+for _ in range(3):
+    t = time.monotonic()
+    subprocess.run([sys.argv[1], "--help"], stdout=subprocess.DEVNULL, check=True)
+    best = min(best, time.monotonic() - t)
+print("%.3f" % best)
+EOF
+)
+echo "faults: gpt process start (gpt --help, best of 3): ${START_S} s"
+
+reports=()
+for mode in $MODES; do
+  extra=()
+  [[ $mode == async ]] && extra=(--async-ckpt)
+  echo "== faults: $mode checkpoints: $FAILURES failures over $STEPS steps, a checkpoint every $EVERY =="
+  "$PY" "$HERE/chaos.py" --build "$BUILD" --work "$TMP/$mode" --json "$TMP/$mode.json" --steps "$STEPS" \
+    --ckpt-every "$EVERY" --failures "$FAILURES" --gap "$GAP" --signals KILL,SEGV,STOP --seed "$SEED" \
+    --model 4:4:128:64 --batch-size 16 --comm-timeout "$TIMEOUT" --time-limit 3600 \
+    "--launcher-arg=--grace=$GRACE" "${extra[@]}" || echo "faults: $mode: the driver reported problems (kept in the results)"
+  reports+=("$TMP/$mode.json")
+done
+"$PY" "$HERE/summarize.py" --out "$ROOT/bench/results/faults.json" \
+  --failures-out "$ROOT/bench/results/faults-failures.json" --process-start-s "$START_S" --grace-s "$GRACE" \
+  "${reports[@]}"
