@@ -422,3 +422,36 @@ SCENARIO("cpu_allocator") {
   std::cout << "cpu allocator " << core::to_string(core::cpu_allocator_policy()) << "\n";
   return 0;
 }
+
+// restart_then_reduce BAD FAIL_ROUNDS [busy]: under `launch(max_restarts)`: rank BAD exits
+// with code 5 in the first FAIL_ROUNDS rounds (TORCHELASTIC_RESTART_COUNT), after the
+// ranks have met once in that round (so the store holds that round's keys); the others
+// wait to be stopped (with "busy": in barriers, as training ranks would, so that a lost
+// peer fails them). In later rounds every rank meets the others through the launcher's
+// store, sums its rank and exits 0.
+SCENARIO("restart_then_reduce") {
+  const int bad = static_cast<int>(args.int_arg(0, 1));
+  const int fail_rounds = static_cast<int>(args.int_arg(1, 1));
+  const char* count_env = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  WCHECK(count_env != nullptr, "TORCHELASTIC_RESTART_COUNT is not set");
+  const int count = std::stoi(count_env);
+  WCHECK(std::getenv("TESSERA_RESTART_COUNT") && std::stoi(std::getenv("TESSERA_RESTART_COUNT")) == count,
+         "TESSERA_RESTART_COUNT differs from TORCHELASTIC_RESTART_COUNT");
+  auto c = comm();
+  at::Tensor t = at::full({4}, static_cast<double>(c->rank()));
+  c->all_reduce(t);
+  const double want = c->size() * (c->size() - 1) / 2.0;
+  WCHECK(t[0].item<double>() == want, "sum of ranks ", t[0].item<double>(), " != ", want);
+  std::cout << "restart count " << count << " rank " << c->rank() << " of " << c->size() << " reduced "
+            << t[0].item<double>() << std::endl;
+  if (count < fail_rounds && c->rank() == bad) return 5;
+  if (count < fail_rounds) {  // wait to be stopped by the launcher
+    const bool busy = args.arg(2) == "busy";
+    for (int i = 0; i < 600; ++i) {
+      if (busy) c->barrier();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  c->barrier();
+  return 0;
+}

@@ -112,6 +112,48 @@ TEST(Launcher, MissingProgramFailsWithCode127) {
   EXPECT_EQ(r.exit_code, 127);
 }
 
+// --max-restarts: a failed round is stopped and every rank started again, with the
+// restart count in the environment; the ranks of each round meet through the
+// launcher's store under that round's keys (the first round's keys are still there).
+TEST(Launcher, MaxRestartsStartsEveryRankAgainUntilTheJobSucceeds) {
+  auto res = run_ranks(3, {"restart_then_reduce", "1", "2"}, 120, {}, 3000, /*max_restarts=*/3);
+  EXPECT_EQ(res.launch.exit_code, 0) << res.launch.message << "\n" << res.all_output();
+  EXPECT_EQ(res.launch.restarts, 2);
+  ASSERT_EQ(res.launch.failures.size(), 2u);
+  for (const auto& f : res.launch.failures) EXPECT_NE(f.find("rank 1 "), std::string::npos) << f;
+  for (int r = 0; r < 3; ++r) {
+    std::string seen;
+    for (const auto& l : res.out[r])
+      if (l.rfind("restart count", 0) == 0) seen += l.substr(0, l.find(" rank")) + ";";
+    EXPECT_EQ(seen, "restart count 0;restart count 1;restart count 2;") << res.all_output();
+  }
+  for (auto& st : res.launch.ranks) {
+    EXPECT_EQ(st.exit_code, 0) << "rank " << st.rank;
+    EXPECT_FALSE(alive(st.pid));
+  }
+}
+
+TEST(Launcher, MaxRestartsSpentEndsWithTheLastFailure) {
+  auto res = run_ranks(2, {"restart_then_reduce", "0", "100"}, 120, {}, 3000, /*max_restarts=*/2);
+  EXPECT_EQ(res.launch.exit_code, 5) << res.launch.message;
+  EXPECT_EQ(res.launch.failed_rank, 0);
+  EXPECT_EQ(res.launch.restarts, 2);
+  EXPECT_EQ(res.launch.failures.size(), 2u);
+}
+
+// A program that cannot be executed fails the same way in every round: no restart.
+TEST(Launcher, MissingProgramIsNotRestarted) {
+  tessera::distributed::LaunchOptions o;
+  o.command = {"/nonexistent/program"};
+  o.nproc_per_node = 2;
+  o.max_restarts = 5;
+  o.forward_signals = false;
+  o.on_line = [](int, bool, const std::string&) {};
+  auto r = tessera::distributed::launch(o);
+  EXPECT_EQ(r.exit_code, 127);
+  EXPECT_EQ(r.restarts, 0);
+}
+
 TEST(TesseraRun, PrefixesOutputAndPropagatesExitCode) {
   auto [code, out] = run_command(std::string(TESSERA_CLI) + " run -n 2 -- " + TESSERA_WORKER + " echo 2>&1");
   EXPECT_EQ(code, 0) << out;

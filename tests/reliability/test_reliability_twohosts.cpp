@@ -78,18 +78,24 @@ class ReliabilityTwoHosts : public ::testing::Test {
     std::string both() const { return "--- node 0:\n" + text[0] + "\n--- node 1:\n" + text[1]; }
   };
 
+  // `tessera run` for node i of 2 in its namespace (2 ranks), with launcher flags
+  // `flags`, running the worker with `args`.
+  Child start_node(int i, const std::string& port, const std::vector<std::string>& args,
+                   const std::vector<std::string>& flags = {}) {
+    std::vector<std::string> cmd = {ip_path, "netns",     "exec", i == 0 ? a : b, TESSERA_CLI,     "run",
+                                    "--nnodes", "2",      "--node-rank", std::to_string(i), "-n",  "2",
+                                    "--master-addr", ip_a, "--master-port", port, "--deadline", "240"};
+    cmd.insert(cmd.end(), flags.begin(), flags.end());
+    cmd.push_back("--");
+    cmd.push_back(TESSERA_WORKER);
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    return spawn(cmd, {{"GLOO_SOCKET_IFNAME", i == 0 ? va : vb}, {"TESSERA_TEST_TIMEOUT_MS", "60000"}});
+  }
+
   // One `tessera run` per namespace (2 ranks each) running the worker with `args`.
-  Nodes run_nodes(const std::vector<std::string>& args) {
+  Nodes run_nodes(const std::vector<std::string>& args, const std::vector<std::string>& flags = {}) {
     const std::string port = std::to_string(free_port());
-    auto node = [&](int i) {
-      std::vector<std::string> cmd = {ip_path,     "netns", "exec",         i == 0 ? a : b,        TESSERA_CLI,
-                                      "run",       "--nnodes", "2",         "--node-rank",         std::to_string(i),
-                                      "-n",        "2",     "--master-addr", ip_a,                 "--master-port",
-                                      port,        "--deadline", "240",     "--",                  TESSERA_WORKER};
-      cmd.insert(cmd.end(), args.begin(), args.end());
-      return spawn(cmd, {{"GLOO_SOCKET_IFNAME", i == 0 ? va : vb}, {"TESSERA_TEST_TIMEOUT_MS", "60000"}});
-    };
-    Child n0 = node(0), n1 = node(1);
+    Child n0 = start_node(0, port, args, flags), n1 = start_node(1, port, args, flags);
     Nodes r;
     EXPECT_GT(n0.pid, 0);
     EXPECT_GT(n1.pid, 0);
@@ -146,4 +152,49 @@ TEST_F(ReliabilityTwoHosts, HybridShardedCheckpointAcrossTwoHostsSavesAndResumes
   }
   std::cout << "[twohosts] hybrid sharded checkpoint over 2 namespaces, saved and resumed: " << steady_ms() - t0
             << " ms" << std::endl;
+}
+
+// --max-restarts across nodes: rank 3 (node 1) fails in the first round; node 1's
+// launcher reports it in the launchers' store, node 0's stops its ranks at once (they
+// sleep: no collective would fail them), and both launchers start a new round together.
+TEST_F(ReliabilityTwoHosts, MaxRestartsRestartsEveryNodeAfterOneNodesFailure) {
+  const int64_t t0 = steady_ms();
+  Nodes n = run_nodes({"restart_then_reduce", "3", "1"}, {"--max-restarts", "2", "--rdzv-timeout", "60"});
+  EXPECT_NE(n.text[1].find("rank 3 "), std::string::npos) << n.both();
+  EXPECT_NE(n.text[0].find("node 1: rank 3 "), std::string::npos) << "node 0 did not learn of node 1's failure\n"
+                                                                     << n.both();
+  for (int i : {0, 1}) EXPECT_NE(n.text[i].find("restart 1 of at most 2"), std::string::npos) << n.both();
+  for (int r = 0; r < 4; ++r)
+    EXPECT_NE(n.text[r / 2].find("restart count 1 rank " + std::to_string(r) + " of 4 reduced 6"), std::string::npos)
+        << n.both();
+  std::cout << "[twohosts] a rank of node 1 failed, both nodes restarted and finished: " << steady_ms() - t0 << " ms"
+            << std::endl;
+}
+
+// A node's launcher killed: its ranks die with it, node 0's ranks fail in their next
+// barrier, and node 0's launcher waits --rdzv-timeout for node 1 to join the restart,
+// then exits non-zero naming it.
+TEST_F(ReliabilityTwoHosts, KilledNodeLauncherIsNamedByTheOthers) {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> args = {"restart_then_reduce", "-1", "100", "busy"},
+                                 flags = {"--max-restarts", "3", "--rdzv-timeout", "5", "--grace", "1"};
+  Child n0 = start_node(0, port, args, flags), n1 = start_node(1, port, args, flags);
+  ASSERT_GT(n0.pid, 0);
+  ASSERT_GT(n1.pid, 0);
+  const bool met = n1.wait_for("restart count 0 rank 3", 120000) && n0.wait_for("restart count 0 rank 0", 30000);
+  if (!met) ::kill(-n0.pid, SIGKILL), ::kill(-n1.pid, SIGKILL);
+  ASSERT_TRUE(met) << "--- node 0:\n" << n0.text << "\n--- node 1:\n" << n1.text;
+  const int64_t t_kill = steady_ms();
+  ::kill(n1.pid, SIGKILL);  // the launcher only: its ranks must not outlive it
+  n1.wait_exit(10000);
+  const int st = n0.wait_exit(60000);
+  const int64_t dt = steady_ms() - t_kill;
+  if (st == -1) ::kill(-n0.pid, SIGKILL), n0.wait_exit(10000);
+  ASSERT_NE(st, -1) << "node 0's launcher still runs " << dt << " ms after node 1's was killed\n" << n0.text;
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) != 0) << n0.text;
+  EXPECT_NE(n0.text.find("node 1 did not join restart round 1 within 5 s"), std::string::npos) << n0.text;
+  EXPECT_LT(dt, 30000) << n0.text;
+  EXPECT_FALSE(group_alive(n0.pid));
+  std::cout << "[twohosts] node 1's launcher killed: node 0 exited " << WEXITSTATUS(st) << " after " << dt
+            << " ms naming it" << std::endl;
 }

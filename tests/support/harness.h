@@ -26,7 +26,8 @@ struct RanksResult {
 };
 
 inline RanksResult run_ranks(int n, const std::vector<std::string>& worker_args, int deadline_s = 120,
-                             std::map<std::string, std::string> env = {}, int grace_ms = 3000) {
+                             std::map<std::string, std::string> env = {}, int grace_ms = 3000,
+                             int max_restarts = 0) {
   RanksResult res;
   std::mutex mu;
   distributed::LaunchOptions o;
@@ -37,6 +38,7 @@ inline RanksResult run_ranks(int n, const std::vector<std::string>& worker_args,
   o.deadline = std::chrono::seconds(deadline_s);
   o.grace = std::chrono::milliseconds(grace_ms);
   o.forward_signals = false;
+  o.max_restarts = max_restarts;
   o.on_line = [&](int rank, bool is_err, const std::string& line) {
     std::lock_guard<std::mutex> lock(mu);
     (is_err ? res.err : res.out)[rank].push_back(line);

@@ -21,13 +21,17 @@ Runner add_run_command(CLI::App& app) {
   auto opts = std::make_shared<distributed::LaunchOptions>();
   auto grace_s = std::make_shared<double>(5.0);
   auto deadline_s = std::make_shared<double>(0.0);
+  auto rdzv_s = std::make_shared<double>(300.0);
   CLI::App* sub = app.add_subcommand(
       "run",
       "Start N local ranks of PROGRAM with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,\n"
       "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT). Each output line is prefixed with\n"
       "'[rank R]' (not on a terminal, a '\\r' ends a line too; a line over 64 KiB is written in pieces).\n"
       "When a rank fails, the others get SIGTERM, then SIGKILL after --grace seconds, and\n"
-      "tessera run exits with that rank's code (128+signal when killed by a signal).");
+      "tessera run exits with that rank's code (128+signal when killed by a signal) -- or, with\n"
+      "--max-restarts K, starts every rank again (up to K times; every node's launcher takes\n"
+      "part), with TORCHELASTIC_RESTART_COUNT set to the restart number. A job that resumes\n"
+      "itself (gpt train --resume auto) then finishes without a person.");
   sub->add_option("-n,--nproc-per-node", opts->nproc_per_node, "ranks to start on this node")
       ->default_val(1)->check(int_range(1, 4096));
   sub->add_option("--nnodes", opts->nnodes, "number of nodes (one `tessera run` per node)")
@@ -48,6 +52,14 @@ Runner add_run_command(CLI::App& app) {
       ->default_val(5.0)->check(number_range(0.0, 3600.0));
   sub->add_option("--deadline", *deadline_s, "stop every rank and exit 124 after this many seconds (0: none)")
       ->default_val(0.0)->check(number_range(0.0, 1e7));
+  sub->add_option("--max-restarts", opts->max_restarts,
+                  "start every rank again after a failure, up to this many times (0: exit at the\n"
+                  "first failure). Node 0's launcher then hosts the rendezvous store at --master-port")
+      ->default_val(0)->check(int_range(0, 1000000));
+  sub->add_option("--rdzv-timeout", *rdzv_s,
+                  "with --max-restarts: seconds the launchers wait for every node to join a start\n"
+                  "or a restart; a node missing after it is named, and the others exit non-zero")
+      ->default_val(300.0)->check(number_range(0.1, 1e6));
   sub->prefix_command();  // PROGRAM and everything after it belong to PROGRAM
   sub->footer("PROGRAM and its arguments follow the options, optionally after --.");
   return [=]() {
@@ -66,6 +78,7 @@ Runner add_run_command(CLI::App& app) {
       return 2;
     }
     opts->grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_s * 1000));
+    opts->rdzv_timeout = std::chrono::milliseconds(static_cast<int64_t>(*rdzv_s * 1000));
     if (*deadline_s > 0) opts->deadline = std::chrono::milliseconds(static_cast<int64_t>(*deadline_s * 1000));
     distributed::LaunchResult r = distributed::launch(*opts);
     return r.exit_code;

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,9 +15,14 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#if __has_include(<linux/close_range.h>)
+#include <linux/close_range.h>
+#endif
 
 #include "tessera/core/error.h"
 #include "tessera/distributed/launch_guard.h"
+#include "tessera/distributed/launch_rounds.h"
 #include "tessera/distributed/rendezvous.h"  // find_free_port
 
 extern char** environ;
@@ -257,97 +263,133 @@ bool pump(const LaunchOptions& o, Child& c, bool is_err) {
   }
 }
 
-void signal_all(std::vector<Child>& children, int sig) {
-  for (auto& c : children) {
-    if (c.running && c.status.pid > 0) ::kill(-c.status.pid, sig);  // the rank's process group
-  }
-}
-
-}  // namespace
-
-LaunchResult launch(const LaunchOptions& o) {
-  TESSERA_CHECK(!o.command.empty(), "launch: no program given");
-  TESSERA_CHECK(o.nproc_per_node >= 1, "launch: --nproc-per-node must be at least 1, got ", o.nproc_per_node);
-  TESSERA_CHECK(o.nnodes >= 1, "launch: --nnodes must be at least 1, got ", o.nnodes);
-  TESSERA_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, "launch: --node-rank ", o.node_rank,
-                " must be in [0, ", o.nnodes, ")");
-  TESSERA_CHECK(o.master_port >= 0 && o.master_port <= 65535, "launch: --master-port ", o.master_port,
-                " is not a port number");
-  int port = o.master_port;
-  if (port == 0) {
-    TESSERA_CHECK(o.nnodes == 1, "launch: --master-port is required with --nnodes ", o.nnodes,
-                  " (every node must agree on it)");
-    port = find_free_port();
-  }
-  const int world = o.nproc_per_node * o.nnodes;
-  const auto start = Clock::now();
-
-  bool forwarding = o.forward_signals;
-  struct sigaction old_int {}, old_term {}, old_hup {};
-  if (forwarding) {
+// ---- Signals received by the launcher, forwarded to the ranks for the whole launch.
+class SignalForwarder {
+ public:
+  explicit SignalForwarder(bool on) : on_(on) {
+    if (!on_) return;
     TESSERA_CHECK(::pipe(g_signal_pipe) == 0, "launch: pipe() failed");
     set_nonblock(g_signal_pipe[0]);
     set_nonblock(g_signal_pipe[1]);
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, &old_int);
-    sigaction(SIGTERM, &sa, &old_term);
-    sigaction(SIGHUP, &sa, &old_hup);
+    sigaction(SIGINT, &sa, &old_int_);
+    sigaction(SIGTERM, &sa, &old_term_);
+    sigaction(SIGHUP, &sa, &old_hup_);
+  }
+  ~SignalForwarder() {
+    if (!on_) return;
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGHUP, &old_hup_, nullptr);
+    ::close(g_signal_pipe[0]);
+    ::close(g_signal_pipe[1]);
+    g_signal_pipe[0] = g_signal_pipe[1] = -1;
+  }
+  int fd() const { return on_ ? g_signal_pipe[0] : -1; }
+  // The signals received since the last call.
+  std::vector<int> take() {
+    std::vector<int> sigs;
+    char c;
+    while (on_ && ::read(g_signal_pipe[0], &c, 1) == 1) sigs.push_back(static_cast<unsigned char>(c));
+    return sigs;
   }
 
-  LaunchGuard guard(o.nproc_per_node);
-  if (!guard.start()) {
-    std::fprintf(stderr, "tessera run: warning: cannot start the guard process (%s); if this launcher is "
-                 "killed, processes started by the ranks may outlive it\n", std::strerror(errno));
-  }
-  const int guard_fd = guard.fd();
+ private:
+  bool on_;
+  struct sigaction old_int_ {}, old_term_ {}, old_hup_ {};
+};
 
-  const bool live = !o.on_line && ::isatty(2);
-  int live_columns = 80;
-  if (live) {
-    g_live = LiveLine{};
-    g_live.enabled = true;
-    struct winsize ws {};
-    if (::ioctl(2, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 20) live_columns = ws.ws_col;
+// What one generation of ranks is started with.
+struct RoundSetup {
+  int round = 0;              // restart count: 0 for the first start
+  int port = 0;               // MASTER_PORT
+  bool agent_store = false;   // the launchers host the store (TORCHELASTIC_USE_AGENT_STORE)
+  int live_columns = 0;       // > 0: the ranks' stderr is shown on this terminal width
+};
+
+// ---- One generation of this node's ranks, as torch elastic's PContext keeps them:
+// start (fork + exec each), poll (output, exits), signal, close.
+class RankGroup {
+ public:
+  RankGroup(const LaunchOptions& o, LaunchGuard& guard) : o_(o), guard_(guard), children_(o.nproc_per_node) {}
+  RankGroup(const RankGroup&) = delete;
+  RankGroup& operator=(const RankGroup&) = delete;
+  ~RankGroup() { close(); }
+
+  // Starts every rank; on a failure ("" else: why, naming the rank) the ranks already
+  // started are killed and exec_failed_rank() names the rank whose program did not run.
+  std::string start(const RoundSetup& s);
+  int exec_failed_rank() const { return exec_failed_rank_; }
+
+  // Waits up to `ms` for output (and for `extra_fd`, whose readiness is returned), writes
+  // it, and reaps the ranks that exited. Returns those reaped by this call.
+  std::vector<const RankStatus*> poll(int ms, int extra_fd, bool* extra_ready);
+  // Sends `sig` to the process group of every rank still running.
+  void signal(int sig);
+  // Marks the ranks still running as stopped by the launcher (after another's failure).
+  void mark_stopped();
+  bool any_running() const {
+    return std::any_of(children_.begin(), children_.end(), [](const Child& c) { return c.running; });
   }
-  std::vector<Child> children(o.nproc_per_node);
-  const bool shared_machine = o.nproc_per_node > 1;
+  bool any_open() const {
+    return std::any_of(children_.begin(), children_.end(), [](const Child& c) { return c.out.fd >= 0 || c.err.fd >= 0; });
+  }
+  // Ends the ranks' unfinished lines and closes their pipes; returns their statuses.
+  std::vector<RankStatus> close();
+
+ private:
+  const LaunchOptions& o_;
+  LaunchGuard& guard_;
+  std::vector<Child> children_;
+  int exec_failed_rank_ = -1;
+  bool closed_ = false;
+};
+
+std::string RankGroup::start(const RoundSetup& s) {
+  const int world = o_.nproc_per_node * o_.nnodes;
+  const bool shared_machine = o_.nproc_per_node > 1;
   const pid_t launcher_pid = ::getpid();
-  std::string spawn_error;
-  int exec_failed_rank = -1;
-  for (int i = 0; i < o.nproc_per_node; ++i) {
-    const int rank = o.node_rank * o.nproc_per_node + i;
-    std::map<std::string, std::string> env = o.env;
+  const int guard_fd = guard_.fd();
+  std::string error;
+  for (int i = 0; i < o_.nproc_per_node; ++i) {
+    const int rank = o_.node_rank * o_.nproc_per_node + i;
+    std::map<std::string, std::string> env = o_.env;
     env["RANK"] = std::to_string(rank);
     env["WORLD_SIZE"] = std::to_string(world);
     env["LOCAL_RANK"] = std::to_string(i);
-    env["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
-    env["GROUP_RANK"] = std::to_string(o.node_rank);
-    env["NODE_RANK"] = std::to_string(o.node_rank);
-    env["MASTER_ADDR"] = o.master_addr;
-    env["MASTER_PORT"] = std::to_string(port);
+    env["LOCAL_WORLD_SIZE"] = std::to_string(o_.nproc_per_node);
+    env["GROUP_RANK"] = std::to_string(o_.node_rank);
+    env["NODE_RANK"] = std::to_string(o_.node_rank);
+    env["MASTER_ADDR"] = o_.master_addr;
+    env["MASTER_PORT"] = std::to_string(s.port);
     env["TESSERA_LAUNCHED"] = "1";
+    // torchrun's names: how often the job was restarted, and how often it may be.
+    env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(s.round);
+    env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
+    env["TESSERA_RESTART_COUNT"] = std::to_string(s.round);
+    if (s.agent_store) env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
     // The columns left after the "[rank R] " prefix.
-    if (live) env["TESSERA_TTY_COLUMNS"] = std::to_string(live_columns - 8 - std::to_string(rank).size());
-    if (o.threads_per_rank > 0) {
-      env["OMP_NUM_THREADS"] = std::to_string(o.threads_per_rank);
-    } else if (shared_machine && std::getenv("OMP_NUM_THREADS") == nullptr && !o.env.count("OMP_NUM_THREADS")) {
+    if (s.live_columns > 0) env["TESSERA_TTY_COLUMNS"] = std::to_string(s.live_columns - 8 - std::to_string(rank).size());
+    if (o_.threads_per_rank > 0) {
+      env["OMP_NUM_THREADS"] = std::to_string(o_.threads_per_rank);
+    } else if (shared_machine && std::getenv("OMP_NUM_THREADS") == nullptr && !o_.env.count("OMP_NUM_THREADS")) {
       env["OMP_NUM_THREADS"] = "1";
     }
     // Everything the child needs is prepared before fork: only async-signal-safe
     // calls run between fork and exec.
     std::vector<std::string> envs = make_env(env);
     std::vector<char*> envp, argv;
-    for (auto& s : envs) envp.push_back(s.data());
+    for (auto& e : envs) envp.push_back(e.data());
     envp.push_back(nullptr);
-    std::vector<std::string> args = o.command;
-    for (auto& s : args) argv.push_back(s.data());
+    std::vector<std::string> args = o_.command;
+    for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
 
     int out_p[2], err_p[2], exec_p[2];
     if (::pipe(out_p) != 0 || ::pipe(err_p) != 0 || ::pipe2(exec_p, O_CLOEXEC) != 0) {
-      spawn_error = std::string("pipe() failed: ") + std::strerror(errno);
+      error = std::string("pipe() failed: ") + std::strerror(errno);
       break;
     }
     // Signals stay blocked across fork until the child has reset the launcher's
@@ -359,7 +401,7 @@ LaunchResult launch(const LaunchOptions& o) {
     pid_t pid = ::fork();
     if (pid != 0) pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
     if (pid < 0) {
-      spawn_error = std::string("fork() failed: ") + std::strerror(errno);
+      error = std::string("fork() failed: ") + std::strerror(errno);
       ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
       ::close(exec_p[0]); ::close(exec_p[1]);
       break;
@@ -384,6 +426,11 @@ LaunchResult launch(const LaunchOptions& o) {
       ::dup2(out_p[1], 1);
       ::dup2(err_p[1], 2);
       ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
+      // Nothing else of the launcher's reaches the program: the other ranks' pipes, and
+      // the launchers' store's sockets (which would keep node 0's port taken by a rank).
+#if defined(SYS_close_range) && defined(CLOSE_RANGE_CLOEXEC)
+      ::syscall(SYS_close_range, 3u, ~0u, CLOSE_RANGE_CLOEXEC);
+#endif
       ::execvpe(argv[0], argv.data(), envp.data());
       // Tell the launcher why (it names the program and the error); a successful exec
       // closes this pipe instead (O_CLOEXEC).
@@ -393,7 +440,7 @@ LaunchResult launch(const LaunchOptions& o) {
       ::_exit(127);
     }
     ::setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
-    guard.add(pid);
+    guard_.add(pid);
     ::close(out_p[1]);
     ::close(err_p[1]);
     ::close(exec_p[1]);
@@ -405,137 +452,275 @@ LaunchResult launch(const LaunchOptions& o) {
     ::close(exec_p[0]);
     set_nonblock(out_p[0]);
     set_nonblock(err_p[0]);
-    children[i].status.rank = rank;
-    children[i].status.pid = pid;
-    children[i].out.fd = out_p[0];
-    children[i].err.fd = err_p[0];
+    Child& c = children_[static_cast<size_t>(i)];
+    c.status.rank = rank;
+    c.status.pid = pid;
+    c.out.fd = out_p[0];
+    c.err.fd = err_p[0];
     if (got == static_cast<ssize_t>(sizeof exec_errno)) {
-      exec_failed_rank = rank;
-      spawn_error = concat("cannot execute the program '", o.command[0], "' for rank ", rank, ": ",
-                           std::strerror(exec_errno), " (errno ", exec_errno, ")");
+      exec_failed_rank_ = rank;
+      error = concat("cannot execute the program '", o_.command[0], "' for rank ", rank, ": ",
+                     std::strerror(exec_errno), " (errno ", exec_errno, ")");
       break;
     }
   }
-
-  LaunchResult result;
-  std::optional<Clock::time_point> kill_at;
-  int forwarded_signal = 0;
-  if (!spawn_error.empty()) {
-    result.exit_code = exec_failed_rank >= 0 ? 127 : 1;
-    result.failed_rank = exec_failed_rank;
-    result.message = spawn_error;
-    std::fprintf(stderr, "tessera run: %s\n", result.message.c_str());
-    signal_all(children, SIGKILL);
-    for (auto& c : children) {
+  if (!error.empty()) {
+    signal(SIGKILL);
+    for (auto& c : children_)
       if (c.status.pid <= 0) c.running = false;
+  }
+  return error;
+}
+
+std::vector<const RankStatus*> RankGroup::poll(int ms, int extra_fd, bool* extra_ready) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<size_t, bool>> owners;
+  for (size_t i = 0; i < children_.size(); ++i) {
+    if (children_[i].out.fd >= 0) { fds.push_back({children_[i].out.fd, POLLIN, 0}); owners.push_back({i, false}); }
+    if (children_[i].err.fd >= 0) { fds.push_back({children_[i].err.fd, POLLIN, 0}); owners.push_back({i, true}); }
+  }
+  if (extra_fd >= 0) fds.push_back({extra_fd, POLLIN, 0});
+  ::poll(fds.data(), fds.size(), ms);
+  for (size_t k = 0; k < owners.size(); ++k) {
+    if (fds[k].revents & (POLLIN | POLLHUP | POLLERR)) pump(o_, children_[owners[k].first], owners[k].second);
+  }
+  if (extra_ready) *extra_ready = extra_fd >= 0 && (fds.back().revents & POLLIN);
+  std::vector<const RankStatus*> reaped;
+  for (auto& c : children_) {
+    if (!c.running) continue;
+    int st = 0;
+    if (::waitpid(c.status.pid, &st, WNOHANG) != c.status.pid) continue;
+    c.running = false;
+    if (WIFEXITED(st)) c.status.exit_code = WEXITSTATUS(st);
+    if (WIFSIGNALED(st)) c.status.signal = WTERMSIG(st);
+    // Kill whatever the rank left behind in its process group.
+    ::kill(-c.status.pid, SIGKILL);
+    guard_.remove(c.status.pid);
+    reaped.push_back(&c.status);
+  }
+  return reaped;
+}
+
+void RankGroup::signal(int sig) {
+  for (auto& c : children_) {
+    if (c.running && c.status.pid > 0) ::kill(-c.status.pid, sig);  // the rank's process group
+  }
+}
+
+void RankGroup::mark_stopped() {
+  for (auto& c : children_)
+    if (c.running) c.status.stopped_by_launcher = true;
+}
+
+std::vector<RankStatus> RankGroup::close() {
+  std::vector<RankStatus> out;
+  if (closed_) return out;
+  closed_ = true;
+  end_open_line();  // a rank whose pipe stayed open past the drain: end its line
+  // A rank never reaped here (the launcher failed itself) is killed and reaped, so that
+  // no generation outlives its group.
+  for (auto& c : children_) {
+    if (c.running && c.status.pid > 0) {
+      ::kill(-c.status.pid, SIGKILL);
+      int st = 0;
+      while (::waitpid(c.status.pid, &st, 0) < 0 && errno == EINTR) {
+      }
+      guard_.remove(c.status.pid);
+      c.running = false;
     }
+    if (c.out.fd >= 0) ::close(c.out.fd);
+    if (c.err.fd >= 0) ::close(c.err.fd);
+    c.out.fd = c.err.fd = -1;
+    out.push_back(c.status);
+  }
+  return out;
+}
+
+// How one generation ended.
+struct RoundEnd {
+  int exit_code = 0;      // as LaunchResult::exit_code
+  int failed_rank = -1;
+  std::string message;
+  bool restartable = false;  // a rank failed (or another node's did): a new round may help
+  bool remote = false;       // ended because another node reported a failure
+  std::vector<RankStatus> ranks;
+};
+
+// Everything a launch keeps across its rounds.
+struct LaunchState {
+  const LaunchOptions& o;
+  Clock::time_point start;
+  SignalForwarder& signals;
+  LaunchGuard& guard;
+  LaunchRounds* rounds = nullptr;  // with --max-restarts: the launchers' rendezvous
+  int forwarded_signal = 0;
+};
+
+void say(const std::string& what) {
+  live_end();
+  std::fprintf(stderr, "tessera run: %s\n", what.c_str());
+}
+
+// Watches one generation until every rank has exited (and its output is drained):
+// forwards signals, stops everything at the first failure (TERM, then KILL after the
+// grace period), at the deadline, or when another node reports a failure.
+RoundEnd supervise(LaunchState& L, RankGroup& g, int round, const std::string& spawn_error, int exec_failed_rank) {
+  const LaunchOptions& o = L.o;
+  RoundEnd end;
+  std::optional<Clock::time_point> kill_at, drain_until;
+  auto stop_all = [&](Clock::time_point now) {
+    g.signal(SIGTERM);
+    kill_at = now + o.grace;
+  };
+  if (!spawn_error.empty()) {
+    end.exit_code = exec_failed_rank >= 0 ? 127 : 1;
+    end.failed_rank = exec_failed_rank;
+    end.message = spawn_error;
+    say(end.message);
     kill_at = Clock::now();
   }
-
-  auto any_running = [&] {
-    for (auto& c : children)
-      if (c.running) return true;
-    return false;
-  };
-  auto any_open = [&] {
-    for (auto& c : children)
-      if (c.out.fd >= 0 || c.err.fd >= 0) return true;
-    return false;
-  };
-  std::optional<Clock::time_point> drain_until;
-
-  while (any_running() || (any_open() && (!drain_until || Clock::now() < *drain_until))) {
-    std::vector<pollfd> fds;
-    std::vector<std::pair<int, bool>> owners;
-    for (int i = 0; i < static_cast<int>(children.size()); ++i) {
-      if (children[i].out.fd >= 0) { fds.push_back({children[i].out.fd, POLLIN, 0}); owners.push_back({i, false}); }
-      if (children[i].err.fd >= 0) { fds.push_back({children[i].err.fd, POLLIN, 0}); owners.push_back({i, true}); }
-    }
-    if (forwarding) fds.push_back({g_signal_pipe[0], POLLIN, 0});
-    ::poll(fds.data(), fds.size(), 50);
-    for (size_t k = 0; k < owners.size(); ++k) {
-      if (fds[k].revents & (POLLIN | POLLHUP | POLLERR)) pump(o, children[owners[k].first], owners[k].second);
-    }
-    if (forwarding && (fds.back().revents & POLLIN)) {
-      char c;
-      while (::read(g_signal_pipe[0], &c, 1) == 1) {
-        const int sig = static_cast<unsigned char>(c);
-        if (!forwarded_signal) forwarded_signal = sig;
-        live_end();
-        std::fprintf(stderr, "tessera run: received signal %d (%s); forwarding it to the ranks\n", sig,
-                     strsignal(sig));
-        signal_all(children, sig);
+  auto next_remote_check = Clock::now();
+  while (g.any_running() || (g.any_open() && (!drain_until || Clock::now() < *drain_until))) {
+    bool signalled = false;
+    const auto reaped = g.poll(50, L.signals.fd(), &signalled);
+    if (signalled) {
+      for (int sig : L.signals.take()) {
+        if (!L.forwarded_signal) L.forwarded_signal = sig;
+        say(concat("received signal ", sig, " (", strsignal(sig), "); forwarding it to the ranks"));
+        g.signal(sig);
         if (!kill_at) kill_at = Clock::now() + o.grace;
       }
     }
-    // Reap.
-    for (auto& c : children) {
-      if (!c.running) continue;
-      int st = 0;
-      pid_t r = ::waitpid(c.status.pid, &st, WNOHANG);
-      if (r != c.status.pid) continue;
-      c.running = false;
-      if (WIFEXITED(st)) c.status.exit_code = WEXITSTATUS(st);
-      if (WIFSIGNALED(st)) c.status.signal = WTERMSIG(st);
-      // Kill whatever the rank left behind in its process group.
-      ::kill(-c.status.pid, SIGKILL);
-      guard.remove(c.status.pid);
-      const bool failed = c.status.signal != 0 || c.status.exit_code != 0;
-      if (failed && result.failed_rank < 0 && !kill_at) {
-        result.failed_rank = c.status.rank;
-        result.exit_code = c.status.signal ? 128 + c.status.signal : c.status.exit_code;
-        result.message = c.status.signal
-                             ? concat("rank ", c.status.rank, " (pid ", c.status.pid, ") was killed by signal ",
-                                   c.status.signal, " (", strsignal(c.status.signal), ")")
-                             : concat("rank ", c.status.rank, " (pid ", c.status.pid, ") exited with code ",
-                                   c.status.exit_code);
-        if (any_running()) {
-          result.message += "; stopping the other ranks";
-          signal_all(children, SIGTERM);
-          kill_at = Clock::now() + o.grace;
-          for (auto& other : children)
-            if (other.running) other.status.stopped_by_launcher = true;
-        }
-        live_end();
-        std::fprintf(stderr, "tessera run: %s\n", result.message.c_str());
+    for (const RankStatus* st : reaped) {
+      const bool failed = st->signal != 0 || st->exit_code != 0;
+      if (!failed || end.failed_rank >= 0 || kill_at) continue;
+      end.failed_rank = st->rank;
+      end.exit_code = st->signal ? 128 + st->signal : st->exit_code;
+      end.restartable = true;
+      end.message = st->signal ? concat("rank ", st->rank, " (pid ", st->pid, ") was killed by signal ", st->signal,
+                                        " (", strsignal(st->signal), ")")
+                               : concat("rank ", st->rank, " (pid ", st->pid, ") exited with code ", st->exit_code);
+      if (L.rounds) L.rounds->report_failure(round, end.message);
+      if (g.any_running()) {
+        end.message += "; stopping the other ranks";
+        g.mark_stopped();
+        stop_all(Clock::now());
       }
+      say(end.message);
     }
     const auto now = Clock::now();
-    if (o.deadline && now - start > *o.deadline && any_running() && result.failed_rank < 0 && !kill_at) {
-      result.exit_code = 124;
-      result.message = concat("deadline of ", o.deadline->count(), " ms passed; stopping every rank");
-      live_end();
-      std::fprintf(stderr, "tessera run: %s\n", result.message.c_str());
-      signal_all(children, SIGTERM);
-      kill_at = now + o.grace;
+    if (L.rounds && !kill_at && g.any_running() && now >= next_remote_check) {
+      next_remote_check = now + std::chrono::milliseconds(200);
+      if (auto other = L.rounds->failure(round)) {
+        end.exit_code = 1;
+        end.restartable = true;
+        end.remote = true;
+        end.message = concat(*other, "; stopping this node's ranks");
+        say(end.message);
+        g.mark_stopped();
+        stop_all(now);
+      }
     }
-    if (kill_at && now >= *kill_at) signal_all(children, SIGKILL);
-    if (!any_running() && !drain_until) drain_until = Clock::now() + std::chrono::seconds(2);
+    if (o.deadline && now - L.start > *o.deadline && g.any_running() && end.failed_rank < 0 && !kill_at) {
+      end.exit_code = 124;
+      end.restartable = false;
+      end.message = concat("deadline of ", o.deadline->count(), " ms passed; stopping every rank");
+      say(end.message);
+      stop_all(now);
+    }
+    if (kill_at && now >= *kill_at) g.signal(SIGKILL);
+    if (!g.any_running() && !drain_until) drain_until = Clock::now() + std::chrono::seconds(2);
   }
-  end_open_line();  // a rank whose pipe stayed open past the drain: end its line
+  end.ranks = g.close();
+  if (L.forwarded_signal || !spawn_error.empty()) end.restartable = false;
+  return end;
+}
+
+}  // namespace
+
+LaunchResult launch(const LaunchOptions& o) {
+  TESSERA_CHECK(!o.command.empty(), "launch: no program given");
+  TESSERA_CHECK(o.nproc_per_node >= 1, "launch: --nproc-per-node must be at least 1, got ", o.nproc_per_node);
+  TESSERA_CHECK(o.nnodes >= 1, "launch: --nnodes must be at least 1, got ", o.nnodes);
+  TESSERA_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, "launch: --node-rank ", o.node_rank,
+                " must be in [0, ", o.nnodes, ")");
+  TESSERA_CHECK(o.master_port >= 0 && o.master_port <= 65535, "launch: --master-port ", o.master_port,
+                " is not a port number");
+  TESSERA_CHECK(o.max_restarts >= 0, "launch: --max-restarts must be at least 0, got ", o.max_restarts);
+  TESSERA_CHECK(o.master_port != 0 || o.nnodes == 1, "launch: --master-port is required with --nnodes ", o.nnodes,
+                " (every node must agree on it)");
+  LaunchResult result;
+  SignalForwarder signals(o.forward_signals);
+  LaunchGuard guard(o.nproc_per_node);
+  if (!guard.start()) {
+    std::fprintf(stderr, "tessera run: warning: cannot start the guard process (%s); if this launcher is "
+                 "killed, processes started by the ranks may outlive it\n", std::strerror(errno));
+  }
+  LaunchState L{o, Clock::now(), signals, guard};
+  RoundSetup setup;
+  const bool live = !o.on_line && ::isatty(2);
+  if (live) {
+    g_live = LiveLine{};
+    g_live.enabled = true;
+    struct winsize ws {};
+    setup.live_columns = ::ioctl(2, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 20 ? ws.ws_col : 80;
+  }
+  // With restarts, the launchers host the ranks' store and meet in it at every round;
+  // without, the ranks meet at MASTER_PORT by themselves (rank 0 hosts the store).
+  std::unique_ptr<LaunchRounds> rounds;
+  if (o.max_restarts > 0) {
+    try {
+      rounds = std::make_unique<LaunchRounds>(o.master_addr, o.master_port, o.nnodes, o.node_rank, o.rdzv_timeout);
+    } catch (const std::exception& e) {
+      result.exit_code = 1;
+      result.message = e.what();
+      say(result.message);
+    }
+    L.rounds = rounds.get();
+    setup.agent_store = true;
+  }
+  for (int round = 0; rounds || o.max_restarts == 0; ++round) {
+    setup.round = round;
+    setup.port = rounds ? rounds->port() : (o.master_port ? o.master_port : find_free_port());
+    if (rounds) {
+      const std::string joined = rounds->join(round);
+      if (!joined.empty()) {
+        result.exit_code = result.exit_code ? result.exit_code : 1;
+        result.message = result.message.empty() ? joined : concat(result.message, "; then ", joined);
+        say(joined);
+        break;
+      }
+    }
+    RankGroup group(o, guard);
+    const std::string spawn_error = group.start(setup);
+    RoundEnd end = supervise(L, group, round, spawn_error, group.exec_failed_rank());
+    result.ranks = std::move(end.ranks);
+    result.exit_code = end.exit_code;
+    result.failed_rank = end.failed_rank;
+    result.message = end.message;
+    if (end.exit_code == 0 && !L.forwarded_signal) {
+      if (rounds) rounds->finish(round);
+      break;
+    }
+    if (!end.restartable || round >= o.max_restarts) {
+      if (end.restartable && o.max_restarts > 0)
+        say(concat("giving up: the job failed ", round + 1, " time(s) and --max-restarts is ", o.max_restarts));
+      break;
+    }
+    result.failures.push_back(end.message);
+    ++result.restarts;
+    say(concat("restart ", round + 1, " of at most ", o.max_restarts, ": starting every rank again"));
+  }
   if (live) {
     live_end();
     g_live = LiveLine{};
   }
-  for (auto& c : children) {
-    if (c.out.fd >= 0) ::close(c.out.fd);
-    if (c.err.fd >= 0) ::close(c.err.fd);
-    result.ranks.push_back(c.status);
-  }
-  if (forwarding) {
-    sigaction(SIGINT, &old_int, nullptr);
-    sigaction(SIGTERM, &old_term, nullptr);
-    sigaction(SIGHUP, &old_hup, nullptr);
-    ::close(g_signal_pipe[0]);
-    ::close(g_signal_pipe[1]);
-    g_signal_pipe[0] = g_signal_pipe[1] = -1;
-  }
   guard.finish();
-  if (forwarded_signal && result.failed_rank < 0 && result.exit_code == 0) {
-    result.exit_code = 128 + forwarded_signal;
-    result.message = concat("stopped by signal ", forwarded_signal);
+  if (L.forwarded_signal && result.failed_rank < 0 && result.exit_code == 0) {
+    result.exit_code = 128 + L.forwarded_signal;
+    result.message = concat("stopped by signal ", L.forwarded_signal);
   }
-  result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - L.start);
   return result;
 }
 

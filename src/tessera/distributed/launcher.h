@@ -1,8 +1,15 @@
 // Starts the local ranks of a job as fresh processes (fork + exec), with the
 // torchrun environment, and watches them: output is prefixed per rank, SIGINT and
 // SIGTERM are forwarded, and the first rank to fail (non-zero exit or a signal)
-// brings the others down (TERM, then KILL after a grace period). Used by
-// `tessera run`, by Fabric's self-launch and by the multi-process tests.
+// brings the others down (TERM, then KILL after a grace period). With max_restarts K,
+// the job is then started again, up to K times (torchrun's --max-restarts): every
+// node's launcher meets the others in a new round (launch_rounds.h) and starts its
+// ranks with TORCHELASTIC_RESTART_COUNT set to the round. Used by `tessera run`, by
+// Fabric's self-launch and by the multi-process tests.
+//
+// Inside (launcher.cpp): a RankGroup is one generation of ranks (start, poll, signal,
+// close, as torch elastic's PContext), supervise() watches one until it ends, and
+// launch() runs the rounds.
 #pragma once
 #include <chrono>
 #include <functional>
@@ -37,6 +44,15 @@ struct LaunchOptions {
   // output than that). Default: written to this process's stdout/stderr as "[rank R] line",
   // a long line as one prefixed line written in pieces (see launcher.cpp).
   std::function<void(int rank, bool is_stderr, const std::string& line)> on_line;
+  // Start every rank again after a failure, up to this many times (0: never). With
+  // restarts, node 0's launcher hosts the ranks' rendezvous store (torchrun's agent
+  // store: TORCHELASTIC_USE_AGENT_STORE) at master_port (a free port on one node when 0),
+  // and no round starts before every node's launcher has joined it. Not after a
+  // forwarded signal, the deadline, or a program that cannot be executed.
+  int max_restarts = 0;
+  // How long the launchers wait for every node to join a round (and node 1.. to reach
+  // node 0's launcher); a node missing after it is named and the launch fails.
+  std::chrono::milliseconds rdzv_timeout{std::chrono::seconds(300)};
 };
 
 struct RankStatus {
@@ -53,7 +69,9 @@ struct LaunchResult {
   int exit_code = 0;
   int failed_rank = -1;
   std::string message;  // what happened, naming the rank; empty on success
-  std::vector<RankStatus> ranks;
+  std::vector<RankStatus> ranks;  // of the last round
+  int restarts = 0;                   // rounds started again after a failure
+  std::vector<std::string> failures;  // what ended each restarted round, in order
   std::chrono::milliseconds elapsed{0};
 };
 

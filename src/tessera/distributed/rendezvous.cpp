@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cctype>
@@ -79,6 +80,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
   } quiet;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, so);
+    // A launcher's store outlives the ranks of one round (tessera run --max-restarts,
+    // torchrun): each round keeps to its own keys, under torch's name for them.
+    if (w.agent_store)
+      store = c10::make_intrusive<c10d::PrefixStore>(concat("/worker/attempt_", w.restart_count), store);
     store->add(kJoinedKey, 1);
   } catch (const std::exception& e) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);

@@ -91,6 +91,7 @@ World from_torchrun(const Reader& r) {
   TESSERA_CHECK(w.node_rank < w.num_nodes, "GROUP_RANK=", w.node_rank, " is not below the ",
                 w.num_nodes, " nodes implied by WORLD_SIZE/LOCAL_WORLD_SIZE");
   if (auto a = r.get("TORCHELASTIC_USE_AGENT_STORE")) w.agent_store = (*a == "True" || *a == "1");
+  w.restart_count = r.get_int("TORCHELASTIC_RESTART_COUNT", 0, 1 << 30).value_or(0);
   set_master(w, r, "", 0);
   return w;
 }

@@ -21,6 +21,9 @@ struct World {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;          // 0: not needed (single process)
   bool agent_store = false;     // torchrun's agent hosts the TCPStore; every rank is a client
+  // How often the launcher restarted the job (TORCHELASTIC_RESTART_COUNT; 0 at first).
+  // With an agent store, this round's keys live under "/worker/attempt_<n>" (as torch's).
+  int restart_count = 0;
   std::string source = "single";  // "torchrun", "slurm", "openmpi" or "single"
 
   bool is_distributed() const { return world_size > 1; }
