@@ -62,6 +62,12 @@ TEST(ShardingSpec, ValidationErrorsNameTheShard) {
   // Gap.
   EXPECT_CONTAINS(error_of([] { validate_shards({shard({0, 0}, {2, 4}), shard({2, 0}, {2, 3})}, {4, 4}); }),
                   "shards cover 14 of the 16 elements");
+  // Overlaps found whatever the dimension the shards split: the sweep runs along the one
+  // whose offsets differ most, comparing a shard only with those still open there.
+  EXPECT_CONTAINS(error_of([] { validate_shards({shard({0, 0}, {4, 2}), shard({0, 2}, {4, 2}), shard({3, 1}, {1, 2}, 2)},
+                                                {4, 4}); }),
+                  "shard 2 [3:4, 1:3] on rank:2/cpu overlaps shard 0 [0:4, 0:2] on rank:0/cpu in [3:4, 1:2]");
+  EXPECT_CONTAINS(error_of([] { validate_shards({shard({}, {}), shard({}, {}, 1)}, {}); }), "shard 1 [] on rank:1/cpu overlaps");
   // Negative.
   EXPECT_CONTAINS(error_of([] { validate_shards({shard({-1, 0}, {2, 4})}, {4, 4}); }), "shard 0 [-1:1, 0:4]");
   // Empty shards anywhere are fine, also on a zero-size tensor.
@@ -181,3 +187,20 @@ TEST_P(ShardedRanks, FromLocalShardsRejectsBadShardsOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShardedRanks, ::testing::Values(1, 2, 3, 4));
+
+// 16,384 shards of one tensor (a FULL_SHARD layout at 16,384 ranks) along dimension 1: valid,
+// and one shard moved by a column overlaps exactly its neighbour, which the check names.
+// (A check of every pair would compare 134 million of them per tensor.)
+TEST(ShardingSpec, ValidatesSixteenThousandShardsAlongAnyDimension) {
+  const int64_t n = 16384;
+  std::vector<ShardMetadata> cols, rows;
+  for (int64_t i = 0; i < n; ++i) {
+    cols.push_back(shard({0, 2 * i}, {8, 2}, static_cast<int>(i)));
+    rows.push_back(shard({2 * i, 0}, {2, 8}, static_cast<int>(i)));
+  }
+  EXPECT_NO_THROW(validate_shards(cols, {8, 2 * n}));
+  EXPECT_NO_THROW(validate_shards(rows, {2 * n, 8}));
+  cols[9000].box.offsets[1] -= 1;
+  EXPECT_CONTAINS(error_of([&] { validate_shards(cols, {8, 2 * n}); }),
+                  "shard 9000 [0:8, 17999:18001] on rank:9000/cpu overlaps shard 8999 [0:8, 17998:18000]");
+}
