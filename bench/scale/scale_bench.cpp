@@ -404,19 +404,17 @@ int64_t shard_list_bytes(const Setup& s) {
 }
 
 // Metadata bytes the Trainer's RNG state adds (trainer/rng_state.cpp: every rank's CPU
-// generator state, all-gathered, saved as rng.cpu_<r> bytes entries; rng.world_size).
+// generator state as row r of one uint8 ShardedTensor rng.cpu [ranks, state bytes], a
+// chunk layout; and rng.world_size). One entry whatever the world size.
 int64_t trainer_rng_bytes(int64_t n) {
   at::Tensor st = at::detail::getDefaultCPUGenerator().get_state();
   ck::EntryInfo e;
-  e.kind = "bytes";
-  e.value = tessera::state::Bytes{std::string(static_cast<size_t>(st.numel()), '\0')};
-  const int64_t entry = static_cast<int64_t>(ck::entry_json(e).size());
-  int64_t total = 0;
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t key = static_cast<int64_t>(("rng.cpu_" + std::to_string(r)).size()) + 2;  // quoted
-    total += (key + 1) + (key + 1 + entry + 1);  // in "keys": "k", ; in "entries": "k":{...},
-  }
-  return total;
+  e.kind = "sharded";
+  e.dtype = at::kByte;
+  e.shape = {n, st.numel()};
+  e.layout = sh::Layout::chunk(0, n);
+  const int64_t key = static_cast<int64_t>(std::string("\"rng.cpu\"").size());
+  return (key + 1) + (key + 1 + static_cast<int64_t>(ck::entry_json(e).size()) + 1);
 }
 
 // ------------------------------------------------------------------ one configuration
@@ -638,6 +636,18 @@ int predict(const PredictOptions& p) {
     if (!real_e.is_tensor()) {
       if (it != tensors.end()) problems.push_back("'" + k + "' is a tensor in the model, a plain value in the file");
       m.entries.emplace(k, real_e);
+    } else if ((k == "rng.cpu" || k == "rng.cuda") && real_e.shape.size() == 2 && real_e.shape[0] == p.ranks) {
+      // The Trainer's generator states: row r from rank r, over the whole world.
+      ck::EntryInfo e;
+      e.kind = "sharded";
+      e.dtype = at::kByte;
+      e.shape = real_e.shape;
+      std::vector<int64_t> world(static_cast<size_t>(p.ranks));
+      std::iota(world.begin(), world.end(), int64_t{0});
+      const ck::GroupPlacement g = ck::group_placement(world, p.ranks, k);
+      e.layout = ck::plan_saved_layout(k, e.shape, {}, sh::Layout::chunk(0, p.ranks), g, p.ranks, 0, key_index).layout;
+      m.entries.emplace(k, std::move(e));
+      ++predicted;
     } else if (it == tensors.end()) {
       problems.push_back("'" + k + "' is a tensor in the file but not in the model");
       m.entries.emplace(k, real_e);

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/checkpoint/reader.h"
 #include "examples/gpt_test_util.h"
 #include "support/test_util.h"
 
@@ -161,6 +162,16 @@ static void expect_resume_continues(const GptRun& r, const std::string& name, co
                                  part_dir + common);
   ASSERT_EQ(rc2, 0) << out2;
   EXPECT_NE(out2.find("gpt: checkpoints saves="), std::string::npos) << out2;
+  {  // Both ranks' generator states: one [2, bytes] uint8 tensor, not a value per rank.
+    const auto meta = tessera::checkpoint::open_checkpoint(part_dir + "/checkpoints/last.ckpt");
+    auto it = meta.entries.find("rng.cpu");
+    ASSERT_NE(it, meta.entries.end());
+    EXPECT_TRUE(it->second.is_tensor());
+    EXPECT_EQ(it->second.dtype, at::kByte);
+    ASSERT_EQ(it->second.shape.size(), 2u);
+    EXPECT_EQ(it->second.shape[0], 2);
+    EXPECT_EQ(meta.entries.count("rng.cpu_0"), 0u);
+  }
   auto [rc3, out3] = run_command(kNoLauncherEnv + kGpt + " train --max-steps 10 --resume last --out " + part_dir + common);
   ASSERT_EQ(rc3, 0) << out3;
   EXPECT_NE(out3.find("steps_this_run=4"), std::string::npos) << out3;

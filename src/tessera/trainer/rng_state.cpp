@@ -8,7 +8,12 @@
 #include <cstring>
 #include <mutex>
 
+#include "tessera/checkpoint/reader.h"
+#include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 #include "tessera/fabric/fabric.h"
+#include "tessera/sharding/layout.h"
+#include "tessera/sharding/sharded_tensor.h"
 
 namespace tessera::trainer {
 
@@ -38,28 +43,69 @@ RngFork::~RngFork() {
   if (device_) set_generator_state(at::globalContext().defaultGenerator(*device_), cuda_);
 }
 
+namespace {
+
+// Every rank's `bytes` as one uint8 tensor [world size, length], row r on rank r (a chunk
+// layout along rows: one line in the metadata at any world size, each row in its rank's
+// data file). No communication: every rank knows the layout.
+sharding::ShardedTensor rows_by_rank(fabric::Fabric& f, const std::string& bytes) {
+  const int64_t w = f.world_size(), r = f.global_rank(), len = static_cast<int64_t>(bytes.size());
+  at::Tensor row = at::empty({1, len}, at::kByte);
+  std::memcpy(row.data_ptr(), bytes.data(), bytes.size());
+  std::vector<sharding::ShardMetadata> all;
+  all.reserve(static_cast<size_t>(w));
+  for (int64_t i = 0; i < w; ++i)
+    all.push_back(sharding::ShardMetadata{sharding::Box{{i, 0}, {1, len}}, sharding::Placement{static_cast<int>(i)}});
+  std::vector<sharding::Shard> local{sharding::Shard{row, all[static_cast<size_t>(r)]}};
+  return sharding::ShardedTensor::from_parts(std::move(local), std::move(all), {w, len}, at::kByte, f.comm(),
+                                             sharding::Layout::chunk(0, w));
+}
+
+// This rank's row of the generator states `key` of the checkpoint (rank 0's when the
+// checkpoint has fewer ranks), or "" when it has none.
+std::string read_row(const checkpoint::CheckpointMetadata& meta, checkpoint::ChunkReader& reader,
+                     const std::string& key, int64_t rank) {
+  auto it = meta.entries.find(key);
+  if (it == meta.entries.end()) return "";
+  const checkpoint::EntryInfo& e = it->second;
+  TESSERA_CHECK(e.shape.size() == 2 && e.shape[0] >= 1 && e.dtype == at::kByte, "Trainer: checkpoint '", meta.location,
+                "' key '", key, "' is not a [ranks, bytes] uint8 tensor of generator states (shape ",
+                core::shape_string(e.shape), ")");
+  const int64_t row = rank < e.shape[0] ? rank : 0;
+  at::Tensor t = reader.read_box(key, e, sharding::Box{{row, 0}, {1, e.shape[1]}}).contiguous();
+  return std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()));
+}
+
+}  // namespace
+
 state::StateDict gather_rng_states(fabric::Fabric& f) {
   state::StateDict rng;
   rng.set("world_size", static_cast<int64_t>(f.world_size()));
-  auto cpu = f.comm()->all_gather_bytes(generator_state(at::detail::getDefaultCPUGenerator()));
-  for (size_t r = 0; r < cpu.size(); ++r) rng.set("cpu_" + std::to_string(r), state::Bytes{cpu[r]});
-  if (f.device().is_cuda()) {
-    auto cuda = f.comm()->all_gather_bytes(generator_state(at::globalContext().defaultGenerator(f.device())));
-    for (size_t r = 0; r < cuda.size(); ++r) rng.set("cuda_" + std::to_string(r), state::Bytes{cuda[r]});
-  }
+  rng.set("cpu", rows_by_rank(f, generator_state(at::detail::getDefaultCPUGenerator())));
+  if (f.device().is_cuda())
+    rng.set("cuda", rows_by_rank(f, generator_state(at::globalContext().defaultGenerator(f.device()))));
   return rng;
 }
 
-void restore_rng_states(fabric::Fabric& f, const state::StateDict& rng) {
-  auto pick = [&](const std::string& kind) -> const state::Bytes* {
+void restore_rng_states(fabric::Fabric& f, const state::StateDict& rng, const std::string& path) {
+  std::string cpu, cuda;
+  auto pick = [&](const std::string& kind) -> std::string {
+    // Checkpoints before the tensor form: one bytes value per rank in the metadata.
     const std::string mine = kind + "_" + std::to_string(f.global_rank());
-    if (rng.contains(mine)) return &rng.bytes(mine);
-    if (rng.contains(kind + "_0")) return &rng.bytes(kind + "_0");
-    return nullptr;
+    if (rng.contains(mine)) return rng.bytes(mine).data;
+    if (rng.contains(kind + "_0")) return rng.bytes(kind + "_0").data;
+    return "";
   };
-  if (auto b = pick("cpu")) set_generator_state(at::detail::getDefaultCPUGenerator(), b->data);
-  if (f.device().is_cuda())
-    if (auto b = pick("cuda")) set_generator_state(at::globalContext().defaultGenerator(f.device()), b->data);
+  cpu = pick("cpu");
+  if (f.device().is_cuda()) cuda = pick("cuda");
+  if (cpu.empty() && cuda.empty()) {
+    const checkpoint::CheckpointMetadata meta = checkpoint::open_checkpoint(path);
+    checkpoint::ChunkReader reader(meta);
+    cpu = read_row(meta, reader, "rng.cpu", f.global_rank());
+    if (f.device().is_cuda()) cuda = read_row(meta, reader, "rng.cuda", f.global_rank());
+  }
+  if (!cpu.empty()) set_generator_state(at::detail::getDefaultCPUGenerator(), cpu);
+  if (!cuda.empty()) set_generator_state(at::globalContext().defaultGenerator(f.device()), cuda);
 }
 
 }  // namespace tessera::trainer

@@ -35,12 +35,16 @@ class RngFork {
   std::optional<c10::Device> device_;
 };
 
-// Every rank's generator states (collective): {"world_size", "cpu_<rank>", and
-// "cuda_<rank>" on CUDA devices}; ranks draw different numbers (dropout), so each keeps
-// its own stream.
+// Every rank's generator states: {"world_size", "cpu", and "cuda" on CUDA devices}, each
+// a uint8 ShardedTensor [world size, state bytes] whose row r rank r holds (no
+// communication; one chunk-layout line in the metadata at any world size, each row in its
+// rank's data file). Ranks draw different numbers (dropout), so each keeps its own stream.
 state::StateDict gather_rng_states(fabric::Fabric& f);
-// Sets this rank's generators from such a dict: its own rank's entries, else rank 0's
-// (a checkpoint from a smaller world), else leaves the generator as it is.
-void restore_rng_states(fabric::Fabric& f, const state::StateDict& rng);
+// Sets this rank's generators from the checkpoint at `path`: its own row of rng.cpu /
+// rng.cuda, else row 0 (a checkpoint from a smaller world), else leaves the generator as
+// it is. Checkpoints written before the tensor form hold one bytes value per rank
+// ("cpu_<rank>", "cuda_<rank>") among the metadata's values: `rng` (the checkpoint's
+// leftover values under "rng.") is read for those first.
+void restore_rng_states(fabric::Fabric& f, const state::StateDict& rng, const std::string& path);
 
 }  // namespace tessera::trainer

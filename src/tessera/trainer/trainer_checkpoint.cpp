@@ -162,7 +162,7 @@ void Trainer::load_checkpoint(const std::string& path, bool weights_only) {
   restore_loop(path, st, rest);
   restore_schedulers(path, rest);
   restore_callbacks(rest);
-  restore_rng_states(f, prefixed_leftovers(rest, "rng"));
+  restore_rng_states(f, prefixed_leftovers(rest, "rng"), path);
   module_->on_load_checkpoint(prefixed_leftovers(rest, "extra"));
   each_callback([&](Callback& c) { c.on_load_checkpoint(*this, *module_, path); });
 }
