@@ -195,7 +195,10 @@ TEST_P(DeadPeer, HungPeerTimesOut) {
   EXPECT_EQ(res.launch.exit_code, 3) << res.all_output();
   const std::string out = res.all_output();
   EXPECT_NE(out.find("raised after"), std::string::npos) << out;
-  EXPECT_NE(out.find("all_reduce (Float [1024])"), std::string::npos) << out;
+  // The collective is named with its number, dtype and shape, and the rank that had not arrived.
+  EXPECT_NE(out.find("all_reduce #"), std::string::npos) << out;
+  EXPECT_NE(out.find("(Float [1024]"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 1 had not arrived"), std::string::npos) << out;
   EXPECT_NE(out.find("timed out"), std::string::npos) << out;
   EXPECT_LT(res.launch.elapsed.count(), 20000);
 }
