@@ -9,8 +9,8 @@
 #include <exception>
 #include <string>
 
-#include "tessera/checkpoint/dcp_import.h"
-#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/storage/file.h"
 
 namespace ck = tessera::checkpoint;
 

@@ -4,7 +4,7 @@
 #include <exception>
 #include <string>
 
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/metadata.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string text(reinterpret_cast<const char*>(data), size);

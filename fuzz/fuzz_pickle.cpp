@@ -11,7 +11,7 @@
 #include <set>
 #include <string>
 
-#include "tessera/checkpoint/pickle_reader.h"
+#include "tessera/checkpoint/interop/pickle_reader.h"
 
 namespace pk = tessera::checkpoint::pickle;
 

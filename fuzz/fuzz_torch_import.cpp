@@ -4,7 +4,7 @@
 #include <exception>
 
 #include "fuzz_common.h"
-#include "tessera/checkpoint/interop.h"
+#include "tessera/checkpoint/interop/torch_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string& path = tessera::fuzz::write_input(data, size);

@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "model.h"
-#include "tessera/checkpoint/metadata.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/format/safetensors.h"
 
 namespace gpt {
 

@@ -130,7 +130,7 @@ def num_blocks(nbytes, block):
     return (nbytes + block - 1) // block
 
 
-# Checksum block sizes a reader accepts (C++: checksum.h check_crc_block): a multiple of 8, so
+# Checksum block sizes a reader accepts (C++: checkpoint/format/checksum.h check_crc_block): a multiple of 8, so
 # that every block starts on a whole element of every dtype, and at most 1 GiB.
 MIN_CRC_BLOCK, MAX_CRC_BLOCK = 8, 1 << 30
 

@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <memory>
 
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/distributed/communicator.h"
 #include "tessera/state/state_dict.h"

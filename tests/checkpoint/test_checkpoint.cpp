@@ -10,10 +10,10 @@
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/metadata.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 
 using namespace tessera;

@@ -17,8 +17,8 @@
 
 #include "support/harness.h"
 #include "support/test_util.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
+#include "tessera/checkpoint/storage/file.h"
 
 extern char** environ;
 

@@ -23,9 +23,9 @@
 #include "support/child_process.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/dcp_import.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/state/state_dict.h"
 
 using namespace tessera;

@@ -1,5 +1,5 @@
 // DirectReader: large reads with O_DIRECT through bounce buffers, two segments in flight,
-// each segment checked as it lands (checkpoint/direct_reader.h).
+// each segment checked as it lands (checkpoint/storage/direct_reader.h).
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "support/test_util.h"
-#include "tessera/checkpoint/direct_reader.h"
-#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/storage/direct_reader.h"
+#include "tessera/checkpoint/storage/file.h"
 
 using namespace tessera;
 namespace ck = tessera::checkpoint;

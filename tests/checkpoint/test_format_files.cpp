@@ -19,7 +19,7 @@
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/sharding/sharded_tensor.h"
 

@@ -12,8 +12,8 @@
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 
 using namespace tessera;

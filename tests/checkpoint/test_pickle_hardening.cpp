@@ -19,10 +19,10 @@
 #include "support/child_process.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/dcp_import.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/interop.h"
-#include "tessera/checkpoint/pickle_reader.h"
+#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/interop/pickle_reader.h"
+#include "tessera/checkpoint/interop/torch_file.h"
+#include "tessera/checkpoint/storage/file.h"
 
 extern char** environ;
 

@@ -21,8 +21,8 @@
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/sharding/sharded_tensor.h"
 #include "tessera/state/state_dict.h"
 

@@ -8,9 +8,11 @@
 #include <tuple>
 
 #include "support/test_util.h"
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/storage/commit.h"
+#include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/stream_writer.h"
 #include "tessera/core/error.h"
 
 using namespace tessera;

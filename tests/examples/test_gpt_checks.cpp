@@ -26,9 +26,9 @@
 #include <thread>
 #include <vector>
 
-#include "tessera/checkpoint/metadata.h"
-#include "tessera/checkpoint/reader.h"
 #include "support/test_util.h"
+#include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/reader.h"
 
 namespace fs = std::filesystem;
 namespace ck = tessera::checkpoint;

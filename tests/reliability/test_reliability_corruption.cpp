@@ -12,11 +12,11 @@
 #include <iostream>
 #include <random>
 
-#include "support/harness.h"
 #include "reliability/reliability_util.h"
+#include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
 #include "tessera/state/state_dict.h"
 
 using namespace tessera;

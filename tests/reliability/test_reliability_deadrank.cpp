@@ -13,10 +13,10 @@
 #include <random>
 #include <regex>
 
-#include "support/harness.h"
 #include "reliability/reliability_util.h"
+#include "support/harness.h"
 #include "support/test_util.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
 
 using namespace tessera;
 using namespace tessera::testing;

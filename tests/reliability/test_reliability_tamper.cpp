@@ -17,14 +17,14 @@
 
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/harness.h"
-#include "trainer/trainer_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/metadata.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/strategy/fsdp.h"
+#include "trainer/trainer_test_util.h"
 
 using namespace tessera;
 using namespace tessera::testing;

@@ -16,10 +16,10 @@
 #include <filesystem>
 #include <iostream>
 
-#include "support/harness.h"
 #include "reliability/reliability_util.h"
+#include "support/harness.h"
 #include "support/test_util.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
 
 using namespace tessera;
 using namespace tessera::testing;

@@ -12,7 +12,7 @@
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
 
 using tessera::testing::run_ranks;
 

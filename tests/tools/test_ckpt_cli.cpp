@@ -18,8 +18,8 @@
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/distributed/communicator.h"
 #include "tessera/state/state_dict.h"
 

@@ -14,11 +14,11 @@
 #include <filesystem>
 #include <map>
 
-#include "support/harness.h"
 #include "reliability/reliability_util.h"
+#include "support/harness.h"
 #include "support/test_util.h"
-#include "tessera/checkpoint/hf_export.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/interop/hf_export.h"
+#include "tessera/checkpoint/offline/offline.h"
 #include "tessera_tests/python_features.h"
 
 using namespace tessera;

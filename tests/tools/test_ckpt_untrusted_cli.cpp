@@ -16,8 +16,8 @@
 #include "checkpoint/dcp_fixture.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/dcp_import.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/offline/offline.h"
 
 using namespace tessera;
 using namespace tessera::testing;

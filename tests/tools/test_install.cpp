@@ -27,7 +27,7 @@ TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
   EXPECT_TRUE(fs::exists(tmp / "prefix/include/tessera/config.h"));
   // Public headers only: the internal ones (src/CMakeLists.txt) stay behind.
   for (const char* internal : {"core/pch.h", "strategy/fsdp_impl.h", "strategy/grad_hooks.h",
-                               "distributed/shm_channel.h", "distributed/c10d_routes.h", "checkpoint/pickle_reader.h",
+                               "distributed/shm_channel.h", "distributed/c10d_routes.h", "checkpoint/interop/pickle_reader.h",
                                "trainer/rng_state.h"})
     EXPECT_FALSE(fs::exists(tmp / "prefix/include/tessera" / internal)) << internal;
   for (const char* lib : {"libtessera_core.a", "libtessera_checkpoint.a", "libtessera_trainer.a"})

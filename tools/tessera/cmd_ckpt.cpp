@@ -15,12 +15,13 @@
 #include <thread>
 
 #include "commands.h"
-#include "tessera/checkpoint/dcp_import.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/hf_export.h"
-#include "tessera/checkpoint/metadata.h"
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/interop/hf_export.h"
+#include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/storage/commit.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/cli_checks.h"
 #include "tessera/core/error.h"
 
@@ -163,7 +164,7 @@ Runner add_ckpt_command(CLI::App& app) {
       ->default_val("torch")->check(CLI::IsMember({"torch", "safetensors", "hf"}));
   exp->add_option("-o,--output", a->out, "file to write (a directory for --format hf)")->required();
   exp->add_flag("-f,--force", a->force, "replace an existing output");
-  // --format hf only (checkpoint/hf_export.h).
+  // --format hf only (checkpoint/interop/hf_export.h).
   exp->add_option("--max-shard-size", a->max_shard_size,
                   "hf: the most bytes per file, e.g. 5GB (the default), 500MB, 2GiB or plain bytes; "
                   "a larger tensor gets a file of its own")
@@ -187,7 +188,7 @@ Runner add_ckpt_command(CLI::App& app) {
               "DIR/model.safetensors.index.json as transformers does; plain values and optimizer state are not "
               "exported.");
 
-  // import-dcp (checkpoint/dcp_import.h)
+  // import-dcp (checkpoint/interop/dcp_import.h)
   CLI::App* import_dcp = sub->add_subcommand(
       "import-dcp", "Import a PyTorch Distributed Checkpoint directory (torch 2.x dcp.save) as a sharded checkpoint");
   import_dcp->add_option("DIR", a->path, "DCP directory: .metadata and __<rank>_<n>.distcp files")->required();

@@ -7,12 +7,13 @@
 
 #include <algorithm>
 
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/interop.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/interop/torch_file.h"
+#include "tessera/checkpoint/storage/commit.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/writer.h"
-#include "tessera/core/strings.h"
 #include "tessera/core/error.h"
+#include "tessera/core/strings.h"
 
 namespace tessera::checkpoint {
 

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "tessera/checkpoint/direct_reader.h"
-#include "tessera/checkpoint/metadata.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/storage/direct_reader.h"
 
 namespace tessera::checkpoint {
 

@@ -13,11 +13,13 @@
 #include <tuple>
 
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/save_plan.h"
 #include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/storage/commit.h"
+#include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/stream_writer.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/device.h"
 #include "tessera/core/error.h"

@@ -10,9 +10,9 @@
 #include <thread>
 
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/device.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"

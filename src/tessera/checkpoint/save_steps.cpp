@@ -9,9 +9,10 @@
 #include <fstream>
 #include <memory>
 
-#include "tessera/checkpoint/direct_reader.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/storage/direct_reader.h"
+#include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/stream_writer.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {

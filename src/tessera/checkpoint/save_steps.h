@@ -9,8 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/stream_writer.h"
 #include "tessera/distributed/communicator.h"
 #include "tessera/state/state_dict.h"
 

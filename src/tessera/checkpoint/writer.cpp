@@ -4,10 +4,10 @@
 
 #include <cstdio>
 
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/reader.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {

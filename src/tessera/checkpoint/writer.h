@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/metadata.h"
 
 namespace tessera::checkpoint {
 

@@ -7,7 +7,7 @@
 #include <iostream>
 #include <map>
 
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/metadata.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
 #include "tessera/core/strings.h"

@@ -1,16 +1,11 @@
-#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/storage/file.h"
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
-#include <stdio.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -204,8 +199,6 @@ File File::adopt(int fd, const std::string& path) {
   return f;
 }
 
-// ------------------------------------------------------------------ StreamWriter
-
 File open_direct(const std::string& path, bool write) {
 #if defined(O_DIRECT)
   if (std::getenv("TESSERA_NO_DIRECT_IO") == nullptr) {
@@ -230,141 +223,6 @@ char* AlignedBuffer::ensure(uint64_t n) {
     cap_ = n;
   }
   return p_;
-}
-
-StreamWriter::StreamWriter(const std::string& path, uint64_t buffer_bytes, Open open)
-    : buffered_(path, open == Open::Create ? "w" : "u"), page_(io_page_size()) {
-  const uint64_t n = std::max<uint64_t>(page_, buffer_bytes / page_ * page_);
-  buf_[0].ensure(n);
-  buf_[1].ensure(n);
-  direct_fd_ = open_direct(path, true);
-  direct_ = direct_fd_.is_open();
-}
-
-StreamWriter::~StreamWriter() {
-  if (inflight_.valid()) {
-    try {
-      inflight_.get();
-    } catch (const std::exception&) {
-    }
-  }
-}
-
-void StreamWriter::write_out(const char* p, uint64_t offset, uint64_t n) {
-  if (direct_) {
-    // Only whole pages go out directly: a partial first or last page may hold another
-    // writer's bytes (or the rest of the file), so it is written through the page cache.
-    // Pages of the kernel's size (io_page_size()): the page cache reads and writes back a
-    // whole one, so on a 64 KiB-page kernel a 4 KiB direct write into a page another
-    // writer holds partly in its cache could be overwritten by that page's writeback.
-    const uint64_t head = std::min<uint64_t>(n, (page_ - offset % page_) % page_);
-    if (head > 0) {
-      buffered_.pwrite_exact(offset, p, head);
-      p += head;
-      offset += head;
-      n -= head;
-    }
-    // A filesystem may still refuse a direct write (EINVAL from tmpfs or FUSE, others
-    // elsewhere): the rest then goes through the page cache, whose own error (a full
-    // disk, say) is the one reported.
-    uint64_t whole = n / page_ * page_;
-    while (whole > 0) {
-      ssize_t put = ::pwrite(direct_fd_.fd(), p, static_cast<size_t>(std::min<uint64_t>(whole, 1u << 30)),
-                             static_cast<off_t>(offset));
-      if (put < 0 && errno == EINTR) continue;
-      if (put <= 0) {
-        direct_ = false;
-        direct_fd_.close();
-        break;
-      }
-      p += put;
-      offset += static_cast<uint64_t>(put);
-      n -= static_cast<uint64_t>(put);
-      whole -= static_cast<uint64_t>(put);
-      if (whole > 0 && (static_cast<uint64_t>(put) % kDirectAlign) != 0) {
-        direct_ = false;  // a short unaligned direct write: finish through the page cache
-        direct_fd_.close();
-        break;
-      }
-    }
-    if (n == 0) return;
-    if (direct_) {  // the partial last page
-      buffered_.pwrite_exact(offset, p, n);
-      return;
-    }
-  }
-  buffered_.pwrite_exact(offset, p, n);
-  buffered_.start_writeback(offset, n);
-  const uint64_t behind = 2 * buf_[0].size();
-  if (offset + n >= waited_ + behind + buf_[0].size()) {
-    buffered_.wait_writeback(waited_, offset + n - behind - waited_);
-    waited_ = offset + n - behind;
-  }
-}
-
-void StreamWriter::wait() {
-  if (inflight_.valid()) inflight_.get();
-}
-
-void StreamWriter::submit() {
-  wait();  // the other buffer is free again (and an earlier failure surfaces here)
-  const char* p = buf_[cur_].data() + lead_;
-  const uint64_t off = base_ + lead_, n = fill_ - lead_;
-  inflight_ = std::async(std::launch::async, [this, p, off, n] { write_out(p, off, n); });
-  cur_ ^= 1;
-  rebase(base_ + fill_);
-}
-
-void StreamWriter::rebase(uint64_t offset) {
-  base_ = offset / page_ * page_;
-  lead_ = fill_ = offset - base_;
-}
-
-void StreamWriter::append(const void* src, uint64_t n) {
-  TESSERA_CHECK(!closed_, "'", buffered_.path(), "': append after finish()");
-  const auto* p = static_cast<const char*>(src);
-  const uint64_t cap = buf_[0].size();
-  while (n > 0) {
-    const uint64_t take = std::min(n, cap - fill_);
-    std::memcpy(buf_[cur_].data() + fill_, p, static_cast<size_t>(take));
-    fill_ += take;
-    p += take;
-    n -= take;
-    end_ = std::max(end_, base_ + fill_);
-    if (fill_ == cap) submit();
-  }
-}
-
-void StreamWriter::seek(uint64_t offset) {
-  TESSERA_CHECK(!closed_, "'", buffered_.path(), "': seek after finish()");
-  if (offset == base_ + fill_) return;
-  flush();
-  rebase(offset);
-  waited_ = base_;
-}
-
-void StreamWriter::flush() {
-  wait();
-  if (fill_ > lead_) {
-    write_out(buf_[cur_].data() + lead_, base_ + lead_, fill_ - lead_);
-    rebase(base_ + fill_);
-  }
-}
-
-void StreamWriter::patch(uint64_t offset, const void* src, uint64_t n) {
-  TESSERA_CHECK(offset + n <= end_, "'", buffered_.path(), "': patch of bytes ", offset, "..", offset + n,
-                " past the ", end_, " written");
-  flush();
-  buffered_.pwrite_exact(offset, src, n);
-}
-
-void StreamWriter::finish() {
-  TESSERA_CHECK(!closed_, "'", buffered_.path(), "': finish() called twice");
-  flush();
-  buffered_.fsync();
-  direct_fd_.close();
-  buffered_.close();
-  closed_ = true;
 }
 
 void File::resize(uint64_t n) {
@@ -474,104 +332,6 @@ std::string read_small_file(const std::string& path, uint64_t max_bytes) {
   std::string s(n, '\0');
   f.pread_exact(0, s.data(), n);
   return s;
-}
-
-std::string temp_sibling(const std::string& dest) {
-  check_path_chars(dest);
-  static std::atomic<int> counter{0};
-  return join_path(parent_dir(dest), concat(".", base_name(dest), ".tessera-tmp-", ::getpid(), "-", counter++));
-}
-
-namespace {
-bool rename_exchange(const std::string& a, const std::string& b) {
-#ifdef SYS_renameat2
-  long rc = ::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), 1 /* RENAME_EXCHANGE */);
-  return rc == 0;
-#else
-  (void)a;
-  (void)b;
-  errno = ENOSYS;
-  return false;
-#endif
-}
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
-}  // namespace
-
-void commit_rename(const std::string& tmp, const std::string& dest) {
-  check_path_chars(tmp, "temporary path");
-  check_path_chars(dest);
-  const std::string parent = parent_dir(dest);
-  if (!path_exists(dest) || (is_directory(dest) && list_dir(dest).empty())) {
-    if (path_exists(dest)) TESSERA_CHECK(::rmdir(dest.c_str()) == 0, "cannot remove empty '", dest, "': ", err());
-    TESSERA_CHECK(::rename(tmp.c_str(), dest.c_str()) == 0, "cannot rename '", tmp, "' to '", dest, "': ", err());
-  } else if (!is_directory(dest) && !is_directory(tmp)) {
-    TESSERA_CHECK(::rename(tmp.c_str(), dest.c_str()) == 0, "cannot rename '", tmp, "' to '", dest, "': ", err());
-  } else if (rename_exchange(tmp, dest)) {
-    fsync_dir(parent);
-    remove_all(tmp);  // now the old checkpoint
-  } else {
-    static std::atomic<int> counter{0};
-    const std::string aside = join_path(parent, concat(".", base_name(dest), ".tessera-old-", ::getpid(), "-", counter++));
-    TESSERA_CHECK(::rename(dest.c_str(), aside.c_str()) == 0, "cannot move '", dest, "' aside: ", err());
-    TESSERA_CHECK(::rename(tmp.c_str(), dest.c_str()) == 0, "cannot rename '", tmp, "' to '", dest, "': ", err());
-    fsync_dir(parent);
-    remove_all(aside);
-  }
-  fsync_dir(parent);
-}
-
-std::string aside_sibling(const std::string& dest) {
-  const std::string parent = parent_dir(dest);
-  if (!is_directory(parent)) return "";
-  const std::string prefix = "." + base_name(dest) + ".tessera-old-";
-  for (const auto& n : list_dir(parent)) {
-    const std::string p = join_path(parent, n);
-    if (starts_with(n, prefix) && path_exists(join_path(p, "tessera-checkpoint.json"))) return p;
-  }
-  return "";
-}
-
-void remove_dead_temporaries(const std::string& dest) {
-  check_path_chars(dest, "output path");
-  const std::string parent = parent_dir(dest);
-  if (!is_directory(parent)) return;
-  const std::string prefix = "." + base_name(dest) + ".tessera-tmp-";
-  for (const auto& n : list_dir(parent)) {
-    if (!starts_with(n, prefix)) continue;
-    // "<pid>-<n>": a name that does not parse is not ours to judge and stays.
-    const std::string rest = n.substr(prefix.size());
-    const size_t dash = rest.find('-');
-    if (dash == 0 || dash == std::string::npos || rest.find_first_not_of("0123456789") != dash) continue;
-    const long long pid = std::strtoll(rest.substr(0, dash).c_str(), nullptr, 10);
-    if (pid <= 0 || pid > INT32_MAX || pid == ::getpid()) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to signal)
-    try {
-      remove_all(join_path(parent, n));
-    } catch (const Error&) {
-      // Another run may be removing it too; a leftover is harmless.
-    }
-  }
-}
-
-void recover_siblings(const std::string& dest) {
-  check_path_chars(dest);
-  const std::string parent = parent_dir(dest);
-  if (!is_directory(parent)) return;
-  if (!path_exists(dest)) {
-    std::string aside = aside_sibling(dest);
-    if (!aside.empty()) TESSERA_CHECK(::rename(aside.c_str(), dest.c_str()) == 0, "cannot restore '", aside, "': ", err());
-  }
-  const std::string tmp_prefix = "." + base_name(dest) + ".tessera-tmp-";
-  const std::string old_prefix = "." + base_name(dest) + ".tessera-old-";
-  for (const auto& n : list_dir(parent)) {
-    if (starts_with(n, tmp_prefix) || (path_exists(dest) && starts_with(n, old_prefix))) {
-      try {
-        remove_all(join_path(parent, n));
-      } catch (const Error&) {
-        // Another process may be removing it too; leftovers are harmless.
-      }
-    }
-  }
 }
 
 }  // namespace tessera::checkpoint

@@ -11,7 +11,7 @@
 //    [offset, offset + length) is, with the default serialization (torch_save) and no
 //    stream transforms (the default), the torch.save archive (zip, pickle protocol 2) of
 //    one tensor chunk or of one non-tensor value.
-#include "tessera/checkpoint/dcp_import.h"
+#include "tessera/checkpoint/interop/dcp_import.h"
 
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
@@ -29,12 +29,12 @@
 #include <memory>
 #include <set>
 
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/metadata.h"
-#include "tessera/checkpoint/offline_publish.h"
-#include "tessera/checkpoint/pickle_reader.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/interop/pickle_reader.h"
+#include "tessera/checkpoint/offline/offline_publish.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/error.h"
 

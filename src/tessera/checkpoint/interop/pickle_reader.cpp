@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/pickle_reader.h"
+#include "tessera/checkpoint/interop/pickle_reader.h"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/metadata.h"
 
 #include <nlohmann/json.hpp>
 
@@ -9,8 +9,8 @@
 #include <random>
 #include <set>
 
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
 

@@ -9,7 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/stream_writer.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {

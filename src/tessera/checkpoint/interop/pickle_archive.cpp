@@ -8,7 +8,7 @@
 #include <string>
 #include <tuple>
 
-#include "tessera/checkpoint/pickle_reader.h"
+#include "tessera/checkpoint/interop/pickle_reader.h"
 
 namespace tessera::checkpoint::pickle {
 

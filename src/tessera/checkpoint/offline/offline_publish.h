@@ -6,7 +6,7 @@
 #include <functional>
 #include <string>
 
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/metadata.h"
 
 namespace tessera::checkpoint {
 

@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/interop.h"
+#include "tessera/checkpoint/interop/torch_file.h"
 
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
@@ -7,8 +7,8 @@
 #include <map>
 #include <variant>
 
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/pickle_reader.h"
+#include "tessera/checkpoint/interop/pickle_reader.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {

@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/offline.h"
+#include "tessera/checkpoint/offline/offline.h"
 
 #include <ATen/ATen.h>
 #include <sys/stat.h>
@@ -13,12 +13,13 @@
 #include <set>
 #include <sstream>
 
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/interop.h"
-#include "tessera/checkpoint/offline_publish.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/interop/torch_file.h"
+#include "tessera/checkpoint/offline/offline_publish.h"
 #include "tessera/checkpoint/reader.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/storage/commit.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"

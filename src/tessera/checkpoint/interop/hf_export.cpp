@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/hf_export.h"
+#include "tessera/checkpoint/interop/hf_export.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -8,10 +8,10 @@
 #include <cstdio>
 #include <set>
 
-#include "tessera/checkpoint/file_io.h"
-#include "tessera/checkpoint/offline_publish.h"
+#include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/offline/offline_publish.h"
 #include "tessera/checkpoint/reader.h"
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {

@@ -33,7 +33,8 @@
 #include <thread>
 #include <vector>
 
-#include "tessera/checkpoint/file_io.h"
+#include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/stream_writer.h"
 
 namespace tessera::checkpoint {
 

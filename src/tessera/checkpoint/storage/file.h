@@ -1,10 +1,9 @@
-// Small POSIX file helpers for the checkpoint layer: full reads/writes with pread /
-// pwrite, fsync of files and directories, recursive removal, and the atomic commit
-// of a finished checkpoint (see docs/checkpoint-format.md §4). Errors name the path.
+// Files for the checkpoint layer: an owned descriptor with exact reads and writes
+// (pread / pwrite), writeback control and fsync; O_DIRECT opens and aligned buffers; the
+// page size; path checks (control characters, filesystems that are not coherent between
+// writers) and small path and directory helpers. Errors name the path.
 #pragma once
 #include <cstdint>
-#include <future>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -111,65 +110,6 @@ class AlignedBuffer {
   uint64_t cap_ = 0;
 };
 
-// Writes large checkpoint data. append() copies into one of two aligned staging
-// buffers; a full buffer is written by a background task while the caller fills the
-// other, so checksumming and gathering overlap the disk. A writer starts at offset 0 of
-// a new file, or (Existing) at any offset of a file that others may be writing at the
-// same time: seek() moves to another offset, and the pages this writer shares with
-// another one (the first and last page of each run of bytes) go through the page
-// cache, never a direct write, so that neither overwrites the other's bytes.
-// Where the filesystem allows, whole pages go out with O_DIRECT (no page cache): on the
-// development VM, 1 GiB through the page cache plus fsync took 1.1-2.7 s from one
-// minute to the next, the same bytes in 16 MiB O_DIRECT writes 0.6-0.85 s (see
-// docs/benchmarks.md). Where O_DIRECT is refused (tmpfs, some network filesystems) the
-// buffers are written through the page cache, with writeback started at once and
-// awaited two buffers behind so that the final fsync has little left to do.
-// Errors name the path. The destructor waits for a write in flight and never throws.
-class StreamWriter {
- public:
-  enum class Open { Create, Existing };  // create/truncate, or write into an existing file
-  explicit StreamWriter(const std::string& path, uint64_t buffer_bytes = 16u << 20, Open open = Open::Create);
-  ~StreamWriter();
-  StreamWriter(const StreamWriter&) = delete;
-  StreamWriter& operator=(const StreamWriter&) = delete;
-
-  void append(const void* src, uint64_t n);
-  // The next append() writes at `offset` (what was appended before is kept).
-  void seek(uint64_t offset);
-  // Overwrites bytes already appended (a header patched at the end). Flushes first.
-  void patch(uint64_t offset, const void* src, uint64_t n);
-  // Writes what is buffered, fsyncs and closes.
-  void finish();
-  // The end of the furthest byte appended.
-  uint64_t size() const { return end_; }
-  const std::string& path() const { return buffered_.path(); }
-  bool direct() const { return direct_; }
-
- private:
-  void submit();  // hands the filled staging buffer to the background task
-  void wait();    // waits for the task in flight; rethrows its error
-  void flush();   // everything appended is in the file
-  void rebase(uint64_t offset);  // the current buffer starts over at `offset`
-  // Writes [p, p + n) at `offset`; p and offset agree modulo the page size. Runs on the task.
-  void write_out(const char* p, uint64_t offset, uint64_t n);
-  File buffered_;  // regular descriptor: fallback, shared pages, patches, fsync
-  File direct_fd_;  // O_DIRECT descriptor of the same file (not open when refused)
-  bool direct_ = false;
-  uint64_t page_ = kDirectAlign;  // io_page_size(): the unit of pages shared with other writers
-  AlignedBuffer buf_[2];
-  int cur_ = 0;
-  // The current buffer holds file bytes [base_ + lead_, base_ + fill_): base_ is
-  // page-aligned and buffer index i is file offset base_ + i, so whole pages of the
-  // buffer are aligned in memory and in the file alike.
-  uint64_t base_ = 0;
-  uint64_t lead_ = 0;
-  uint64_t fill_ = 0;
-  uint64_t end_ = 0;     // furthest byte appended
-  uint64_t waited_ = 0;  // buffered mode: writeback awaited up to here
-  std::future<void> inflight_;
-  bool closed_ = false;
-};
-
 bool path_exists(const std::string& path);
 bool is_directory(const std::string& path);
 bool is_regular_file(const std::string& path);
@@ -186,26 +126,5 @@ std::string base_name(const std::string& path);
 std::string join_path(const std::string& dir, const std::string& name);
 // Whole small file (metadata); refuses files larger than `max_bytes`.
 std::string read_small_file(const std::string& path, uint64_t max_bytes);
-
-// A fresh temporary sibling name for `dest`: "<parent>/.<name>.tessera-tmp-<pid>-<n>".
-// This and the other sibling helpers below refuse a `dest` with control characters
-// (check_path_chars), so every writer that publishes through them refuses it too.
-std::string temp_sibling(const std::string& dest);
-// Publishes `tmp` (a finished, fsync'ed file or directory) at `dest`: a rename when
-// dest is absent or an empty directory; otherwise an atomic exchange (directories,
-// RENAME_EXCHANGE, or a two-rename fallback) / rename (files), then removal of the old
-// one. The caller has checked that dest may be replaced. fsyncs the parent.
-void commit_rename(const std::string& tmp, const std::string& dest);
-// Removes temporary siblings of `dest` left by crashed saves ("<parent>/.<name>.tessera-tmp-*"),
-// and restores a previous checkpoint left aside by an interrupted fallback commit when
-// dest is missing. Called before a save.
-void recover_siblings(const std::string& dest);
-// Removes temporary siblings of `dest` ("<parent>/.<name>.tessera-tmp-<pid>-<n>") whose
-// process <pid> is no longer running on this host; those of live processes are kept. For
-// writers that may run next to another writer of the same output (`tessera ckpt`).
-void remove_dead_temporaries(const std::string& dest);
-// The previous checkpoint left aside by an interrupted commit ("" when none): used by
-// readers when `dest` is missing.
-std::string aside_sibling(const std::string& dest);
 
 }  // namespace tessera::checkpoint

@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/direct_reader.h"
+#include "tessera/checkpoint/storage/direct_reader.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/safetensors.h"
+#include "tessera/checkpoint/format/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -13,8 +13,8 @@
 #include <cstring>
 #include <limits>
 
-#include "tessera/checkpoint/checksum.h"
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/metadata.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {

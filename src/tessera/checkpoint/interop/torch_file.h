@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "tessera/checkpoint/metadata.h"
+#include "tessera/checkpoint/format/metadata.h"
 
 namespace caffe2::serialize {
 class PyTorchStreamWriter;

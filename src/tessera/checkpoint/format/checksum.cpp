@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/checksum.h"
+#include "tessera/checkpoint/format/checksum.h"
 
 #include <cstring>
 
