@@ -3,6 +3,7 @@
 //
 //   gpt train --devices 2 --strategy fsdp --max-steps 300 --out runs/gpt
 //   gpt train --devices 2 --strategy fsdp --max-steps 600 --out runs/gpt --resume last
+//   gpt train --devices 2 --strategy fsdp --max-steps 600 --out runs/gpt --resume auto   # a restarted job
 //   gpt sample --ckpt runs/gpt/checkpoints/last.ckpt --prompt "This License" --tokens 200
 //   gpt train --devices 2 --strategy fsdp --max-steps 300 --out runs/gpt2 --init-from model.safetensors
 //
@@ -116,7 +117,9 @@ int main(int argc, char** argv) {
   train->add_flag("--async-ckpt", ta.async_ckpt, "write checkpoints in the background while training goes on (one in flight)");
   train->add_option("--state-dict", ta.state_dict, "checkpoint kind: sharded|full (default: sharded for fsdp)")
       ->check(CLI::IsMember({"sharded", "full"}));
-  train->add_option("--resume", ta.resume, "'last' (OUT/checkpoints/last.ckpt) or a checkpoint path; model-shape flags left out "
+  train->add_option("--resume", ta.resume, "'last' (OUT/checkpoints/last.ckpt), 'auto' (the newest checkpoint in "
+                    "OUT/checkpoints that verifies, skipping a torn or corrupted one with a message; none: start fresh, "
+                    "so a restarted job reruns the same command line) or a checkpoint path; model-shape flags left out "
                     "take the checkpoint's values, ones given must match it");
   train->add_option("--init-from", ta.init_from,
                     "start at step 0 from the model weights of a checkpoint (a sharded directory or a consolidated, "

@@ -27,6 +27,7 @@
 #include "settings.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/resume.h"
 #include "tessera/core/blas.h"
 #include "tessera/core/cpu_allocator.h"
 #include "tessera/core/device.h"
@@ -195,7 +196,7 @@ void lock_run_dir(gpt::RunDirLock& lock, const TrainArgs& a, fabric::Fabric& f) 
     err = lock.acquire(a.out);
     const std::string found = err.empty() && a.resume.empty() && !a.overwrite ? earlier_run(a.out) : "";
     if (!found.empty())
-      err = "run directory '" + a.out + "' holds an earlier run (" + found + "); continue it with --resume last, "
+      err = "run directory '" + a.out + "' holds an earlier run (" + found + "); continue it with --resume last (or auto), "
             "start a new run over it with --overwrite (its checkpoints/last.ckpt, metrics.csv and hparams.yaml are "
             "replaced), or choose another --out";
   }
@@ -204,7 +205,7 @@ void lock_run_dir(gpt::RunDirLock& lock, const TrainArgs& a, fabric::Fabric& f) 
 }
 
 // The checkpoint --resume names: 'last' is OUT/checkpoints/last.ckpt (where the
-// Trainer's ModelCheckpoint writes it).
+// Trainer's ModelCheckpoint writes it). Not for 'auto' (checkpoint::find_resumable).
 std::string resume_path(const TrainArgs& a) {
   return a.resume == "last" ? (fs::path(a.out) / "checkpoints" / "last.ckpt").string() : a.resume;
 }
@@ -313,8 +314,17 @@ int run_train(TrainArgs a) {
   gpt::RunDirLock lock;
   lock_run_dir(lock, a, f);
   std::string resume;
-  if (!a.resume.empty()) {
+  if (a.resume == "auto") {
+    // The newest checkpoint in OUT/checkpoints that verifies, chosen on rank 0 (every rank
+    // gets its path), or a fresh start: then the run replaces an earlier run's metrics.csv
+    // and hparams.yaml (a job that failed before its first checkpoint starts over).
+    const std::string dir = (fs::path(a.out) / "checkpoints").string();
+    resume = checkpoint::find_resumable({dir}, *f.comm(), [&](const std::string& line) { f.print("gpt: ", line); }).path;
+    csv->keep_existing(!resume.empty());
+  } else if (!a.resume.empty()) {
     resume = resume_path(a);
+  }
+  if (!resume.empty()) {
     const int64_t step = adopt_checkpoint_settings(a, resume, f);
     if (step >= a.max_steps) {  // nothing to train: leave the checkpoint and metrics.csv as they are
       f.print("gpt: nothing left to do: '", resume, "' is at step ", step, " and --max-steps is ", a.max_steps,

@@ -32,7 +32,10 @@ Metrics Trainer::evaluate(TrainingModule& module, const TensorData& data, const 
   setup_model(module, /*with_optimizers=*/false);
   setup_loggers(module);
   each_callback([&](Callback& c) { c.setup(*this, module, stage); });
-  if (!ckpt_path.empty()) load_checkpoint(resolve_ckpt_path(ckpt_path), /*weights_only=*/true);
+  if (!ckpt_path.empty()) {
+    const std::string path = resolve_ckpt_path(ckpt_path);  // "" when "auto" found none: start fresh
+    if (!path.empty()) load_checkpoint(path, /*weights_only=*/true);
+  }
   const int64_t nb = eval_batches(data, test ? options_.limit_test_batches : options_.limit_val_batches);
   Metrics r = run_eval(module, data, stage, nb, false);
   for (auto& l : loggers_) l->finalize();

@@ -2,8 +2,8 @@
 // counts, resume), epochs of training batches (forward, backward with gradient
 // accumulation, clipping, optimizer and scheduler steps, logging), validation at the
 // configured interval, the end of each epoch and of the fit. The loop's position (the
-// sampler's, epoch_end_done_, val_pending_) is what a checkpoint saves, so a resumed fit
-// continues exactly where the saved one stood.
+// sampler's and loop_.position) is what a checkpoint saves, so a resumed fit continues
+// exactly where the saved one stood.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -33,19 +33,20 @@ Metrics Trainer::fit(TrainingModule& module, const TensorData& train, const Tens
   fitted_ = true;
   StageScope scope{&module, stage_};
   stage_ = Stage::Fit;
-  should_stop_ = false;
+  loop_ = LoopState{};
   FitContext fit{module, train, val};
   prepare_fit(fit, ckpt_path);
   try {
     module.on_fit_start();
     each_callback([&](Callback& c) { c.on_fit_start(*this, module); });
-    if (options_.num_sanity_val_steps > 0 && has_val_ && ckpt_path.empty())
+    if (options_.num_sanity_val_steps > 0 && loop_.has_validation && ckpt_path.empty())
       run_eval(module, val, Stage::Validate, std::min(fit.val_batches, options_.num_sanity_val_steps), /*sanity=*/true);
     module.on_train_start();
     each_callback([&](Callback& c) { c.on_train_start(*this, module); });
-    if (val_pending_) validate_in_fit(fit);  // the checkpoint was saved between a batch and its validation
+    // A checkpoint saved between a batch and its validation, or after the epoch's end hooks.
+    if (loop_.position == LoopPosition::ValidationDue) validate_in_fit(fit);
     while (!fit_done()) {
-      if (epoch_end_done_) end_epoch(fit);  // the checkpoint was saved after the epoch's end hooks
+      if (loop_.position == LoopPosition::EpochEnded) end_epoch(fit);
       else run_epoch(fit);
     }
     finish_fit(fit);
@@ -74,8 +75,8 @@ void Trainer::prepare_fit(FitContext& fit, const std::string& ckpt_path) {
   TESSERA_CHECK(num_training_batches_ > 0, "Trainer::fit: no training batches (TrainerOptions.limit_train_batches ",
                 "leaves 0 of ", available, ")");
   fit.val_batches = eval_batches(fit.val, options_.limit_val_batches);
-  has_val_ = fit.val_batches > 0;
-  if (has_val_) {
+  loop_.has_validation = fit.val_batches > 0;
+  if (loop_.has_validation) {
     if (options_.val_check_interval.batches) {
       fit.val_every = *options_.val_check_interval.batches;
       TESSERA_CHECK(fit.val_every <= num_training_batches_, "TrainerOptions.val_check_interval (", fit.val_every,
@@ -87,14 +88,17 @@ void Trainer::prepare_fit(FitContext& fit, const std::string& ckpt_path) {
     }
   }
   each_callback([&](Callback& c) { c.setup(*this, module, Stage::Fit); });  // fit_has_validation() is known
-  epoch_end_done_ = val_pending_ = false;
-  if (!ckpt_path.empty()) load_checkpoint(resolve_ckpt_path(ckpt_path), /*weights_only=*/false);
+  loop_.position = LoopPosition::InEpoch;
+  if (!ckpt_path.empty()) {
+    const std::string path = resolve_ckpt_path(ckpt_path);  // "" when "auto" found none: start fresh
+    if (!path.empty()) load_checkpoint(path, /*weights_only=*/false);
+  }
   module.global_step_ = global_step_;
   module.epoch_ = epoch_;
 }
 
 bool Trainer::fit_done() const {
-  return should_stop_ || (options_.max_steps >= 0 && global_step_ >= options_.max_steps) ||
+  return loop_.should_stop || (options_.max_steps >= 0 && global_step_ >= options_.max_steps) ||
          (options_.max_epochs >= 0 && epoch_ >= options_.max_epochs);
 }
 
@@ -132,7 +136,7 @@ void Trainer::train_batch(FitContext& fit, const Batch& b, int64_t batch_idx) {
   const int64_t group_start = batch_idx / k * k;
   const int64_t group = std::min(group_start + k, num_training_batches_) - group_start;
   const bool last = batch_idx + 1 == group_start + group;
-  optimizer_stepped_ = false;
+  loop_.optimizer_stepped = false;
   module.global_step_ = global_step_;
   module.on_train_batch_start(b, batch_idx);
   each_callback([&](Callback& c) { c.on_train_batch_start(*this, module, b, batch_idx); });
@@ -142,12 +146,13 @@ void Trainer::train_batch(FitContext& fit, const Batch& b, int64_t batch_idx) {
   fit.loss_sum += loss.detach().to(at::kCPU).to(at::kDouble).item<double>();
   if (last) optimizer_step(fit, group);
   show_train_progress(batch_idx);
-  val_pending_ = has_val_ && last && (epoch_ + 1) % options_.check_val_every_n_epoch == 0 &&
-                 (batch_idx + 1) / fit.val_every > group_start / fit.val_every;
+  const bool validate = loop_.has_validation && last && (epoch_ + 1) % options_.check_val_every_n_epoch == 0 &&
+                        (batch_idx + 1) / fit.val_every > group_start / fit.val_every;
+  loop_.position = validate ? LoopPosition::ValidationDue : LoopPosition::InEpoch;
   module.on_train_batch_end(loss, b, batch_idx);
   each_callback([&](Callback& c) { c.on_train_batch_end(*this, module, loss, b, batch_idx); });
-  optimizer_stepped_ = false;
-  if (val_pending_) {
+  loop_.optimizer_stepped = false;
+  if (loop_.position == LoopPosition::ValidationDue) {
     validate_in_fit(fit);
     show_train_progress(batch_idx);  // the new validation metrics on the training line
   }
@@ -183,7 +188,7 @@ void Trainer::optimizer_step(FitContext& fit, int64_t group) {
   ++global_step_;
   module.global_step_ = global_step_;
   step_schedulers(Interval::Step);
-  optimizer_stepped_ = true;
+  loop_.optimizer_stepped = true;
   const double train_loss = fabric_->all_reduce(fit.loss_sum / static_cast<double>(group), distributed::ReduceOp::Avg);
   fit.loss_sum = 0;
   step_metrics_["train_loss"] = train_loss;
@@ -206,21 +211,21 @@ void Trainer::show_train_progress(int64_t batch_idx) {
 }
 
 void Trainer::validate_in_fit(FitContext& fit) {
-  val_pending_ = false;
+  loop_.position = LoopPosition::InEpoch;
   run_eval(fit.module, fit.val, Stage::Validate, fit.val_batches, false);
 }
 
 // End of a training epoch: hooks, epoch-interval schedulers, callbacks (which may save a
-// checkpoint: epoch_end_done_ tells a resumed run not to repeat them), next epoch.
+// checkpoint: LoopPosition::EpochEnded tells a resumed run not to repeat them), next epoch.
 void Trainer::end_epoch(FitContext& fit) {
-  if (!epoch_end_done_) {
+  if (loop_.position != LoopPosition::EpochEnded) {
     if (bar_) bar_->finish();
-    epoch_end_done_ = true;
+    loop_.position = LoopPosition::EpochEnded;
     fit.module.on_train_epoch_end(epoch_);
     step_schedulers(Interval::Epoch);
     each_callback([&](Callback& c) { c.on_train_epoch_end(*this, fit.module); });
   }
-  epoch_end_done_ = false;
+  loop_.position = LoopPosition::InEpoch;
   ++epoch_;
   fit.module.epoch_ = epoch_;
   sampler_->set_epoch(epoch_);

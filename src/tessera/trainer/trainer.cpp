@@ -138,26 +138,26 @@ void Trainer::attach(TrainingModule& module) {
 }
 
 void Trainer::setup_model(TrainingModule& module, bool with_optimizers) {
-  if (!model_set_up_) {
-    configuring_model_ = true;
+  if (setup_ == Setup::None) {
+    setup_ = Setup::ConfiguringModel;
     torch::nn::AnyModule built;
     try {
       built = module.configure_model();
     } catch (...) {
-      configuring_model_ = false;
+      setup_ = Setup::None;
       throw;
     }
-    configuring_model_ = false;
+    setup_ = Setup::None;
     module.model_ = fabric_->setup_module(std::move(built));
-    model_set_up_ = true;
+    setup_ = Setup::Model;
   }
-  if (!with_optimizers || optimizers_set_up_) return;
+  if (!with_optimizers || setup_ == Setup::Optimizers) return;
   OptimizerConfig oc = module.configure_optimizers();
   check_optimizer_config(oc);
   optimizers_ = oc.optimizers;
   schedulers_ = oc.schedulers;
   fabric_->setup_optimizers(optimizers_);
-  optimizers_set_up_ = true;
+  setup_ = Setup::Optimizers;
 }
 
 void Trainer::step_schedulers(Interval interval) {

@@ -62,9 +62,13 @@ class Trainer {
 
   // Trains until max_steps, max_epochs or a callback's stop (EarlyStopping), validating
   // on `val` (when not empty) per val_check_interval / check_val_every_n_epoch.
-  // ckpt_path: "" (start fresh), a checkpoint path, or "last" (the newest last
-  // checkpoint of the ModelCheckpoint callbacks). Returns callback_metrics(). One fit per
-  // Trainer.
+  // ckpt_path: "" (start fresh), a checkpoint path, "last" (the newest last
+  // checkpoint of the ModelCheckpoint callbacks), or "auto": the newest checkpoint that
+  // verifies in the ModelCheckpoint callbacks' directories (by stored global_step; a torn
+  // or corrupted one is skipped with a message and left as it is), or a fresh start when
+  // there is none; rank zero says which (checkpoint::find_resumable, which reads each
+  // checkpoint it verifies once in full). A job restarted with the same "auto" continues
+  // where it stopped. Returns callback_metrics(). One fit per Trainer.
   Metrics fit(TrainingModule& module, const TensorData& train, const TensorData& val = {},
               const std::string& ckpt_path = "");
   Metrics fit(TrainingModule& module, const TensorData& train, const std::string& ckpt_path) {
@@ -72,7 +76,7 @@ class Trainer {
   }
   // One pass over `data` with validation_step / test_step; returns the averaged metrics.
   // Uses the module this Trainer fitted (or sets it up on first use); ckpt_path loads
-  // model weights first ("last" as in fit).
+  // model weights first ("last" and "auto" as in fit; "auto" finding none loads nothing).
   Metrics validate(TrainingModule& module, const TensorData& data, const std::string& ckpt_path = "");
   Metrics test(TrainingModule& module, const TensorData& data, const std::string& ckpt_path = "");
   // Saves model, optimizers, schedulers, loop and sampler state, RNG states, callback
@@ -105,14 +109,14 @@ class Trainer {
   Stage stage() const { return stage_; }
   // Set by callbacks (EarlyStopping) to end fit after the current batch; must be set on
   // every rank alike.
-  bool should_stop() const { return should_stop_; }
-  void set_should_stop(bool stop) { should_stop_ = stop; }
+  bool should_stop() const { return loop_.should_stop; }
+  void set_should_stop(bool stop) { loop_.should_stop = stop; }
   // In Callback::on_train_batch_end: whether this batch ended with an optimizer step.
-  bool optimizer_stepped() const { return optimizer_stepped_; }
+  bool optimizer_stepped() const { return loop_.optimizer_stepped; }
   // Training batches per epoch (after limit_train_batches) in the current fit.
   int64_t num_training_batches() const { return num_training_batches_; }
   // Whether the current fit validates (validation data given and limit_val_batches > 0).
-  bool fit_has_validation() const { return has_val_; }
+  bool fit_has_validation() const { return loop_.has_validation; }
   // callback_metrics() as global rank zero has them (collective when world_size > 1):
   // what callbacks base decisions on so that every rank decides alike.
   Metrics rank_zero_metrics();
@@ -147,6 +151,23 @@ class Trainer {
       module->trainer_ = nullptr;
       stage = Stage::None;
     }
+  };
+  // What the Trainer has set up so far; each stage implies the ones before it (a
+  // validate() sets up the model only, a later fit() adds the optimizers).
+  enum class Setup { None, ConfiguringModel, Model, Optimizers };
+  // Where the fit loop stands after a training batch; a checkpoint saved there records it
+  // (as loop.val_pending / loop.epoch_end_done) so a resumed fit continues from that point.
+  enum class LoopPosition {
+    InEpoch,        // between training batches of an epoch, nothing due
+    ValidationDue,  // a batch ended and its validation has not run yet
+    EpochEnded,     // the epoch's end hooks ran; only the switch to the next epoch is left
+  };
+  // The state of one fit, reset as a whole when it starts (fit_loop.cpp).
+  struct LoopState {
+    LoopPosition position = LoopPosition::InEpoch;
+    bool should_stop = false;        // a callback asked the fit to end after this batch
+    bool optimizer_stepped = false;  // the current batch ended its accumulation group
+    bool has_validation = false;     // validation data given and limit_val_batches > 0
   };
   struct EvalAcc {
     double sum = 0, weight = 0;
@@ -196,7 +217,8 @@ class Trainer {
   fabric::FabricState make_state();
   fabric::FabricState checkpoint_state(const std::string& path);
   void write_checkpoint(const std::string& path, bool async);
-  std::string resolve_ckpt_path(const std::string& ckpt_path);
+  std::string resolve_ckpt_path(const std::string& ckpt_path);  // "" for "auto" finding none
+  std::string find_resumable_checkpoint();
   void load_checkpoint(const std::string& path, bool weights_only);
   void restore_loop(const std::string& path, const fabric::FabricState& st, const state::StateDict& rest);
   void restore_schedulers(const std::string& path, const state::StateDict& rest);
@@ -207,7 +229,7 @@ class Trainer {
   std::vector<CallbackPtr> callbacks_;
   std::vector<LoggerPtr> loggers_;
   std::unique_ptr<ProgressBar> bar_;
-  bool loggers_set_up_ = false;
+  bool loggers_set_up_ = false;  // loggers are set up once, by the first stage run
   TrainingModule* module_ = nullptr;
   std::vector<fabric::OptimizerPtr> optimizers_;
   std::vector<SchedulerConfig> schedulers_;
@@ -215,17 +237,14 @@ class Trainer {
   Metrics step_metrics_, callback_metrics_, logged_metrics_, progress_bar_metrics_;
   std::map<std::string, EvalAcc> eval_acc_;
   int64_t eval_rows_ = 0;
-  bool in_eval_ = false;
+  bool in_eval_ = false;  // inside a validation or test loop: log() accumulates per batch
   Stage stage_ = Stage::None;
   int64_t global_step_ = 0, epoch_ = 0, num_training_batches_ = 0;
-  bool should_stop_ = false, optimizer_stepped_ = false, fitted_ = false, has_val_ = false;
-  // Loop state saved in checkpoints: the epoch's end hooks already ran (only the switch
-  // to the next epoch is left); the batch's validation has not run yet.
-  bool epoch_end_done_ = false, val_pending_ = false;
+  bool fitted_ = false;  // one fit per Trainer
+  LoopState loop_;
   std::string last_ckpt_;
   CheckpointStats ckpt_stats_;
-  bool model_set_up_ = false, optimizers_set_up_ = false;
-  bool configuring_model_ = false;  // inside TrainingModule::configure_model (init_module is valid)
+  Setup setup_ = Setup::None;  // Setup::ConfiguringModel: inside configure_model (init_module is valid)
 };
 
 }  // namespace tessera::trainer

@@ -1,13 +1,15 @@
 // The Trainer's checkpoints: what one holds (model, optimizers, step and epoch, sampler
 // and loop position, LR schedulers, callback states, every rank's RNG states, the
 // module's extra state and hparams), saving it (blocking or in the background),
-// resolving ckpt_path "last", and restoring it, also at another world size.
+// resolving ckpt_path "last" and "auto", and restoring it, also at another world size.
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <map>
 
 #include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/resume.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
 #include "tessera/core/strings.h"
@@ -58,7 +60,7 @@ fabric::FabricState Trainer::make_state() {
 }
 
 fabric::FabricState Trainer::checkpoint_state(const std::string& path) {
-  TESSERA_CHECK(module_ && model_set_up_ && optimizers_set_up_ && sampler_,
+  TESSERA_CHECK(module_ && setup_ == Setup::Optimizers && sampler_,
                 "Trainer::save_checkpoint('", path, "'): nothing to save yet (call fit first)");
   auto& f = *fabric_;
   fabric::FabricState st = make_state();
@@ -66,8 +68,8 @@ fabric::FabricState Trainer::checkpoint_state(const std::string& path) {
   loop.set("world_size", static_cast<int64_t>(f.world_size()));
   loop.set("batch_size", options_.batch_size);
   loop.set("global_samples", static_cast<int64_t>(sampler_->position()) * f.world_size());
-  loop.set("epoch_end_done", epoch_end_done_);
-  loop.set("val_pending", val_pending_);
+  loop.set("epoch_end_done", loop_.position == LoopPosition::EpochEnded);
+  loop.set("val_pending", loop_.position == LoopPosition::ValidationDue);
   st.set("loop", loop);
   for (size_t i = 0; i < schedulers_.size(); ++i)
     st.set("scheduler_" + std::to_string(i), schedulers_[i].scheduler->state_dict());
@@ -118,6 +120,7 @@ void Trainer::wait_for_checkpoint() {
 
 std::string Trainer::resolve_ckpt_path(const std::string& ckpt_path) {
   wait_for_checkpoint();  // a last.ckpt still being written counts once it is committed
+  if (ckpt_path == "auto") return find_resumable_checkpoint();
   if (ckpt_path != "last") return ckpt_path;
   // The newest last.ckpt of the ModelCheckpoint callbacks, chosen on rank zero.
   std::string best;
@@ -146,6 +149,22 @@ std::string Trainer::resolve_ckpt_path(const std::string& ckpt_path) {
   TESSERA_CHECK(best.empty() || best[0] != '\n', "Trainer: ckpt_path \"last\": no last checkpoint exists (looked for ",
                 best.substr(1), ")");
   return best;
+}
+
+// "auto": the newest checkpoint that verifies among those in the ModelCheckpoint
+// callbacks' directories (checkpoint::find_resumable, chosen and reported on rank zero),
+// or "" (start fresh) when there is none.
+std::string Trainer::find_resumable_checkpoint() {
+  std::vector<std::string> dirs;
+  for (auto& c : callbacks_)
+    if (auto m = std::dynamic_pointer_cast<ModelCheckpoint>(c))
+      if (std::find(dirs.begin(), dirs.end(), m->dirpath()) == dirs.end()) dirs.push_back(m->dirpath());
+  TESSERA_CHECK(!dirs.empty(), "Trainer: ckpt_path \"auto\" looks for checkpoints in the ModelCheckpoint callbacks' "
+                "directories, but there is no ModelCheckpoint callback (enable_checkpointing is false)");
+  auto& f = *fabric_;
+  const checkpoint::ResumeChoice choice =
+      checkpoint::find_resumable(dirs, *f.comm(), [&](const std::string& line) { f.print("tessera: ", line); });
+  return choice.path;
 }
 
 void Trainer::load_checkpoint(const std::string& path, bool weights_only) {
@@ -193,8 +212,11 @@ void Trainer::restore_loop(const std::string& path, const fabric::FabricState& s
                 << " (the losses will not match an uninterrupted run)" << std::endl;
   }
   sampler_->load_state(ss);
-  if (loop.contains("epoch_end_done")) epoch_end_done_ = loop.boolean("epoch_end_done");
-  if (loop.contains("val_pending")) val_pending_ = loop.boolean("val_pending");
+  const bool ended = loop.contains("epoch_end_done") && loop.boolean("epoch_end_done");
+  const bool due = loop.contains("val_pending") && loop.boolean("val_pending");
+  TESSERA_CHECK(!(ended && due), "Trainer: checkpoint '", path, "' says both that the epoch's end hooks ran ",
+                "(loop.epoch_end_done) and that a validation is still due (loop.val_pending)");
+  loop_.position = ended ? LoopPosition::EpochEnded : due ? LoopPosition::ValidationDue : LoopPosition::InEpoch;
 }
 
 // One state per configured scheduler, no more and no fewer.

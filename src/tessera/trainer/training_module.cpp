@@ -30,7 +30,7 @@ fabric::Fabric& TrainingModule::fabric() {
 }
 
 torch::nn::AnyModule TrainingModule::init_module(const std::function<torch::nn::AnyModule()>& build) {
-  TESSERA_CHECK(trainer_ && trainer_->configuring_model_,
+  TESSERA_CHECK(trainer_ && trainer_->setup_ == Trainer::Setup::ConfiguringModel,
                 "TrainingModule::init_module: only valid inside configure_model()");
   return trainer_->fabric().init_module(build);
 }
