@@ -65,6 +65,17 @@ TEST(CheckpointScale, SixtyFourRanksSaveLoadAt48And96AndReshardTo1024AndBack) {
   expect_same(tensors_of(d + "/r1024"), ref, "resharded to 1,024");
   expect_same(tensors_of(d + "/r3"), ref, "resharded 1,024 -> 3");
   EXPECT_TRUE(ck::verify(d + "/r1024").ok);
+  // FSDP's tensors keep FSDP's rule through a reshard (what an FSDP save at 1,024 ranks
+  // writes: one piece per rank and unit, not one per rank and tensor).
+  const auto m1024 = ck::open_checkpoint(d + "/r1024");
+  for (const auto& [k, e] : m.entries) {
+    if (!e.layout || e.layout->rule_name() != "flat") continue;
+    const auto& r = m1024.entries.at(k);
+    ASSERT_TRUE(r.layout && r.layout->rule_name() == "flat") << k;
+    EXPECT_EQ(r.layout->pieces, 1024) << k;
+    EXPECT_EQ(r.layout->flat_numel, e.layout->flat_numel) << k;
+    EXPECT_EQ(r.layout->flat_offset, e.layout->flat_offset) << k;
+  }
   // No metadata growth with the world size (rules, not chunk lists).
   const uint64_t meta64 = ck::File(d + "/ck/tessera-checkpoint.json", "r").size();
   const uint64_t meta1024 = ck::File(d + "/r1024/tessera-checkpoint.json", "r").size();

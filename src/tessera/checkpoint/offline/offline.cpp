@@ -392,7 +392,14 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
       e.chunks.clear();
       e.layout.reset();
       if (e.kind == "sharded" && e.shape.empty()) e.kind = "tensor";
-      if (e.kind == "sharded") e.layout = sharding::Layout::chunk(split_dim(m.entries.at(k)), world_size);
+      // An FSDP tensor keeps FSDP's rule (its unit's flat vector, cut over the new world
+      // size): the layout an FSDP save at that size writes, with about one piece per rank
+      // and unit instead of one per rank and tensor. Others are chunked along the
+      // dimension they were split on.
+      const EntryInfo& saved = m.entries.at(k);
+      if (e.kind == "sharded" && saved.layout && saved.layout->rule == sharding::Layout::Rule::Flat)
+        e.layout = sharding::Layout::flat(saved.layout->flat_numel, saved.layout->flat_offset, world_size);
+      else if (e.kind == "sharded") e.layout = sharding::Layout::chunk(split_dim(saved), world_size);
       else if (e.kind == "tensor") e.layout = sharding::Layout::whole(0);
       o.entries.emplace(k, std::move(e));
     }
@@ -405,7 +412,7 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
         if (!e.is_tensor()) continue;
         sharding::Box box;
         if (o.entries.at(k).kind == "sharded") {
-          box = sharding::chunk_box(e.shape, split_dim(e), world_size, r);
+          box = o.entries.at(k).layout->box(e.shape, r);
         } else if (r == 0) {
           box = sharding::full_box(e.shape);
         } else {
