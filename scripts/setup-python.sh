@@ -3,9 +3,10 @@
 #
 #   bash scripts/setup-python.sh base     .venv: Debian's python3 (with its python3-torch 1.13,
 #                                         the peer of the Debian libtorch build) plus the real
-#                                         safetensors and tensorboard readers from PyPI
+#                                         safetensors and tensorboard readers and huggingface_hub's
+#                                         writer of Hugging Face model directories from PyPI
 #   bash scripts/setup-python.sh torch2   .venv-torch2: torch 2.x from PyPI (a CUDA build that
-#                                         carries libtorch), safetensors, tensorboard
+#                                         carries libtorch), safetensors, tensorboard, huggingface_hub
 #
 # Prints the environment's python on stdout. Re-runs are no-ops while the requirements file
 # is unchanged (a stamp in the venv holds its hash); a half-made venv is removed and made again.

@@ -122,8 +122,10 @@ int main(int argc, char** argv) {
                     "so a restarted job reruns the same command line) or a checkpoint path; model-shape flags left out "
                     "take the checkpoint's values, ones given must match it");
   train->add_option("--init-from", ta.init_from,
-                    "start at step 0 from the model weights of a checkpoint (a sharded directory or a consolidated, "
-                    "safetensors or torch.save file; keys model.<fqn> or <fqn>); fresh optimizer; not with --resume");
+                    "start at step 0 from the model weights of a checkpoint (a sharded directory, a consolidated, "
+                    "safetensors or torch.save file, or a Hugging Face model directory: model.safetensors.index.json "
+                    "and its shards, or model.safetensors; keys model.<fqn> or <fqn>); fresh optimizer; not with "
+                    "--resume");
   train->add_flag("--tie-weights", ta.tie_weights, "share the token embedding with the output head");
   train->add_option("--grad-clip", ta.grad_clip, "global gradient-norm clipping (0: off)")
       ->check(gpt::non_negative_float())->capture_default_str();

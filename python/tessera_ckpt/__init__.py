@@ -8,8 +8,9 @@
 
 A checkpoint is a sharded directory (tessera-checkpoint.json + one safetensors data file per
 rank, any world size; format version 1 or 2) or a consolidated safetensors file
-(docs/checkpoint-format.md). Tensors come back whole (or some dim-0 rows of one:
-``Checkpoint.get(key, rows=(begin, end))``), assembled from their pieces, on the CPU; plain
+(docs/checkpoint-format.md), or a Hugging Face model directory (_hf.py). Tensors come back
+whole (or some dim-0 rows of one: ``Checkpoint.get(key, rows=(begin, end))``), assembled from
+their pieces, on the CPU; plain
 values as int, float, bool, str, bytes (an empty nested dict as {}). Files are read with plain
 file I/O, only the byte ranges needed, and of a version-2 checkpoint only the data files that
 hold what is read are opened; nothing is unpickled or executed. Requires torch and google-crc32c (hardware
@@ -20,7 +21,7 @@ import ctypes
 import os
 import stat
 
-from . import _crc32c
+from . import _crc32c, _hf
 from ._format import (CheckpointError, CheckpointNotFoundError, DTYPES, Safetensors, check_data_file, data_file_name,
                       fail, open_file, open_layout, piece_chunk, pread_into)
 
@@ -83,7 +84,7 @@ class Checkpoint:
 
         with tessera_ckpt.Checkpoint(path) as ck:
             ck.keys()              # every FQN, save order
-            ck.kind                # "sharded", "consolidated" or "safetensors" (another writer's file)
+            ck.kind                # "sharded", "consolidated", "safetensors" (another writer's file) or "hf"
             ck.world_size          # the world size at save (None for another writer's file)
             ck["model.w"]          # one tensor, whole, or a plain value
             ck.get("model.w", rows=(2, 5))   # dim-0 rows [2, 5) of it: only the pieces holding them are read
@@ -225,8 +226,9 @@ class Checkpoint:
         return piece_chunk(self._layout, self._header(data_file_name(rank), rank), key, e, i)
 
     def _check_chunk(self, key, e, c):
-        """Version 1: the data file's header must agree with the metadata about the chunk."""
-        if self._layout.kind != "sharded" or c.index is not None:
+        """Version 1 (and a Hugging Face directory's shards): the data file's header must agree
+        with the metadata about the chunk."""
+        if self._layout.kind not in ("sharded", "hf") or c.index is not None:
             return
         h = self._header(c.file)
         t = h.tensors.get(c.name)
@@ -417,8 +419,11 @@ def _inspect(ck):
             keys[k] = {"kind": e.kind, "dtype": e.dtype, "shape": list(e.shape), "chunks": n, "bytes": nb}
             if e.layout is not None:
                 keys[k]["layout"] = e.layout.rule
+            if lay.kind == "hf":
+                keys[k]["file"] = lay.file_of.get(k)
         else:
             keys[k] = {"kind": e.kind, "value": e.value}
+    extra = {"index": lay.hf_index, "total_size": lay.total_size} if lay.kind == "hf" else {}
     return Summary(
         path=lay.path,
         kind=lay.kind,
@@ -430,30 +435,36 @@ def _inspect(ck):
         keys=keys,
         tensor_bytes=total,
         save_id=lay.save_id,
+        notes=list(lay.notes),
+        **extra,
     )
 
 
 class Summary(dict):
     """What inspect() returns: a dict (path, kind, version, world_size, crc32c_block, files,
-    keys: {fqn: {kind, dtype, shape, chunks, bytes} (version 2: and layout, the rule) or
-    {kind, value}}, tensor_bytes, save_id (version 2, else None)) that prints as a table;
-    chunks counts the stored (version 2: non-empty) pieces."""
+    keys: {fqn: {kind, dtype, shape, chunks, bytes} (version 2: and layout, the rule; a Hugging
+    Face directory: and file, its shard) or {kind, value}}, tensor_bytes, save_id (version 2,
+    else None), notes (remarks that are no error); a Hugging Face directory (kind "hf") also
+    index (the index file's name, None for a single model.safetensors) and total_size (the
+    index's)) that prints as a table; chunks counts the stored (version 2: non-empty) pieces."""
 
     def __str__(self):
         ws = self["world_size"]
-        lines = [
+        hf = self["kind"] == "hf"
+        head = _hf.summary_head(self) if hf else (
             f"{self['path']}: {self['kind']} checkpoint, format version {self['version']}, "
-            f"world size at save {ws if ws is not None else 'unknown'}, {len(self['files'])} data file(s), "
-            f"{len(self['keys'])} keys, {self['tensor_bytes']} tensor bytes"
-        ]
-        rows = [("KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES")]
+            f"world size at save {ws if ws is not None else 'unknown'}, {len(self['files'])} data file(s)")
+        lines = [f"{head}, {len(self['keys'])} keys, {self['tensor_bytes']} tensor bytes"]
+        lines += [f"note: {n}" for n in self.get("notes", [])]
+        rows = [("KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES") + (("FILE",) if hf else ())]
         for k, v in self["keys"].items():
             if "dtype" in v:
-                rows.append((k, v["kind"], v["dtype"], str(v["shape"]), str(v["chunks"]), str(v["bytes"])))
+                rows.append((k, v["kind"], v["dtype"], str(v["shape"]), str(v["chunks"]), str(v["bytes"]))
+                            + ((v.get("file") or "-",) if hf else ()))
             else:
                 text = repr(v["value"])
                 rows.append((k, v["kind"], "-", text if len(text) <= 60 else text[:57] + "...", "-", "-"))
-        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         return "\n".join(lines)
@@ -514,7 +525,11 @@ def _verify(ck):
             checksummed &= bool(c.crcs)
     if problems:
         raise CheckpointError(f"CORRUPT: {lay.path}: {len(problems)} problem(s)\n" + "\n".join(problems))
-    return {"path": lay.path, "chunks": chunks, "bytes": nbytes, "checksummed": checksummed}
+    out = {"path": lay.path, "chunks": chunks, "bytes": nbytes, "checksummed": checksummed, "kind": lay.kind,
+           "notes": list(lay.notes)}
+    if lay.kind == "hf" and not checksummed:
+        out["checked"] = _hf.VERIFY_CHECKED  # what was checked instead of checksums
+    return out
 
 
 def _verify_v2(ck):
@@ -567,14 +582,19 @@ def _verify_v2(ck):
         ck._drop(name)  # verify reads every file once: keep no descriptor or header
     if problems:
         raise CheckpointError(f"CORRUPT: {lay.path}: {len(problems)} problem(s)\n" + "\n".join(problems))
-    return {"path": lay.path, "chunks": chunks, "bytes": nbytes, "checksummed": True}
+    return {"path": lay.path, "chunks": chunks, "bytes": nbytes, "checksummed": True, "kind": lay.kind, "notes": []}
 
 
 def verify(path):
     """Reads every byte of every tensor and checks every CRC32C, and that every data file
     agrees with the metadata (version 2: is this save's file of its rank and holds exactly
-    the pieces the layouts place there). Returns {"path", "chunks", "bytes", "checksummed"} (checksummed
-    is False for another writer's safetensors file, which has none); raises CheckpointError
-    listing every problem (file, key, block) otherwise."""
-    with Checkpoint(path) as ck:
+    the pieces the layouts place there). Returns {"path", "chunks", "bytes", "checksummed", "kind",
+    "notes"} (checksummed is False for another writer's safetensors file, which has none; a Hugging
+    Face directory without checksums adds "checked": what was checked instead, its weight map
+    against the shards); raises CheckpointError listing every problem (file, key, block) otherwise."""
+    try:
+        ck = Checkpoint(path)
+    except _hf.HfDirectoryError as e:  # every disagreement of the weight map and the shards, one by one
+        raise CheckpointError(f"CORRUPT: {path}: {len(e.problems)} problem(s)\n" + "\n".join(e.problems)) from None
+    with ck:
         return _verify(ck)

@@ -612,7 +612,7 @@ class Layout:
     def __init__(self):
         self.path = ""  # what the user named
         self.location = ""  # the directory or file actually read (an aside sibling after a torn publish)
-        self.kind = ""  # "sharded" | "consolidated" | "safetensors"
+        self.kind = ""  # "sharded" | "consolidated" | "safetensors" | "hf" (a Hugging Face directory: _hf.py)
         self.version = 1  # a consolidated or another writer's file: 1
         self.world_size = None
         self.save_id = None  # version 2: the save's id, which every data file carries
@@ -620,9 +620,13 @@ class Layout:
         self.files = []  # [(name, size)]
         self.keys = []  # save order
         self.entries = {}
+        self.notes = []  # remarks that are no error (an "hf" index's total_size)
+        self.hf_index = None  # "hf": the index file's name, None for a single model.safetensors
+        self.total_size = None  # "hf": the index's metadata.total_size
+        self.file_of = {}  # "hf": tensor -> its shard file (empty tensors too)
 
     def file_path(self, name):
-        return os.path.join(self.location, name) if self.kind == "sharded" else self.location
+        return os.path.join(self.location, name) if self.kind in ("sharded", "hf") else self.location
 
     def data_files(self):
         """The names of the data files (version 2: one per rank, in rank order)."""
@@ -1008,7 +1012,8 @@ def aside_sibling(path):
 
 
 def open_layout(path):
-    """Parses and checks a checkpoint: a sharded directory or a safetensors file."""
+    """Parses and checks a checkpoint: a sharded directory, a safetensors file or a Hugging
+    Face model directory (_hf.py)."""
     path = os.fspath(path)
     p = path
     if not os.path.exists(p):
@@ -1017,6 +1022,12 @@ def open_layout(path):
             raise CheckpointNotFoundError(f"checkpoint '{path}' does not exist")
         p = aside
     if os.path.isdir(p):
+        from ._hf import is_hf_directory, open_hf_directory
+
+        if is_hf_directory(p):  # no Tessera metadata; model.safetensors.index.json or model.safetensors
+            m = open_hf_directory(p)
+            m.path = path
+            return m
         mf = os.path.join(p, METADATA_FILE)
         if not os.path.isfile(mf):
             why = "is missing" if not os.path.exists(mf) else "is not a regular file"

@@ -77,7 +77,8 @@ TEST_F(GptInitFrom, FirstLossIsTheSourceRunsLossOfThoseWeights) {
   ASSERT_GT(src.at(1) - want, 0.1) << "step 1 " << src.at(1) << ", step 5 " << want;
 
   // The other kinds of checkpoint: consolidated (tessera ckpt consolidate), and the bare
-  // state dict (keys <fqn>) written by Python's torch.save and safetensors.
+  // state dict (keys <fqn>) written by Python's torch.save and safetensors, and as a Hugging
+  // Face model directory by huggingface_hub (several shards and the index).
   const std::string cons = dir + "/src4.safetensors";
   auto [rc3, out3] = run_command(kCli + " ckpt consolidate " + sharded + " -o " + cons);
   ASSERT_EQ(rc3, 0) << out3;
@@ -93,6 +94,7 @@ TEST_F(GptInitFrom, FirstLossIsTheSourceRunsLossOfThoseWeights) {
       {"fsdp4-torch", kCli + " run -n 4 -- " + kGpt + " train --strategy fsdp", dir + "/bare.pt"},
       {"fsdp2-gradop-safetensors", kGpt + " train --strategy fsdp --sharding grad-op --devices 2",
        dir + "/bare.safetensors"},
+      {"fsdp2-hf-dir", kGpt + " train --strategy fsdp --devices 2", dir + "/hf"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
@@ -138,6 +140,9 @@ TEST_F(GptInitFrom, BadCheckpointsAreRefusedNamingTheKeyAndTheFile) {
        {dir + "/extra.safetensors", "blocks.9.fc.weight [4, 4] is not a weight of this model"}},
       {"--init-from " + dir + "/bf16.safetensors", {dir + "/bf16.safetensors", "ln_f.weight is BF16, not F32"}},
       {"--init-from " + dir + "/bare.pt --tie-weights", {dir + "/bare.pt", "head.weight [256, 32] is not a weight"}},
+      // A Hugging Face directory whose index names a tensor its shard does not hold.
+      {"--init-from " + dir + "/hf-missing",
+       {dir + "/hf-missing/model.safetensors.index.json': tensor 'head.weight' is mapped to 'model-", "does not hold it"}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.flags);

@@ -1,8 +1,9 @@
 // `tessera ckpt` messages for inputs and outputs that are not what the command expects
 // (issue 35, item 19): an output path that is a symbolic link is refused naming it (never
 // replaced by a directory or a file, never written through); `verify` of a directory that is
-// no Tessera checkpoint (a Hugging Face model directory, a directory of safetensors files)
-// says what it is and exits 2, not "CORRUPT" with 1; `import-dcp -o x.safetensors` is
+// no checkpoint (a directory of safetensors files, a DCP checkpoint) says what it is and
+// exits 2, not "CORRUPT" with 1 (a Hugging Face model directory is read since issue 36: a
+// broken one is CORRUPT, tests/checkpoint/test_hf_dir.cpp); `import-dcp -o x.safetensors` is
 // refused (the import is a directory); a legacy (non-zip) torch.save file is named as such
 // by the C++ tool and the Python reader, not "safetensors header length 378233903972992".
 #include <ATen/ATen.h>
@@ -83,22 +84,33 @@ TEST(CkptUntrustedCli, OutputThatIsASymlinkIsRefusedNamingIt) {
   EXPECT_TRUE(fs::is_empty(dir + "/empty"));
 }
 
-// `verify HF_DIR` printed "CORRUPT" (exit 1); a directory that is no Tessera checkpoint at
-// all is an input error (exit 2) saying what it is. A Tessera checkpoint that lost its
-// metadata file is still corrupt (exit 1).
+// `verify DIR` of a directory of safetensors files printed "CORRUPT" (exit 1); a directory
+// that is no checkpoint at all is an input error (exit 2) saying what it is. A Tessera
+// checkpoint that lost its metadata file is still corrupt (exit 1), and so is a Hugging Face
+// model directory whose index and shards are broken (it is read as a checkpoint).
 TEST(CkptUntrustedCli, VerifyOfAForeignDirectorySaysWhatItIs) {
   const std::string dir = temp_dir("tessera-cli-foreign");
+  const std::string other = dir + "/other";
+  fs::create_directory(other);
+  write_bytes(other + "/consolidated.safetensors", "x");
+  write_bytes(other + "/adapter.safetensors", "y");
+  auto [rc, text] = run_command(kCli + " ckpt verify " + other);
+  EXPECT_EQ(rc, 2) << text;
+  EXPECT_CONTAINS(text, "'" + other + "' is not a Tessera checkpoint: it is a directory of 2 safetensors file(s) "
+                        "(not a Hugging Face model directory: no model.safetensors.index.json or "
+                        "model.safetensors)");
+  EXPECT_CONTAINS(text, "tessera ckpt verify " + other + "/adapter.safetensors");
+  EXPECT_EQ(text.find("CORRUPT"), std::string::npos) << text;
+
   const std::string hf = dir + "/hf";
   fs::create_directory(hf);
-  write_bytes(hf + "/model.safetensors.index.json", "{\"metadata\": {}, \"weight_map\": {}}");
+  write_bytes(hf + "/model.safetensors.index.json",
+              "{\"metadata\": {}, \"weight_map\": {\"w\": \"model-00001-of-00002.safetensors\"}}");
   write_bytes(hf + "/model-00001-of-00002.safetensors", "x");
-  write_bytes(hf + "/model-00002-of-00002.safetensors", "y");
-  auto [rc, text] = run_command(kCli + " ckpt verify " + hf);
-  EXPECT_EQ(rc, 2) << text;
-  EXPECT_CONTAINS(text, "'" + hf + "' is not a Tessera checkpoint: it is a Hugging Face model directory "
-                        "(model.safetensors.index.json and 2 safetensors file(s))");
-  EXPECT_CONTAINS(text, "tessera ckpt verify " + hf + "/model-00001-of-00002.safetensors");
-  EXPECT_EQ(text.find("CORRUPT"), std::string::npos) << text;
+  auto [hrc, htext] = run_command(kCli + " ckpt verify " + hf);
+  EXPECT_EQ(hrc, 1) << htext;
+  EXPECT_CONTAINS(htext, "CORRUPT: " + hf + ": 1 problem(s)");
+  EXPECT_CONTAINS(htext, "'" + hf + "/model-00001-of-00002.safetensors'");
 
   const std::string lost = dir + "/lost";
   ck::save(state_of(16, 2), lost, *solo());

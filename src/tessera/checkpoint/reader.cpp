@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/interop/hf_dir.h"
 #include "tessera/checkpoint/interop/torch_file.h"
 #include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/storage/file.h"
@@ -123,6 +124,8 @@ CheckpointMetadata open_checkpoint(const std::string& path) {
     p = aside;
   }
   if (is_directory(p)) {
+    // A Hugging Face model directory (no Tessera metadata; an index or model.safetensors).
+    if (is_hf_directory(p)) return open_hf_directory(p);
     const std::string mf = join_path(p, kMetadataFile);
     const std::string why_mf = not_regular_file_reason(mf);
     TESSERA_CHECK(why_mf.empty(), "'", path, "' is not a Tessera checkpoint: '", kMetadataFile, "' ",
@@ -204,7 +207,8 @@ const SafetensorsReader& ChunkReader::reader(const std::string& file) {
       it->second->file();  // opens it again: the same file, or an error
       return;
     }
-    const std::string p = meta_.source_kind == "sharded" ? join_path(meta_.location, file) : meta_.location;
+    const std::string p = meta_.source_kind == "sharded" || meta_.source_kind == "hf" ? join_path(meta_.location, file)
+                                                                                   : meta_.location;
     auto r = std::make_unique<SafetensorsReader>(p);
     it = readers_.emplace(file, std::move(r)).first;
   };

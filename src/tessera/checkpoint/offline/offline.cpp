@@ -10,11 +10,13 @@
 #include <iomanip>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/interop/hf_dir.h"
 #include "tessera/checkpoint/interop/torch_file.h"
 #include "tessera/checkpoint/offline/offline_publish.h"
 #include "tessera/checkpoint/reader.h"
@@ -126,6 +128,15 @@ int64_t split_dim(const EntryInfo& e) {
   return 0;
 }
 
+// Reads every byte of chunk `c`, which has no checksums (a Hugging Face shard): what this
+// finds is a read error or a file shorter than its header says.
+void read_through(ChunkReader& reader, const ChunkInfo& c, std::vector<char>& buf) {
+  const File& f = reader.reader(c.file).file();
+  const uint64_t window = 32u << 20;
+  buf.resize(static_cast<size_t>(std::min<uint64_t>(window, c.end - c.begin)));
+  for (uint64_t off = c.begin; off < c.end; off += window) f.pread_exact(off, buf.data(), std::min(window, c.end - off));
+}
+
 void write_consolidated(const CheckpointMetadata& m, const std::string& tmp) {
   ChunkReader reader(m);
   std::vector<SafetensorsWriter::Spec> specs;
@@ -169,11 +180,13 @@ void write_consolidated(const CheckpointMetadata& m, const std::string& tmp) {
 }  // namespace
 
 std::string inspect(const std::string& path) {
-  CheckpointMetadata m = open_checkpoint(path);
+  std::optional<HfDirectory> hf;
+  if (is_hf_directory(path)) hf = read_hf_directory(path);
+  const CheckpointMetadata m = hf ? hf->meta : open_checkpoint(path);
   std::ostringstream os;
   uint64_t total = 0;
   struct Row {
-    std::string key, kind, dtype, shape, chunks, bytes;
+    std::string key, kind, dtype, shape, chunks, bytes, file;
   };
   std::vector<Row> rows;
   for (const auto& k : m.keys) {
@@ -185,29 +198,35 @@ std::string inspect(const std::string& path) {
       const size_t chunks =
           e.layout ? e.layout->overlapping(e.shape, sharding::full_box(e.shape)).size() : e.chunks.size();
       rows.push_back({k, e.kind, dtype_name(e.dtype), core::shape_string(e.shape), std::to_string(chunks),
-                      std::to_string(b)});
+                      std::to_string(b), hf && hf->file_of.count(k) ? hf->file_of.at(k) : "-"});
     } else {
-      rows.push_back({k, e.kind, "-", value_str(e.value), "-", "-"});
+      rows.push_back({k, e.kind, "-", value_str(e.value), "-", "-", "-"});
     }
   }
   os << "checkpoint: " << path << "\n";
   os << "kind: " << m.source_kind;
   if (m.source_kind == "sharded" || m.source_kind == "consolidated")
     os << " (format version " << m.version << ", world size at save " << m.world_size << ")";
+  if (hf && hf->has_index) os << " (a Hugging Face model directory: " << kHfIndexFile << " and " << m.files.size() << " shard file(s))";
+  else if (hf) os << " (a Hugging Face model directory: " << kHfSingleFile << ")";
   os << "\n";
   if (m.source_kind == "sharded") os << "data files: " << (m.version >= 2 ? static_cast<size_t>(m.world_size) : m.files.size()) << "\n";
+  if (hf && hf->total_size) os << "index total_size: " << *hf->total_size << "\n";
+  if (hf)
+    for (const auto& n : hf->notes) os << "note: " << n << "\n";
   os << "entries: " << m.keys.size() << ", tensor bytes: " << total << "\n\n";
-  Row head{"KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES"};
-  size_t w[6] = {0, 0, 0, 0, 0, 0};
+  Row head{"KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES", "FILE"};
+  const int cols = hf ? 7 : 6;  // the shard file of each tensor: a Hugging Face directory only
+  size_t w[7] = {0, 0, 0, 0, 0, 0, 0};
   auto widen = [&](const Row& r) {
-    const std::string* f[6] = {&r.key, &r.kind, &r.dtype, &r.shape, &r.chunks, &r.bytes};
-    for (int i = 0; i < 6; ++i) w[i] = std::max(w[i], f[i]->size());
+    const std::string* f[7] = {&r.key, &r.kind, &r.dtype, &r.shape, &r.chunks, &r.bytes, &r.file};
+    for (int i = 0; i < cols; ++i) w[i] = std::max(w[i], f[i]->size());
   };
   widen(head);
   for (auto& r : rows) widen(r);
   auto print = [&](const Row& r) {
-    const std::string* f[6] = {&r.key, &r.kind, &r.dtype, &r.shape, &r.chunks, &r.bytes};
-    for (int i = 0; i < 6; ++i) os << std::left << std::setw(static_cast<int>(w[i]) + 2) << *f[i];
+    const std::string* f[7] = {&r.key, &r.kind, &r.dtype, &r.shape, &r.chunks, &r.bytes, &r.file};
+    for (int i = 0; i < cols; ++i) os << std::left << std::setw(static_cast<int>(w[i]) + 2) << *f[i];
     os << "\n";
   };
   print(head);
@@ -219,14 +238,25 @@ VerifyReport verify(const std::string& path) {
   VerifyReport rep;
   CheckpointMetadata m;
   try {
-    m = open_checkpoint(path);
+    if (is_hf_directory(path)) {
+      HfDirectory d = read_hf_directory(path);
+      m = std::move(d.meta);
+      rep.notes = std::move(d.notes);
+    } else {
+      m = open_checkpoint(path);
+    }
   } catch (const ResourceError&) {
     throw;  // out of descriptors: an error of this machine, not a problem of the checkpoint
+  } catch (const HfDirectoryError& e) {  // every disagreement of the weight map and the shards
+    rep.ok = false;
+    rep.problems = e.problems;
+    return rep;
   } catch (const std::exception& e) {
     rep.ok = false;
     rep.problems.push_back(e.what());
     return rep;
   }
+  rep.kind = m.source_kind;
   ChunkReader reader(m);
   if (m.source_kind == "sharded" && m.version >= 2) {
     // Every data file: present, of this save and rank, holding exactly the pieces the
@@ -258,6 +288,11 @@ VerifyReport verify(const std::string& path) {
   }
   // A plain safetensors file Tessera wrote (an `export --format hf` file) has them too.
   rep.has_checksums = m.source_kind == "sharded" || m.source_kind == "consolidated" || m.crc_block > 0;
+  // A Hugging Face directory: checksummed only when every shard is (a Tessera export).
+  if (m.source_kind == "hf")
+    for (const auto& [k, e] : m.entries)
+      for (const auto& c : e.chunks) rep.has_checksums &= !c.crcs.empty();
+  std::vector<char> through;  // read_through's window
   for (const auto& k : m.keys) {
     const EntryInfo& e = m.entries.at(k);
     std::vector<ChunkInfo> chunks;
@@ -280,6 +315,7 @@ VerifyReport verify(const std::string& path) {
         if (rep.has_checksums && c.crcs.empty() && c.end > c.begin)
           throw Error(concat("key '", k, "' chunk ", c.box.to_string(), ": no checksum recorded"));
         reader.verify_chunk(k, e, c);
+        if (m.source_kind == "hf" && c.crcs.empty()) read_through(reader, c, through);
         rep.chunks_checked++;
         rep.bytes_checked += c.end - c.begin;
       } catch (const ResourceError&) {

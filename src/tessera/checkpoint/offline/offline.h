@@ -9,7 +9,8 @@
 namespace tessera::checkpoint {
 
 // A human-readable table: kind and world size at save, then one row per key (kind,
-// dtype, shape, chunks, bytes; plain values shown inline).
+// dtype, shape, chunks, bytes; plain values shown inline; the shard file of each tensor of
+// a Hugging Face directory).
 std::string inspect(const std::string& path);
 
 struct VerifyReport {
@@ -18,11 +19,14 @@ struct VerifyReport {
   int64_t chunks_checked = 0;
   uint64_t bytes_checked = 0;
   bool has_checksums = true;          // false for foreign safetensors / torch files
+  std::string kind;                   // the source's kind ("sharded", ..., "hf"); "" when it could not be opened
+  std::vector<std::string> notes;     // remarks that are no problem (an "hf" index's total_size)
 };
 // Completeness (metadata, every data file present with its size, headers valid,
-// chunks tiling every tensor) and every checksum. Never throws for a bad checkpoint; throws
-// ResourceError (safetensors.h) when this process runs out of a resource (descriptors)
-// that says nothing about the checkpoint.
+// chunks tiling every tensor) and every checksum. A Hugging Face directory (interop/hf_dir.h)
+// has none: its weight map is checked against the shards and every byte is read. Never
+// throws for a bad checkpoint; throws ResourceError (safetensors.h) when this process runs
+// out of a resource (descriptors) that says nothing about the checkpoint.
 VerifyReport verify(const std::string& path);
 
 // The most ranks `reshard` writes a checkpoint for (one data file per rank).
