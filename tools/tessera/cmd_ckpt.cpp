@@ -3,6 +3,7 @@
 //   | export PATH --format torch|safetensors -o OUT
 //   | export PATH --format hf -o DIR [--max-shard-size S] [--dtype bf16|fp16|fp32] [--prefix P]
 //   | import-dcp DIR -o OUT [--skip-non-tensors]
+//   | import-xla DIR|GLOB|FILE -o OUT [--skip-non-tensors]
 #include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -17,7 +18,9 @@
 #include "commands.h"
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/interop/hf_dir.h"
 #include "tessera/checkpoint/interop/hf_export.h"
+#include "tessera/checkpoint/interop/xla_import.h"
 #include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/storage/commit.h"
@@ -33,7 +36,7 @@ struct CkptArgs {
   int world_size = 0;
   bool force = false;
   std::string max_shard_size = "5GB", dtype, prefix;  // export --format hf
-  bool skip_non_tensors = false;                       // import-dcp
+  bool skip_non_tensors = false;                       // import-dcp, import-xla
 };
 
 std::atomic<bool> g_interrupted{false};
@@ -74,32 +77,38 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// For verify: why `path` is not a Tessera checkpoint at all ("" when it may be one, intact
-// or not): a directory without the metadata file and without Tessera data files (a Hugging
-// Face model directory, a DCP checkpoint, any other directory), or a Python pickle in place
-// of a file. Such an input is an input error (exit 2), not a corrupt checkpoint (exit 1).
+// For verify: why `path` is not a checkpoint at all ("" when it may be one, intact or not):
+// a directory without the metadata file, without Tessera data files and that is no Hugging
+// Face model directory (a DCP checkpoint, a directory of other safetensors files, any other
+// directory), or a Python pickle in place of a file. Such an input is an input error (exit
+// 2), not a corrupt checkpoint (exit 1). A Hugging Face directory (model.safetensors.index.json
+// or model.safetensors) is read as one (checkpoint/interop/hf_dir.h): a broken one is corrupt.
 std::string not_a_checkpoint(const std::string& path) {
   namespace ck = tessera::checkpoint;
   if (ck::is_regular_file(path)) return ck::pickle_file_reason(path);
   if (!ck::is_directory(path) || ck::path_exists(ck::join_path(path, ck::kMetadataFile))) return "";
+  if (ck::is_hf_directory(path)) return "";
   int64_t safetensors = 0;
-  bool hf_index = false, dcp = false;
+  bool dcp = false;
+  int64_t xla = 0;  // torch_xla FSDP rank files (NAME_rank-XXXXXXXX-of-YYYYYYYY.pth)
   std::string first;
   for (const auto& n : ck::list_dir(path)) {
     if (n.compare(0, 9, "data-rank") == 0 && ends_with(n, ".safetensors")) return "";  // Tessera's, metadata lost
-    hf_index |= n == "model.safetensors.index.json";
     dcp |= n == ".metadata";
+    if (ends_with(n, ".pth") && n.find("_rank-") != std::string::npos && n.find("-of-") != std::string::npos) ++xla;
     if (ends_with(n, ".safetensors")) {
       ++safetensors;
       if (first.empty() || n < first) first = n;
     }
   }
   std::string what, hint;
-  if (hf_index || (safetensors > 0 && !dcp)) {
-    what = hf_index ? concat("a Hugging Face model directory (model.safetensors.index.json and ", safetensors,
-                             " safetensors file(s))")
-                    : concat("a directory of ", safetensors, " safetensors file(s)");
+  if (safetensors > 0 && !dcp) {
+    what = concat("a directory of ", safetensors, " safetensors file(s) (not a Hugging Face model directory: ",
+                  "no ", ck::kHfIndexFile, " or ", ck::kHfSingleFile, ")");
     if (!first.empty()) hint = concat("; verify its files one by one: tessera ckpt verify ", ck::join_path(path, first));
+  } else if (xla > 0 && !dcp) {
+    what = concat("a torch_xla FSDP checkpoint (", xla, " rank file(s))");
+    hint = concat("; import it first: tessera ckpt import-xla ", path, " -o OUT");
   } else if (dcp) {
     what = "a PyTorch Distributed Checkpoint (.metadata)";
     hint = concat("; import it first: tessera ckpt import-dcp ", path, " -o OUT");
@@ -134,7 +143,8 @@ Runner add_ckpt_command(CLI::App& app) {
   auto a = std::make_shared<CkptArgs>();
   CLI::App* sub = app.add_subcommand("ckpt", "Inspect, verify, consolidate, reshard and export checkpoints (offline)");
   sub->require_subcommand(1);
-  sub->footer("PATH is a sharded checkpoint directory, a safetensors file or a torch.save'd .pt file.");
+  sub->footer("PATH is a sharded checkpoint directory, a safetensors file, a torch.save'd .pt file or a Hugging "
+              "Face model directory (model.safetensors.index.json and its shards, or model.safetensors).");
 
   CLI::App* inspect = sub->add_subcommand(
       "inspect", "Print the world size at save and a table of every key: kind, dtype, shape, chunks, bytes");
@@ -201,6 +211,25 @@ Runner add_ckpt_command(CLI::App& app) {
                      "chunks and bytes (one data file per DCP writer rank); ints, floats, bools, strings, bytes and "
                      "lists/dicts of them become plain values (flattened to KEY.0, KEY.name; None is left out).");
 
+  // import-xla (checkpoint/interop/xla_import.h)
+  CLI::App* import_xla = sub->add_subcommand(
+      "import-xla", "Import a torch_xla FSDP checkpoint (one file per rank) as a sharded checkpoint");
+  import_xla->add_option("INPUT", a->path,
+                         "a directory holding NAME_rank-XXXXXXXX-of-YYYYYYYY.pth files (one set), a quoted glob of "
+                         "the rank files, or one file (world size 1)")
+      ->required();
+  import_xla->add_option("-o,--output", a->out, "directory to write")->required();
+  import_xla->add_flag("-f,--force", a->force, "replace an existing output");
+  import_xla->add_flag("--skip-non-tensors", a->skip_non_tensors,
+                       "leave out values that are not plain Python data (objects of other classes) instead of failing");
+  import_xla->footer(
+      "Each rank file is torch.save({'model': model.state_dict(), 'shard_metadata': model.get_shard_metadata(), "
+      "'optimizer': optimizer.state_dict(), ...}) of an XlaFullyShardedDataParallel model (torch_xla's examples, "
+      "Lightning's XLAFSDPStrategy). Writes model.<fqn> under the original names (un-padded, un-flattened), "
+      "buffers in the dtype shard_metadata.buffer_info records, the optimizer state as <key>.state.<fqn>.<name> "
+      "and other values as plain values; one data file per XLA rank. Nothing runs: every file is read by a "
+      "restricted unpickler.");
+
   return [=]() -> int {
     namespace ck = tessera::checkpoint;
     if (inspect->parsed()) {
@@ -211,16 +240,19 @@ Runner add_ckpt_command(CLI::App& app) {
       const std::string foreign = not_a_checkpoint(a->path);
       if (!foreign.empty()) throw Error(foreign);  // exit 2: an input error, not corruption
       ck::VerifyReport r = ck::verify(a->path);
+      for (const auto& n : r.notes) std::cout << "note: " << n << "\n";
       if (r.ok) {
         std::cout << "OK: " << a->path << ": " << r.chunks_checked << " chunks, " << r.bytes_checked << " bytes";
-        std::cout << (r.has_checksums ? " verified\n" : " read (this file carries no checksums)\n");
+        if (r.has_checksums) std::cout << " verified\n";
+        else if (r.kind == "hf") std::cout << " read (" << ck::kHfVerifyChecked << ")\n";
+        else std::cout << " read (this file carries no checksums)\n";
         return 0;
       }
       std::cerr << "CORRUPT: " << a->path << ": " << r.problems.size() << " problem(s)\n";
       for (const auto& p : r.problems) std::cerr << "  " << p << "\n";
       return 1;
     }
-    if (consolidate->parsed() || reshard->parsed() || exp->parsed() || import_dcp->parsed()) {
+    if (consolidate->parsed() || reshard->parsed() || exp->parsed() || import_dcp->parsed() || import_xla->parsed()) {
       check_output_not_link(a->out);
       remove_output_on_interrupt();
     }
@@ -265,6 +297,16 @@ Runner add_ckpt_command(CLI::App& app) {
       }
       std::cout << "wrote " << a->out << ": " << r.tensors << " tensors in " << r.chunks << " chunks (" << r.bytes
                 << " bytes), " << r.values << " plain values, from " << r.world_size << " DCP writer(s)\n";
+      return 0;
+    }
+    if (import_xla->parsed()) {
+      ck::XlaImportOptions o;
+      o.skip_non_tensors = a->skip_non_tensors;
+      const ck::XlaImportResult r = ck::import_xla(a->path, a->out, a->force, o);
+      for (const auto& [key, why] : r.skipped) std::cerr << "tessera: skipped '" << key << "' (" << why << ")\n";
+      std::cout << "wrote " << a->out << ": " << r.params << " parameters, " << r.buffers << " buffers, "
+                << r.optimizer_tensors << " optimizer tensors (" << r.bytes << " bytes), " << r.values
+                << " plain values, from " << r.world_size << " torch_xla rank file(s)\n";
       return 0;
     }
     return 2;

@@ -39,20 +39,12 @@ namespace {
 // the 1-D tensor of record data/<key>: the record's own buffer, no copy.
 PyPtr storage(caffe2::serialize::PyTorchStreamReader& zip, const std::string& where, const PyPtr& pid,
               std::map<std::string, PyPtr>& cache) {
-  TESSERA_CHECK(pid->kind == Py::Tuple && pid->items.size() == 5 && pid->items[0]->kind == Py::Str &&
-                    pid->items[0]->s == "storage" && pid->items[1]->kind == Py::Global &&
-                    pid->items[2]->kind == Py::Str && pid->items[4]->kind == Py::Int,
-                where, ": unsupported persistent id");
-  at::ScalarType dt = at::kFloat;
-  bool found = false;
-  for (const auto& [n, t] : torch_storage_classes())
-    if (pid->items[1]->s == std::string("torch.") + n) dt = t, found = true;
-  TESSERA_CHECK(found, where, ": unsupported storage type ", pid->items[1]->s);
-  const std::string key = pid->items[2]->s;
+  const StorageId id = storage_id(where, pid);
+  const at::ScalarType dt = id.dtype;
+  const std::string& key = id.key;
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  const int64_t numel = pid->items[4]->i;
-  TESSERA_CHECK(numel >= 0, where, ": negative storage size");
+  const int64_t numel = id.numel;
   const std::string rec = "data/" + key;
   TESSERA_CHECK(zip.hasRecord(rec), where, ": storage record '", rec, "' is missing");
   at::DataPtr ptr;
@@ -73,6 +65,22 @@ PyPtr storage(caffe2::serialize::PyTorchStreamReader& zip, const std::string& wh
 }
 
 }  // namespace
+
+StorageId storage_id(const std::string& where, const PyPtr& pid) {
+  TESSERA_CHECK(pid->kind == Py::Tuple && pid->items.size() == 5 && pid->items[0]->kind == Py::Str &&
+                    pid->items[0]->s == "storage" && pid->items[1]->kind == Py::Global &&
+                    pid->items[2]->kind == Py::Str && pid->items[4]->kind == Py::Int,
+                where, ": unsupported persistent id");
+  StorageId id;
+  bool found = false;
+  for (const auto& [n, t] : torch_storage_classes())
+    if (pid->items[1]->s == std::string("torch.") + n) id.dtype = t, found = true;
+  TESSERA_CHECK(found, where, ": unsupported storage type ", pid->items[1]->s);
+  id.key = pid->items[2]->s;
+  id.numel = pid->items[4]->i;
+  TESSERA_CHECK(id.numel >= 0, where, ": negative storage size");
+  return id;
+}
 
 PyPtr read_torch_archive(caffe2::serialize::PyTorchStreamReader& zip, const std::string& where,
                          const std::set<std::string>& allowed) {

@@ -108,6 +108,15 @@ PyPtr unpickle(const std::string& where, const std::string& data, const std::set
 
 // torch's storage classes (module "torch": "FloatStorage", ...) and their dtypes.
 const std::vector<std::pair<const char*, at::ScalarType>>& torch_storage_classes();
+// What a torch.save persistent id ('storage', storage class, key, location, numel) names:
+// the record data/<key> holding `numel` elements of `dtype`. Refuses (naming `where`)
+// another shape of id, an unknown storage class and a negative size.
+struct StorageId {
+  at::ScalarType dtype = at::kFloat;
+  std::string key;
+  int64_t numel = 0;
+};
+StorageId storage_id(const std::string& where, const PyPtr& pid);
 // What a torch.save'd state dict may name: tensor and parameter rebuilding, the storage
 // classes, plain containers (OrderedDict, set, torch.Size) and protocol 2's bytes.
 const std::set<std::string>& torch_save_globals();
