@@ -10,9 +10,11 @@
 #include <memory>
 
 #include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/storage/direct_reader.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/storage/stream_writer.h"
+#include "tessera/checkpoint/writer.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {
@@ -45,6 +47,49 @@ std::string Unpacker::str() {
   std::string v = s_.substr(pos_, n);
   pos_ += n;
   return v;
+}
+
+// ------------------------------------------------------------------ what both saves share
+
+EntryInfo describe_entry(const std::string& fqn, const state::Value& v) {
+  EntryInfo e;
+  if (auto t = std::get_if<at::Tensor>(&v)) {
+    TESSERA_CHECK(t->defined(), "cannot save key '", fqn, "': undefined tensor");
+    e.kind = "tensor";
+    e.dtype = t->scalar_type();
+    e.shape = t->sizes().vec();
+    dtype_name(e.dtype);  // throws for unsupported dtypes
+  } else if (auto s = std::get_if<sharding::ShardedTensor>(&v)) {
+    TESSERA_CHECK(s->defined(), "cannot save key '", fqn, "': undefined sharded tensor");
+    e.kind = "sharded";
+    e.dtype = s->dtype();
+    e.shape = s->shape();
+    dtype_name(e.dtype);
+  } else {
+    e.kind = state::kind_name(v);
+    e.value = v;
+  }
+  return e;
+}
+
+std::string prepare_target(const std::string& path, bool dir, std::string& tmp) {
+  try {
+    recover_siblings(path);
+    check_replaceable(path);
+    tmp = temp_sibling(path);
+    if (dir) make_dir(tmp);
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+TempGuard::~TempGuard() {
+  if (committed || tmp.empty()) return;
+  try {
+    remove_all(tmp);
+  } catch (const std::exception&) {
+  }
 }
 
 // ------------------------------------------------------------------ outcomes

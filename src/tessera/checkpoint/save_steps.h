@@ -1,6 +1,8 @@
 // Steps of a collective save that every rank takes together (internal to the checkpoint
-// layer; save.cpp): every rank learning every rank's outcome, the check that the ranks
-// agree on what they save, and the read-back of written bytes before a commit.
+// layer; save.cpp, save_full.cpp): every rank learning every rank's outcome, the check
+// that the ranks agree on what they save, and the read-back of written bytes before a
+// commit; and what the sharded and the consolidated save share (describing an entry,
+// preparing the target, removing rank 0's temporary).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "tessera/checkpoint/format/checksum.h"
+#include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/storage/stream_writer.h"
 #include "tessera/distributed/communicator.h"
@@ -17,9 +20,30 @@
 
 namespace tessera::checkpoint {
 
-// The two kinds of save (save.cpp), behind save() and save_async() (save_async.cpp).
+// The two kinds of save, behind save() and save_async() (save_async.cpp): sharded
+// (save.cpp) and consolidated (save_full.cpp).
 void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm);
 void save_full(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm);
+
+// The entry describing value `v` of key `fqn`: its kind, and a tensor's dtype and global
+// shape, or the value itself. Throws for an undefined tensor or a dtype the format cannot
+// store.
+EntryInfo describe_entry(const std::string& fqn, const state::Value& v);
+
+// Rank 0's preparation of the target `path` of a save, before anything is written:
+// recovers what an interrupted save left beside it, checks that it may be replaced, and
+// names in `tmp` the temporary sibling the save writes (created here as a directory when
+// `dir`). Returns the error ("" on success) rather than throwing, for rank 0 to hand to
+// the other ranks.
+std::string prepare_target(const std::string& path, bool dir, std::string& tmp);
+
+// Rank 0 removes the temporary it created on every way out of a save but the commit,
+// an exception from a collective included.
+struct TempGuard {
+  std::string tmp;
+  bool committed = false;
+  ~TempGuard();
+};
 
 // Byte strings packed with explicit lengths (paths and messages may hold any byte, so
 // nothing is sent as ad-hoc text with separators).
@@ -170,7 +194,7 @@ std::string kernel_identity();
 void flip_byte(const std::string& path, uint64_t at);
 
 // Tests only (issue 35): whether TESSERA_TEST_SAVE_FAULT is "<rank>:<what>" for this
-// rank and fault. save.cpp reads it to make a consolidated save fail on one rank:
+// rank and fault. save_full.cpp reads it to make a consolidated save fail on one rank:
 // "write" throws where the rank hands a piece to its writer (as a failed narrow, copy or
 // thread start would), "flip" inverts a byte the rank wrote after its fsync (as a write
 // lost on an incoherent filesystem would). Not set in any real run.
