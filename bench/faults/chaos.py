@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Chaos driver (issue 34, items 4 and 5): a 2-rank `gpt train` under
 `tessera run --max-restarts K` hit at random moments by SIGKILL, SIGSEGV and SIGSTOP of
-random ranks, against an uninterrupted run of the same command.
+random ranks, against an uninterrupted run of the same command. With --nodes 2 the two
+ranks are two nodes: one `tessera run --nnodes 2 --node-rank i` each, on this host, meeting
+in node 0's store over TCP (Gloo), so a failure on one node restarts both.
 
 Used by the chaos test (tests/reliability/test_reliability_chaos.cpp, short form) and the
 chaos benchmark (bench/faults/run.sh, long form). Standard library only.
 
   chaos.py --build BUILD --work DIR --json FILE [--async-ckpt] [--steps N] [--ckpt-every S]
            [--failures F] [--gap G] [--signals KILL,SEGV,STOP] [--seed X] [--comm-timeout T]
-           [--model L:H:D:T] [--batch-size B] [--data FILE] [--max-restarts K]
+           [--model L:H:D:T] [--batch-size B] [--data FILE] [--max-restarts K] [--nodes 1|2]
 
 What it does:
  1. the clean run: `tessera run -n 2 --max-restarts K -- gpt train ... --resume auto` into
@@ -111,12 +113,12 @@ def tagged_processes(tag):
     return out
 
 
-def ranks_of(launcher_pid, gpt_exe):
-    """rank -> pid of the launcher's children that run the gpt binary (not zombies)."""
+def ranks_of(launcher_pids, gpt_exe):
+    """rank -> pid of the launchers' children that run the gpt binary (not zombies)."""
     out = {}
     for pid in all_pids():
         st = proc_stat(pid)
-        if st is None or st[0] != launcher_pid or st[1] == "Z":
+        if st is None or st[0] not in launcher_pids or st[1] == "Z":
             continue
         if proc_exe(pid) != gpt_exe:
             continue
@@ -124,6 +126,13 @@ def ranks_of(launcher_pid, gpt_exe):
         if rank is not None and rank.isdigit():
             out[int(rank)] = pid
     return out
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def alive(pid):
@@ -260,6 +269,45 @@ class Job:
                 return out
 
 
+class Nodes:
+    """One launcher per node (Job each), seen as one job: lines of all in time order, each
+    as (t, line, node); ended once every launcher's output has ended."""
+
+    def __init__(self, jobs):
+        self.jobs = jobs
+        self.t0 = jobs[0].t0
+        self.open = len(jobs)
+        self.pids = [j.proc.pid for j in jobs]
+
+    def take_lines(self):
+        out = []
+        for node, j in enumerate(self.jobs):
+            for t, line in j.take_lines():
+                if line is None:
+                    self.open -= 1
+                else:
+                    out.append((t, line, node))
+        out.sort(key=lambda x: x[0])
+        return out
+
+    def ended(self):
+        return self.open == 0
+
+    def kill(self):
+        for j in self.jobs:
+            try:
+                os.killpg(j.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self):
+        """Every launcher's exit status; the job's is the first non-zero one, else 0."""
+        codes = [j.proc.wait() for j in self.jobs]
+        for j in self.jobs:
+            j.reader.join(timeout=5)
+        return next((c for c in codes if c != 0), 0), codes
+
+
 class Metrics:
     """Watches metrics.csv (rewritten whole, by rename, at every logged step)."""
 
@@ -309,7 +357,13 @@ def run_job(a, name, plan, rng):
         env.pop(k, None)
     env["TESSERA_CHAOS_TAG"] = tag
     L, H, D, T = a.model.split(":")
-    cmd = [a.tessera, "run", "-n", "2", "--max-restarts", str(a.max_restarts)] + a.launcher_args + [
+    launch = [[a.tessera, "run", "-n", "2", "--max-restarts", str(a.max_restarts)]]
+    if a.nodes == 2:
+        port = str(free_port())
+        launch = [[a.tessera, "run", "--nnodes", "2", "--node-rank", str(i), "-n", "1", "--master-addr", "127.0.0.1",
+                   "--master-port", port, "--max-restarts", str(a.max_restarts), "--rdzv-timeout", "60"]
+                  for i in range(2)]
+    cmd = [
         "--", a.gpt, "train", "--strategy", "fsdp", "--max-steps", str(a.steps), "--ckpt-every", str(a.ckpt_every),
         "--resume", "auto", "--out", run_dir, "--comm-timeout", str(a.comm_timeout), "--n-layer", L, "--n-head", H,
         "--d-model", D, "--seq-len", T, "--batch-size", str(a.batch_size), "--seed", str(a.seed % 100000),
@@ -319,10 +373,15 @@ def run_job(a, name, plan, rng):
     if a.async_ckpt:
         cmd += ["--async-ckpt"]
     cmd += a.gpt_args
-    log("%s: %s" % (name, " ".join(cmd)))
+    cmds = [l + a.launcher_args + cmd for l in launch]
+    for c in cmds:
+        log("%s: %s" % (name, " ".join(c)))
     metrics = Metrics(os.path.join(run_dir, "metrics.csv"))
-    job = Job(cmd, env, os.path.join(a.work, name + ".log"))
-    rec = {"name": name, "command": cmd, "failures": [], "problems": []}
+    job = Nodes([Job(c, env, os.path.join(a.work, name + (".log" if len(cmds) == 1 else ".node%d.log" % i)))
+                 for i, c in enumerate(cmds)])
+    rec = {"name": name, "command": cmds[0], "failures": [], "problems": []}
+    if len(cmds) > 1:
+        rec["node_commands"] = cmds
     failures = rec["failures"]
     rank_pids = set()
     pending = None          # the failure waiting for its first step after the restart
@@ -338,16 +397,11 @@ def run_job(a, name, plan, rng):
         now = time.monotonic()
         if now > deadline:
             rec["problems"].append("%s: still running after %.0f s: killed (a hang?)" % (name, a.time_limit))
-            os.killpg(job.proc.pid, signal.SIGKILL)
-            job.proc.kill()
+            job.kill()
             break
-        ended = False
-        for t, line in job.take_lines():
-            if line is None:
-                ended = True
-                continue
+        for t, line, node in job.take_lines():
             m = RESTART.search(line)
-            if m:
+            if m and node == 0:  # every node's launcher announces each restart: count node 0's
                 restarts_seen += 1
                 if pending is not None and "restart_t" not in pending:
                     # Every rank of the failed round is gone: what metrics.csv holds now is
@@ -384,13 +438,13 @@ def run_job(a, name, plan, rng):
             pending = None
         if now - last_ranks_scan > 0.2:
             last_ranks_scan = now
-            rank_pids.update(ranks_of(job.proc.pid, a.gpt_real).values())
-        if ended:
+            rank_pids.update(ranks_of(job.pids, a.gpt_real).values())
+        if job.ended():
             break
         # Inject the next failure once the step reached its target.
         if pending is None and next_i < len(plan) and first_step_t is not None and metrics.last_step >= plan[next_i][0]:
             target, sig_name = plan[next_i]
-            ranks = ranks_of(job.proc.pid, a.gpt_real)
+            ranks = ranks_of(job.pids, a.gpt_real)
             rank_pids.update(ranks.values())
             if len(ranks) == 2:
                 # A random moment inside the step: up to one step time (recent median).
@@ -414,17 +468,18 @@ def run_job(a, name, plan, rng):
                         (name, len(failures), sig_name, rank, pid, metrics.last_step))
                     next_i += 1
         time.sleep(0.003)
-    rc = job.proc.wait()
+    rc, codes = job.wait()
     end_t = time.monotonic()
-    job.reader.join(timeout=5)
     rec["exit_code"] = rc
+    if len(codes) > 1:
+        rec["node_exit_codes"] = codes
     rec["wall_s"] = end_t - job.t0
     rec["first_step_s"] = (first_step_t - job.t0) if first_step_t else None
     rec["restarts"] = restarts_seen
     rec["done"] = {"step": done[0], "seconds_last_attempt": done[1]} if done else None
     if blocking:
         rec["checkpoint_saves_last_attempt"], rec["checkpoint_blocking_s_last_attempt"] = blocking
-    rec["log"] = os.path.join(a.work, name + ".log")
+    rec["log"] = " ".join(j.log.name for j in job.jobs)
     if pending is not None:
         rec["problems"].append("%s: failure %d (SIG%s to rank %d) was not followed by a step after a restart" %
                                (name, pending["index"] + 1, pending["signal"], pending["rank"]))
@@ -453,14 +508,14 @@ def finish_failure(f, job, a, run_dir, tag, rank_pids):
     # Left behind by the earlier rounds, seen at the new round's first step: processes of
     # the job other than the launcher, its guard and the current ranks; segments of ranks
     # that are gone; temporary checkpoint directories.
-    ranks = ranks_of(job.proc.pid, a.gpt_real)
+    ranks = ranks_of(job.pids, a.gpt_real)
     rank_pids.update(ranks.values())
     extra = []
     for pid, (ppid, state, exe) in tagged_processes(tag).items():
-        if pid == job.proc.pid or pid in ranks.values():
+        if pid in job.pids or pid in ranks.values():
             continue
-        if ppid == job.proc.pid and exe == a.tessera_real:
-            continue  # the launcher's guard
+        if ppid in job.pids and exe == a.tessera_real:
+            continue  # a launcher's guard
         extra.append("pid %d (%s, parent %d, state %s)" % (pid, exe, ppid, state))
     f["orphans_after_restart"] = extra
     f["dead_ranks_shm_after_restart"] = shm_segments_of({p for p in rank_pids if not alive(p)})
@@ -480,7 +535,7 @@ def final_leftovers(rec, job, run_dir, tag, rank_pids):
         procs = tagged_processes(tag)
     left = {
         "processes": ["pid %d (%s, parent %d, state %s)" % (pid, exe, ppid, st) for pid, (ppid, st, exe) in procs.items()],
-        "shm_segments": shm_segments_of(rank_pids | {job.proc.pid}),
+        "shm_segments": shm_segments_of(rank_pids | set(job.pids)),
         "temporaries": [os.path.relpath(p, run_dir) for p in temporaries_under(run_dir)],
         "run_lock": lock_state(run_dir),
     }
@@ -534,6 +589,8 @@ def main():
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--data", default="")
     p.add_argument("--max-restarts", type=int, default=-1, help="default: failures + 3")
+    p.add_argument("--nodes", type=int, default=1, choices=(1, 2),
+                   help="2: the two ranks are two nodes (tessera run --nnodes 2, one rank each, on this host)")
     p.add_argument("--time-limit", type=float, default=600, help="seconds per run before it counts as hung")
     p.add_argument("--skip-clean", default="", help="a clean run's report (JSON) to reuse instead of running one")
     p.add_argument("--launcher-arg", dest="launcher_args", action="append", default=[],
@@ -565,7 +622,7 @@ def main():
     report = {
         "seed": a.seed, "async_ckpt": a.async_ckpt, "steps": a.steps, "ckpt_every": a.ckpt_every,
         "model": a.model, "batch_size": a.batch_size, "comm_timeout_s": a.comm_timeout,
-        "max_restarts": a.max_restarts, "plan": [{"target_step": t, "signal": s} for t, s in plan],
+        "max_restarts": a.max_restarts, "nodes": a.nodes, "plan": [{"target_step": t, "signal": s} for t, s in plan],
         "clean": clean, "chaos": chaos,
     }
     problems = clean["problems"] + chaos["problems"]

@@ -7,13 +7,16 @@
 # `make test` also uses). Measures recovered/injected, bit-identical final state, work lost
 # per failure against the interval, time from failure and from restart to the first step,
 # and goodput (the uninterrupted run's wall time over the chaos run's, same steps).
+# Mode "sync-2nodes": the same with synchronous saves and the two ranks as two nodes (one
+# `tessera run --nnodes 2 --node-rank i` each, on this host, meeting over TCP in node 0's
+# store), so a failure on one node restarts both launchers' ranks.
 # Writes bench/results/faults.json (one row per mode) and faults-failures.json (one row
 # per failure).
 #
 #   bench/faults/run.sh BUILD_DIR
 #     FAULTS_FAILURES (20), FAULTS_GAP (50 steps between failures), FAULTS_CKPT_EVERY (10),
 #     FAULTS_SEED (34), FAULTS_COMM_TIMEOUT (3 s: how long a rank waits for a stopped peer),
-#     FAULTS_MODES ("sync async"), FAULTS_GRACE (the launcher's --grace, default 5 s as a
+#     FAULTS_MODES ("sync async sync-2nodes"), FAULTS_GRACE (the launcher's --grace, default 5 s as a
 #     user gets it)
 set -euo pipefail
 BUILD=${1:-build}
@@ -25,7 +28,7 @@ GAP=${FAULTS_GAP:-50}
 EVERY=${FAULTS_CKPT_EVERY:-10}
 SEED=${FAULTS_SEED:-34}
 TIMEOUT=${FAULTS_COMM_TIMEOUT:-3}
-MODES=${FAULTS_MODES:-"sync async"}
+MODES=${FAULTS_MODES:-"sync async sync-2nodes"}
 GRACE=${FAULTS_GRACE:-5}
 STEPS=$((GAP * (FAILURES + 1)))
 source "$HERE/../common/run_env.sh"
@@ -49,6 +52,7 @@ reports=()
 for mode in $MODES; do
   extra=()
   [[ $mode == async ]] && extra=(--async-ckpt)
+  [[ $mode == sync-2nodes ]] && extra=(--nodes 2)
   echo "== faults: $mode checkpoints: $FAILURES failures over $STEPS steps, a checkpoint every $EVERY =="
   "$PY" "$HERE/chaos.py" --build "$BUILD" --work "$TMP/$mode" --json "$TMP/$mode.json" --steps "$STEPS" \
     --ckpt-every "$EVERY" --failures "$FAILURES" --gap "$GAP" --signals KILL,SEGV,STOP --seed "$SEED" \

@@ -31,7 +31,7 @@ def main():
     meta = {}
     for path in a.reports:
         r = json.load(open(path))
-        mode = "async" if r["async_ckpt"] else "sync"
+        mode = ("async" if r["async_ckpt"] else "sync") + ("-2nodes" if r.get("nodes", 1) > 1 else "")
         clean, chaos = r["clean"], r["chaos"]
         fs = [f for f in chaos["failures"] if "first_step_s" in f]
         step_s = clean["wall_s"] / r["steps"]  # includes the clean run's start
@@ -44,6 +44,7 @@ def main():
         overhead = (chaos["wall_s"] - clean["wall_s"]) / max(1, len(chaos["failures"]))
         rows.append({
             "checkpoints": mode,
+            "nodes": r.get("nodes", 1),
             "steps": r["steps"],
             "ckpt_every": r["ckpt_every"],
             "injected": r["injected"],

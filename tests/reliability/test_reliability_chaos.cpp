@@ -16,7 +16,9 @@
 //    segment of any of its ranks, no ".*tessera-tmp*" entry in the run directory, and
 //    run.lock not held (the empty file stays by design: it is an fcntl lock the kernel
 //    drops with its process; a leftover file is harmless, the next run locks it).
-// Both with synchronous and with --async-ckpt saves. The seed is printed (TESSERA_SEED
+// With synchronous and with --async-ckpt saves on one node, and with synchronous saves on
+// two nodes (one `tessera run --nnodes 2` per node, one rank each, on this host: a failure
+// on either node restarts both, through node 0's store). The seed is printed (TESSERA_SEED
 // picks it); TESSERA_SOAK=1 injects 12 failures instead of 3. The launcher's --grace is
 // 1 s here: a SIGSTOPped rank ignores the launcher's SIGTERM and only goes at its
 // SIGKILL, a grace period later (bench/faults measures the default 5 s).
@@ -97,7 +99,12 @@ std::string text_file_content() {
 
 }  // namespace
 
-class Chaos : public ::testing::TestWithParam<bool> {
+struct ChaosMode {
+  bool async;
+  int nodes;
+};
+
+class Chaos : public ::testing::TestWithParam<ChaosMode> {
  protected:
   void SetUp() override {
     if (!fs::exists(kGptBin)) GTEST_SKIP() << kGptBin << " not built (examples disabled)";
@@ -106,8 +113,9 @@ class Chaos : public ::testing::TestWithParam<bool> {
 };
 
 TEST_P(Chaos, KillSegvStopOfRandomRanksFinishBitIdenticalAndLeaveNothing) {
-  const bool async = GetParam();
-  const uint64_t seed = base_seed() + (async ? 1 : 0);
+  const bool async = GetParam().async;
+  const int nodes = GetParam().nodes;
+  const uint64_t seed = base_seed() + (async ? 1 : 0) + (nodes > 1 ? 2 : 0);
   const int failures = scaled(3, 12);
   const int every = 4;  // --ckpt-every
   const int steps = 10 * (failures + 1);
@@ -119,7 +127,8 @@ TEST_P(Chaos, KillSegvStopOfRandomRanksFinishBitIdenticalAndLeaveNothing) {
   cmd << kNoLauncherEnv << kPython << " " << kDriver << " --build " << TESSERA_BINARY_DIR << " --work " << dir
       << "/work --json " << report_path << " --data " << data << " --seed " << seed << " --steps " << steps
       << " --ckpt-every " << every << " --failures " << failures << " --signals KILL,SEGV,STOP"
-      << " --comm-timeout 3 --launcher-arg=--grace=1 --time-limit 100" << (async ? " --async-ckpt" : "");
+      << " --comm-timeout 3 --launcher-arg=--grace=1 --time-limit 100" << (async ? " --async-ckpt" : "")
+      << " --nodes " << nodes;
   std::cout << "chaos test: seed " << seed << " (TESSERA_SEED=" << base_seed() << " reruns it)" << std::endl;
   auto [rc, out] = run_command(cmd.str());
   std::cout << out;
@@ -181,5 +190,8 @@ TEST_P(Chaos, KillSegvStopOfRandomRanksFinishBitIdenticalAndLeaveNothing) {
   std::cout << "chaos test: " << r["summary"].dump() << std::endl;
 }
 
-INSTANTIATE_TEST_SUITE_P(SyncAndAsyncCheckpoints, Chaos, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Async" : "Sync"; });
+INSTANTIATE_TEST_SUITE_P(SyncAndAsyncCheckpoints, Chaos,
+                         ::testing::Values(ChaosMode{false, 1}, ChaosMode{true, 1}, ChaosMode{false, 2}),
+                         [](const ::testing::TestParamInfo<ChaosMode>& i) {
+                           return std::string(i.param.async ? "Async" : "Sync") + (i.param.nodes > 1 ? "TwoNodes" : "");
+                         });
