@@ -40,8 +40,18 @@ SCENARIO("ckpt_scale") {
   state::StateDict sd = as_dict(strat->state(strategy::StateDictType::Sharded));
   if (phase == "save") {
     checkpoint::save(sd, dir, *c, {checkpoint::SaveMode::Sharded});
+    // FSDP's parameters and their Adam moments hold their shards as the unit's rule: the
+    // training step, the state dicts and the sharded save built no list of every rank's
+    // shard (O(ranks) per tensor).
+    int rule_only = 0, sharded = 0;
+    for (const auto& [k, v] : sd.flatten())
+      if (auto s = std::get_if<sharding::ShardedTensor>(v)) {
+        ++sharded;
+        rule_only += s->metadata_is_rule_only();
+      }
+    WCHECK(sharded > 0 && rule_only == sharded, rule_only, " of ", sharded, " sharded tensors hold only their rule");
     checkpoint::save(sd, out, *c, {checkpoint::SaveMode::Full});
-    std::printf("saved rank %d\n", c->rank());
+    std::printf("saved rank %d rule-only %d of %d\n", c->rank(), rule_only, sharded);
     return 0;
   }
   auto res = checkpoint::load(sd, dir, *c);

@@ -46,6 +46,7 @@ TEST(CheckpointScale, SixtyFourRanksSaveLoadAt48And96AndReshardTo1024AndBack) {
   const std::string d = temp_dir("tessera-scale");
   auto s = run_ranks(64, {"ckpt_scale", "save", d + "/ck", d + "/ref.safetensors"}, 900);
   ASSERT_EQ(s.launch.exit_code, 0) << s.all_output();
+  EXPECT_NE(s.all_output().find("[rank 63] saved rank 63 rule-only"), std::string::npos) << s.all_output();
   const auto ref = tensors_of(d + "/ref.safetensors");
   ASSERT_GT(ref.size(), 20u);
   const auto m = ck::open_checkpoint(d + "/ck");

@@ -120,6 +120,55 @@ SCENARIO("sharded_roundtrip") {
   return 0;
 }
 
+// from_rule: FSDP's row-aligned cut (and torch.chunk's) as the only metadata: no list is
+// built by making the tensor, aliasing it (with_local), comparing it with another made
+// from the same rule, cloning it or converting its dtype; the list is built on first use
+// (here by a gather), equals the rule's pieces, and the data round-trips bit-exact.
+SCENARIO("from_rule") {
+  auto c = comm();
+  const int n = c->size(), r = c->rank();
+  const std::vector<int64_t> shape{7, 3};
+  const at::Tensor full = reference(shape, at::kFloat, 5);
+  for (const Layout& rule : {Layout::flat(40, 6, n), Layout::chunk(0, n)}) {
+    const std::string tag = concat(rule.rule_name(), " rank ", r, "/", n);
+    const Box mine = rule.box(shape, r);
+    auto make = [&](const at::Tensor& data) {
+      return ShardedTensor::from_rule(Shard{data, ShardMetadata{mine, Placement{r}}}, rule, shape, data.scalar_type(), c);
+    };
+    ShardedTensor st = make(narrow_to(full, full_box(shape), mine).clone());
+    WCHECK(st.metadata_is_rule_only(), "made: ", tag);
+    ShardedTensor alias = st.with_local({Shard{st.local_tensor().to(at::kDouble), st.local_shards()[0].meta}}, at::kDouble);
+    ShardedTensor twin = make(at::zeros(mine.sizes));
+    WCHECK(alias.same_shards(st) && twin.same_layout(st) && !alias.same_layout(st), "compared: ", tag);
+    ShardedTensor cl = st.clone(), half = st.to(at::kBFloat16);
+    WCHECK(st.metadata_is_rule_only() && alias.metadata_is_rule_only() && twin.metadata_is_rule_only() &&
+               cl.metadata_is_rule_only() && half.metadata_is_rule_only(),
+           "a list was built without being asked for: ", tag);
+    WCHECK(st.describe().find(rule.rule_name() + " rule of " + std::to_string(n) + " pieces") != std::string::npos,
+           st.describe());
+    WCHECK(bits_equal(st.full_tensor(), full), "full_tensor ", tag);
+    const auto& all = st.shards_metadata();
+    WCHECK(!st.metadata_is_rule_only() && !alias.metadata_is_rule_only() && all.size() == static_cast<size_t>(n),
+           "listed: ", tag);  // copies share the built list
+    for (int i = 0; i < n; ++i)
+      WCHECK(all[i].box == rule.box(shape, i) && all[i].placement.rank == i, "shard ", i, " ", tag);
+    WCHECK(bits_equal(alias.full_tensor(), full.to(at::kDouble)), "alias ", tag);
+    WCHECK(twin.same_layout(st), "compared after the list was built: ", tag);
+    // Another rank's piece, or a piece count that is not the world size, is refused.
+    bool refused = false;
+    try {
+      ShardedTensor::from_rule(Shard{at::zeros(mine.sizes), ShardMetadata{mine, Placement{r}}},
+                               rule.rule == Layout::Rule::Flat ? Layout::flat(40, 6, n + 1) : Layout::chunk(0, n + 1),
+                               shape, at::kFloat, c);
+    } catch (const std::exception& e) {
+      refused = std::string(e.what()).find("for a communicator of " + std::to_string(n) + " ranks") != std::string::npos;
+    }
+    WCHECK(refused, "a rule of n + 1 pieces was taken: ", tag);
+  }
+  std::cout << "from_rule ok rank " << r << "\n";
+  return 0;
+}
+
 // from_local_shards: a consistent set builds; a bad shard on one rank raises on every
 // rank with a message naming it.
 SCENARIO("from_local_shards") {

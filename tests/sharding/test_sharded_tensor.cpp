@@ -171,6 +171,14 @@ TEST_P(ShardedRanks, GatherFullTensorReshardRoundTripsBitExact) {
   }
 }
 
+TEST_P(ShardedRanks, FromRuleHoldsNoListUntilOneIsNeeded) {
+  const int n = GetParam();
+  auto res = run_ranks(n, {"from_rule"}, 120);
+  ASSERT_EQ(res.launch.exit_code, 0) << res.all_output();
+  for (int r = 0; r < n; ++r)
+    EXPECT_NE(res.all_output().find("from_rule ok rank " + std::to_string(r)), std::string::npos) << res.all_output();
+}
+
 TEST_P(ShardedRanks, FromLocalShardsRejectsBadShardsOnEveryRank) {
   const int n = GetParam();
   std::vector<std::pair<std::string, std::string>> modes{{"overlap", n > 1 ? "overlaps shard" : "negative offset"},

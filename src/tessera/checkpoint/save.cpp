@@ -80,8 +80,9 @@ void save_sharded(const state::StateDict& sd, const std::string& path, distribut
           }
           g = groups.emplace(c, group_placement(ranks, comm.size(), fqn)).first;
         }
-        SavedLayout plan = plan_saved_layout(fqn, e.shape, s->shards_metadata(), s->layout(), g->second, comm.size(),
-                                             rank, key_index);
+        static const std::vector<sharding::ShardMetadata> kRuleOnly;  // the rule is the layout: no list needed
+        SavedLayout plan = plan_saved_layout(fqn, e.shape, s->layout() ? kRuleOnly : s->shards_metadata(), s->layout(),
+                                             g->second, comm.size(), rank, key_index);
         for (int64_t i : plan.mine) {
           // The local shard holding piece i (FSDP and chunked tensors hold one).
           const sharding::Box box = plan.layout.box(e.shape, i);

@@ -96,15 +96,20 @@ std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, cons
         c.meta.placement.device = c10::kCPU;
         local.push_back(std::move(c));
       }
-      auto all = s->shards_metadata();
-      for (auto& m : all) m.placement.device = c10::kCPU;
       // Over the background communicator, unless a sharded save is asked of a tensor on a
       // subgroup (the shard groups of HYBRID_SHARD): it maps the pieces to ranks through the
       // subgroup's members and runs no collective over it. (A full save gathers over the
-      // tensor's communicator, which must be the background one.)
+      // tensor's communicator, which must be the background one.) A rule-made tensor stays
+      // one (its list is never built for a sharded save).
       const auto& own = s->comm();
-      out->set(k, sharding::ShardedTensor::from_parts(std::move(local), all, s->shape(), s->dtype(),
-                                                      sharded && own->size() != bg->size() ? own : bg, s->layout()));
+      const auto& comm = sharded && own->size() != bg->size() ? own : bg;
+      if (s->metadata_is_rule_only() && local.size() == 1) {
+        out->set(k, sharding::ShardedTensor::from_rule(std::move(local[0]), *s->layout(), s->shape(), s->dtype(), comm));
+      } else {
+        auto all = s->shards_metadata();
+        for (auto& m : all) m.placement.device = c10::kCPU;
+        out->set(k, sharding::ShardedTensor::from_parts(std::move(local), all, s->shape(), s->dtype(), comm, s->layout()));
+      }
     } else if (auto d = std::get_if<std::shared_ptr<state::StateDict>>(&v); d && *d) {
       out->set(k, snapshot_into(**d, bg, staged, sharded));
     } else {

@@ -207,8 +207,41 @@ ShardedTensor ShardedTensor::from_parts(std::vector<Shard> local, std::vector<Sh
   ShardedTensor st;
   st.shape_ = shape;
   st.dtype_ = dtype;
-  st.all_ = std::move(all_shards);
+  st.all_ = std::make_shared<ShardList>();
+  st.all_->list = std::move(all_shards);
+  std::call_once(st.all_->built, [] {});  // a list: nothing to build
+  st.all_->listed = true;
   st.local_ = std::move(local);
+  st.comm_ = std::move(comm);
+  st.layout_ = std::move(layout);
+  return st;
+}
+
+ShardedTensor ShardedTensor::from_rule(Shard local, Layout layout, const std::vector<int64_t>& shape,
+                                        at::ScalarType dtype, std::shared_ptr<distributed::Communicator> comm) {
+  TESSERA_CHECK(comm != nullptr, "ShardedTensor needs a communicator");
+  TESSERA_CHECK(layout.rule == Layout::Rule::Chunk || layout.rule == Layout::Rule::Flat, "ShardedTensor::from_rule: a ",
+                layout.rule_name(), " layout is not a rule of one piece per rank");
+  TESSERA_CHECK(layout.count() == comm->size(), "ShardedTensor::from_rule: a ", layout.rule_name(), " layout of ",
+                layout.count(), " pieces for a communicator of ", comm->size(), " ranks");
+  layout.validate(shape, comm->size(), "ShardedTensor::from_rule");
+  const int me = comm->rank();
+  const Box mine = layout.box(shape, me);
+  TESSERA_CHECK(local.meta.box == mine && local.meta.placement.rank == me, "ShardedTensor::from_rule: rank ", me,
+                " passes shard ", local.meta.box.to_string(), " on rank ", local.meta.placement.rank, ", not its piece ",
+                mine.to_string(), " of the ", layout.rule_name(), " layout");
+  TESSERA_CHECK(local.tensor.defined() && local.tensor.sizes().vec() == mine.sizes && local.tensor.scalar_type() == dtype,
+                "ShardedTensor::from_rule: rank ", me, " shard ", mine.to_string(), " holds ",
+                local.tensor.defined() ? concat(core::shape_string(local.tensor.sizes().vec()), " ", local.tensor.scalar_type())
+                                       : std::string("no tensor"),
+                ", expected its box's shape and dtype ", dtype);
+  ShardedTensor st;
+  st.shape_ = shape;
+  st.dtype_ = dtype;
+  st.all_ = std::make_shared<ShardList>();
+  st.all_->rule = layout;
+  st.all_->device = local.meta.placement.device;
+  st.local_.push_back(std::move(local));
   st.comm_ = std::move(comm);
   st.layout_ = std::move(layout);
   return st;
@@ -283,7 +316,7 @@ ShardedTensor ShardedTensor::scatter(const at::Tensor& full, const ShardingSpec&
   const auto shape = head["shape"].get<std::vector<int64_t>>();
   const auto dt = static_cast<at::ScalarType>(head["dtype"].get<int>());
   ShardedTensor st = empty(spec, shape, at::TensorOptions().dtype(dt), comm);
-  const c10::Device dev = buffer_device({&st.all_}, comm->rank());
+  const c10::Device dev = buffer_device({&st.shards_metadata()}, comm->rank());
   at::Tensor data = comm->rank() == src ? full.to(dev).contiguous() : at::empty(shape, at::TensorOptions().dtype(dt).device(dev));
   if (comm->size() > 1 && data.numel() > 0) comm->broadcast(data, src);
   const Box whole = full_box(shape);
@@ -308,14 +341,66 @@ int64_t ShardedTensor::local_numel() const {
   return n;
 }
 
+const std::vector<ShardMetadata>& ShardedTensor::shards_metadata() const {
+  static const std::vector<ShardMetadata> kNone;
+  if (!all_) return kNone;
+  ShardList& a = *all_;
+  std::call_once(a.built, [&] {
+    const int64_t n = a.rule->count();
+    a.list.reserve(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+      a.list.push_back(ShardMetadata{a.rule->box(shape_, i), Placement{static_cast<int>(i), a.device}});
+    a.listed = true;
+  });
+  return a.list;
+}
+
+bool ShardedTensor::metadata_is_rule_only() const {
+  return all_ && all_->rule && !all_->listed;
+}
+
+bool ShardedTensor::same_shards(const ShardedTensor& other) const {
+  if (shape_ != other.shape_) return false;
+  if (all_ == other.all_) return true;
+  if (all_ && other.all_ && all_->rule && other.all_->rule)
+    return *all_->rule == *other.all_->rule && all_->device == other.all_->device;
+  return shards_metadata() == other.shards_metadata();
+}
+
 bool ShardedTensor::same_layout(const ShardedTensor& other) const {
-  return shape_ == other.shape_ && dtype_ == other.dtype_ && all_ == other.all_;
+  return dtype_ == other.dtype_ && same_shards(other);
+}
+
+ShardedTensor ShardedTensor::with_local(std::vector<Shard> local, at::ScalarType dtype) const {
+  TESSERA_CHECK(defined(), "with_local on an undefined ShardedTensor");
+  TESSERA_CHECK(local.size() == local_.size(), "with_local: ", local.size(), " local shards for a tensor whose rank ",
+                comm_->rank(), " holds ", local_.size());
+  for (size_t k = 0; k < local.size(); ++k) {
+    TESSERA_CHECK(local[k].meta == local_[k].meta, "with_local: local shard ", k, " ", local[k].meta.box.to_string(),
+                  " is not this tensor's ", local_[k].meta.box.to_string());
+    TESSERA_CHECK(local[k].tensor.defined() && local[k].tensor.sizes().vec() == local[k].meta.box.sizes &&
+                      local[k].tensor.scalar_type() == dtype,
+                  "with_local: local shard ", k, " ", local[k].meta.box.to_string(), " holds ",
+                  local[k].tensor.defined() ? concat(core::shape_string(local[k].tensor.sizes().vec()), " ",
+                                                     local[k].tensor.scalar_type())
+                                            : std::string("no tensor"),
+                  ", expected its box's shape and dtype ", dtype);
+  }
+  ShardedTensor st = *this;
+  st.dtype_ = dtype;
+  st.local_ = std::move(local);
+  return st;
 }
 
 std::string ShardedTensor::describe() const {
   std::string s = concat("ShardedTensor(shape=", core::shape_string(shape_), ", dtype=", dtype_, ", shards=[");
-  for (size_t i = 0; i < all_.size(); ++i)
-    s += concat(i ? ", " : "", all_[i].box.to_string(), "@", all_[i].placement.to_string());
+  if (metadata_is_rule_only())
+    return s + concat(all_->rule->rule_name(), " rule of ", all_->rule->count(), " pieces on ", all_->device.str(), "])");
+  const auto& all = shards_metadata();
+  const size_t shown = std::min<size_t>(all.size(), 16);
+  for (size_t i = 0; i < shown; ++i)
+    s += concat(i ? ", " : "", all[i].box.to_string(), "@", all[i].placement.to_string());
+  if (all.size() > shown) s += concat(", ... (", all.size(), " shards)");
   return s + "])";
 }
 
@@ -343,16 +428,17 @@ at::Tensor ShardedTensor::gather_impl(bool everywhere, int dst, const Box& regio
   TESSERA_CHECK(dst >= 0 && dst < comm_->size(), "gather: destination rank ", dst, " is outside the group of ",
                 comm_->size());
   const int me = comm_->rank(), n = comm_->size();
-  const c10::Device dev = buffer_device({&all_}, me);
+  const std::vector<ShardMetadata>& shards = shards_metadata();
+  const c10::Device dev = buffer_device({&shards}, me);
   auto opts = at::TensorOptions().dtype(dtype_).device(dev);
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype_));
-  // Every shard's overlap with the region, in all_ order (known to every rank).
-  std::vector<std::optional<Box>> part(all_.size());
+  // Every shard's overlap with the region, in shard order (known to every rank).
+  std::vector<std::optional<Box>> part(shards.size());
   std::vector<int64_t> send(n, 0);
-  for (size_t i = 0; i < all_.size(); ++i) {
-    if (all_[i].box.empty()) continue;
-    part[i] = intersect(all_[i].box, region);
-    if (part[i]) send[all_[i].placement.rank] += part[i]->numel() * es;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (shards[i].box.empty()) continue;
+    part[i] = intersect(shards[i].box, region);
+    if (part[i]) send[shards[i].placement.rank] += part[i]->numel() * es;
   }
   const int64_t total = std::accumulate(send.begin(), send.end(), int64_t{0});
   if (total == 0 || n == 1) {
@@ -366,7 +452,7 @@ at::Tensor ShardedTensor::gather_impl(bool everywhere, int dst, const Box& regio
   auto whole_rows = [](const Box& sub, const Box& of) {
     return std::equal(sub.sizes.begin() + 1, sub.sizes.end(), of.sizes.begin() + 1);
   };
-  // This rank's overlaps, packed in all_ order (local_ follows all_'s order per rank).
+  // This rank's overlaps, packed in shard order (local_ follows that order per rank).
   std::vector<std::pair<const Shard*, Box>> overlaps;
   for (auto& s : local_) {
     if (s.meta.box.empty()) continue;
@@ -399,15 +485,15 @@ at::Tensor ShardedTensor::gather_impl(bool everywhere, int dst, const Box& regio
   std::vector<int64_t> cursor(n, 0);
   for (int r = 1; r < n; ++r) cursor[r] = cursor[r - 1] + send[r - 1];
   // One shard covers the whole region: the received bytes are the result.
-  for (size_t i = 0; i < all_.size(); ++i)
+  for (size_t i = 0; i < shards.size(); ++i)
     if (part[i] && *part[i] == region) {
-      auto* p = static_cast<uint8_t*>(all.data_ptr()) + cursor[all_[i].placement.rank];
+      auto* p = static_cast<uint8_t*>(all.data_ptr()) + cursor[shards[i].placement.rank];
       return at::from_blob(p, region.sizes, [keep = all](void*) {}, all.options().dtype(dtype_));  // keeps `all` alive
     }
   at::Tensor out = at::empty(region.sizes, opts);
-  for (size_t i = 0; i < all_.size(); ++i) {
+  for (size_t i = 0; i < shards.size(); ++i) {
     if (!part[i]) continue;
-    int64_t& c = cursor[all_[i].placement.rank];
+    int64_t& c = cursor[shards[i].placement.rank];
     narrow_to(out, region, *part[i]).copy_(typed_view(all, c, part[i]->sizes, dtype_));
     c += part[i]->numel() * es;
   }
@@ -429,7 +515,7 @@ void ShardedTensor::copy_from(const ShardedTensor& other) {
   TESSERA_CHECK(dtype_ == other.dtype_, "copy_from: dtype ", other.dtype_, " into ", dtype_);
   TESSERA_CHECK(comm_->size() == other.comm_->size() && comm_->members() == other.comm_->members(),
                 "copy_from: the sharded tensors live on different communicators");
-  exchange(other.all_, other.local_, all_, local_, dtype_, *comm_);
+  exchange(other.shards_metadata(), other.local_, shards_metadata(), local_, dtype_, *comm_);
 }
 
 // ----------------------------------------------------------------- local helpers

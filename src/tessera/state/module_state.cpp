@@ -78,7 +78,7 @@ void visit(const Module& m, const std::string& prefix, const std::function<void(
 ShardedTensor detached_alias(const ShardedTensor& st) {
   std::vector<sharding::Shard> local;
   for (const auto& s : st.local_shards()) local.push_back(sharding::Shard{s.tensor.detach(), s.meta});
-  return ShardedTensor::from_parts(std::move(local), st.shards_metadata(), st.shape(), st.dtype(), st.comm(), st.layout());
+  return st.with_local(std::move(local), st.dtype());
 }
 
 

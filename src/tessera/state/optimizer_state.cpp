@@ -237,8 +237,7 @@ StateDict optimizer_state_dict(const optim::Optimizer& optimizer, const torch::n
         if (info.sharded && t.sizes() == params[pi].sizes()) {
           const ShardedTensor& ps = *info.sharded;
           std::vector<sharding::Shard> local{sharding::Shard{t.detach(), ps.local_shards()[0].meta}};
-          entry->set(n, ShardedTensor::from_parts(std::move(local), ps.shards_metadata(), ps.shape(),
-                                                  t.scalar_type(), ps.comm(), ps.layout()));
+          entry->set(n, ps.with_local(std::move(local), t.scalar_type()));
         } else {
           entry->set(n, t.detach());
         }
@@ -296,7 +295,7 @@ void load_optimizer_state_dict(optim::Optimizer& optimizer, const torch::nn::Mod
           TESSERA_CHECK(st->shape() == ps.shape(), where, " has global shape ",
                         sharding::full_box(st->shape()).to_string(), ", the parameter ",
                         sharding::full_box(ps.shape()).to_string());
-          if (st->shards_metadata() == ps.shards_metadata()) {
+          if (st->same_shards(ps)) {
             f.tensors[n] = st->local_tensor().clone();
           } else {
             ShardedTensor target = ShardedTensor::empty(sharding::EnumerableSpec{ps.shards_metadata()}, ps.shape(),

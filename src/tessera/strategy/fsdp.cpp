@@ -343,29 +343,19 @@ void FsdpStrategy::register_sharded_params() {
       const std::string leaf = dot == std::string::npos ? P->fqn : P->fqn.substr(dot + 1);
       auto it = by_path.find(path);
       TESSERA_CHECK(it != by_path.end(), "FSDP: no module at '", path, "' for parameter '", P->fqn, "'");
-      const c10::Device dev = P->shard.device();
-      // Dim-0 pieces in rank order, sized by the unit's row-aligned cut (fsdp_runtime.cpp).
-      sharding::EnumerableSpec spec;
-      int64_t row = 0;
-      for (int r = 0; r < S; ++r) {
-        sharding::ShardMetadata m;
-        m.box.offsets.assign(P->shape.size(), 0);
-        m.box.offsets[0] = row;
-        m.box.sizes = P->shape;
-        m.box.sizes[0] = P->rank_rows[r];
-        m.placement = sharding::Placement{r, dev};
-        spec.shards.push_back(std::move(m));
-        row += P->rank_rows[r];
-      }
-      auto all = sharding::build_shards(spec, P->shape);
-      std::vector<sharding::Shard> local;
-      for (auto& m : all)
-        if (m.placement.rank == shard_comm_->rank()) local.push_back({P->p, m});
+      // Dim-0 pieces in rank order, sized by the unit's row-aligned cut (fsdp_runtime.cpp),
+      // recorded as that rule: no list of every rank's shard (O(ranks) per parameter).
+      const sharding::Layout rule = sharding::Layout::flat(u->numel, P->flat_offset, S);
+      const int me = shard_comm_->rank();
+      const sharding::Box mine = rule.box(P->shape, me);
+      TESSERA_CHECK(mine.sizes[0] == P->local_rows && mine.offsets[0] == P->row_begin, "FSDP: parameter '", P->fqn,
+                    "': rank ", me, " holds rows [", P->row_begin, ", +", P->local_rows, "), the unit's cut gives it ",
+                    mine.to_string());
       I.registered.emplace_back(it->second, leaf);
-      state::register_sharded_tensor(*it->second, leaf,
-                                     sharding::ShardedTensor::from_parts(
-                                         std::move(local), all, P->shape, P->shard.scalar_type(), shard_comm_,
-                                         sharding::Layout::flat(u->numel, P->flat_offset, S)));
+      state::register_sharded_tensor(
+          *it->second, leaf,
+          sharding::ShardedTensor::from_rule(sharding::Shard{P->p, sharding::ShardMetadata{mine, {me, P->shard.device()}}},
+                                             rule, P->shape, P->shard.scalar_type(), shard_comm_));
     }
 }
 

@@ -20,8 +20,9 @@ struct FsdpParam {
   std::vector<int64_t> shape;     // global shape
   int64_t rows = 0;               // dim-0 size (1 for a 0-dim parameter)
   int64_t row_numel = 0;          // elements per row
-  std::vector<int64_t> rank_rows; // rows of each shard-group rank (the unit's row-aligned cut)
-  int64_t row_begin = 0;          // first row of this rank
+  int64_t local_rows = 0;         // rows of this shard-group rank (the unit's row-aligned cut)
+  int64_t row_begin = 0;          // first row of this rank (no list of every rank's rows:
+                                  // a rank holds O(1) per parameter at any world size)
   int64_t flat_offset = 0;        // where the parameter starts in the unit's flat vector
   int64_t shard_offset = 0;       // where its local rows start in this rank's stretch
   at::Tensor shard;               // master shard [local rows, shape[1:]...] (a view of the unit's shard_flat)

@@ -107,20 +107,18 @@ void FsdpParamGroup::shard() {
     const int64_t n = P.rows * P.row_numel;
     // The unit's cut as it falls on this parameter's rows (sharding/layout.h: the rule a
     // sharded checkpoint records for it, so both agree by construction).
-    P.rank_rows.assign(S, 0);
-    for (int r = 0; r < S; ++r) {
-      P.rank_rows[r] = sharding::flat_rows(T, P.flat_offset, {P.rows, P.row_numel}, S, r).size;
-      if (P.row_numel > 0) {
-        const int64_t lo = std::clamp(cut[r], P.flat_offset, P.flat_offset + n);
-        const int64_t hi = std::clamp(cut[r + 1], P.flat_offset, P.flat_offset + n);
-        TESSERA_CHECK(P.rank_rows[r] == (hi - lo) / P.row_numel, "internal: FSDP's cut of '", P.fqn, "' on rank ", r,
-                      " differs from sharding::flat_rows");
-      }
+    // Each rank checks its own rows against the unit's cut (so all are checked, in O(1) each).
+    const sharding::Range mine = sharding::flat_rows(T, P.flat_offset, {P.rows, P.row_numel}, S, s);
+    P.local_rows = mine.size;
+    P.row_begin = mine.begin;
+    if (P.row_numel > 0) {
+      const int64_t lo = std::clamp(cut[s], P.flat_offset, P.flat_offset + n);
+      const int64_t hi = std::clamp(cut[s + 1], P.flat_offset, P.flat_offset + n);
+      TESSERA_CHECK(P.local_rows == (hi - lo) / P.row_numel && (P.local_rows == 0 || P.row_begin * P.row_numel == lo - P.flat_offset),
+                    "internal: FSDP's cut of '", P.fqn, "' on rank ", s, " differs from sharding::flat_rows");
     }
-    P.row_begin = 0;
-    for (int r = 0; r < s; ++r) P.row_begin += P.rank_rows[r];
     P.shard_offset = shard_off;
-    shard_off += P.rank_rows[s] * P.row_numel;
+    shard_off += P.local_rows * P.row_numel;
   }
   if (ctx_.trivial_gather) {
     for (auto& P : params) P->shard = P->p.detach();
@@ -141,7 +139,7 @@ void FsdpParamGroup::shard() {
   full_flat = at::empty({T}, at::TensorOptions().dtype(compute_dtype).device(o.device));
   for (auto& Pp : params) {
     auto& P = *Pp;
-    const int64_t local_rows = P.rank_rows[s];
+    const int64_t local_rows = P.local_rows;
     at::Tensor src = P.p.detach().reshape({P.rows, P.row_numel}).narrow(0, P.row_begin, local_rows);
     at::Tensor local;
     if (shard_flat.defined()) {
@@ -302,9 +300,9 @@ void FsdpParamGroup::finish_reduce() {
   if (st.replicate_comm()->size() > 1) st.replicate_comm()->all_reduce(piece, distributed::ReduceOp::Avg);
   const int s = st.shard_comm()->rank();
   for (auto& P : params) {
-    const int64_t n = P->rank_rows[s] * P->row_numel;
+    const int64_t n = P->local_rows * P->row_numel;
     P->new_grad =
-        piece.narrow(0, P->shard_offset, n).to(P->shard.device(), P->shard.scalar_type()).view(P->shard_shape(P->rank_rows[s]));
+        piece.narrow(0, P->shard_offset, n).to(P->shard.device(), P->shard.scalar_type()).view(P->shard_shape(P->local_rows));
   }
 }
 
