@@ -26,6 +26,10 @@ else
 fi
 echo "== checkpoints at scale: save / load planning for 8-16384 virtual ranks, Tessera vs PyTorch DCP (bench/scale) =="
 bash bench/scale/run.sh "$BUILD"
+echo "== checkpoints at scale, against reality: real gpt train saves at 2/8/32/64 ranks equal the planner's prediction =="
+bash bench/scale/validate.sh "$BUILD"
+echo "== checkpoints at scale: the 80-block GPT resharded to 1,024 ranks (vs cp -r), inspected, resumed at 2 ranks =="
+bash bench/scale/gpt80.sh "$BUILD"
 echo "== optimizer: one AdamW step, libtorch's vs Tessera's one-pass, against a memcpy of the same bytes =="
 OMP_NUM_THREADS=1 "$BUILD/bin/optim_bench" bench/results/optim.json
 if [ -f bench/strategy/run.sh ]; then

@@ -12,10 +12,10 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DTESSERA_FUZZ=ON \
     -DTESSERA_BUILD_TESTS=OFF -DTESSERA_BUILD_BENCH=OFF -DTESSERA_BUILD_EXAMPLES=OFF -DTESSERA_USE_PCH=OFF
 fi
-cmake --build "$BUILD" --target fuzz_safetensors fuzz_metadata fuzz_torch_import fuzz_pickle fuzz_dcp
+cmake --build "$BUILD" --target fuzz_safetensors fuzz_metadata fuzz_torch_import fuzz_pickle fuzz_dcp fuzz_xla fuzz_hf
 mkdir -p "$ROOT/fuzz/artifacts"
 status=0
-for t in safetensors metadata torch_import pickle dcp; do
+for t in safetensors metadata torch_import pickle dcp xla hf; do
   seeds="$ROOT/fuzz/corpus/${t%%_import}"
   work=$(mktemp -d)
   echo "== fuzz_$t for ${SECONDS_EACH}s (seeds: $seeds) =="

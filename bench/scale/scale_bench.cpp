@@ -378,11 +378,12 @@ json coordination(int64_t n, const std::string& ckpt_path) {
   return j;
 }
 
-// Heap bytes of the shard lists the ShardedTensors handed to a save carry (each holds
-// every rank's ShardMetadata: fsdp.cpp register_sharded_params builds one of `group`
-// entries per parameter, optimizer_state_dict copies it into exp_avg and exp_avg_sq).
-// Not the planner's memory (it reads none of them when FSDP gives its rule), but a rank
-// holds them while it saves.
+// Heap bytes the shard lists of the ShardedTensors handed to a save would take if each
+// held every rank's ShardMetadata, as FSDP's did until they became rule-made
+// (ShardedTensor::from_rule: the list is not built by training, the state dicts or a
+// sharded save; CheckpointScale.SixtyFourRanks... checks that on a real 64-rank save).
+// The figure stays as the cost a list-based tensor would add (explicit EnumerableSpec
+// tensors still carry one).
 int64_t shard_list_bytes(const Setup& s) {
   int64_t total = 0;
   for (const Key& k : s.keys) {
