@@ -329,6 +329,10 @@ SCENARIO("exit_code") {
     std::cout << "grandchild " << p << std::endl;
     if (bad < world) std::ofstream(marker(rank)).put('1');  // the failing rank removes it
   }
+  if (args.arg(3) == "stop") {
+    std::cout << "stopping rank " << rank << std::endl;
+    ::raise(SIGSTOP);  // frozen until the launcher continues it (its TERM then ends it)
+  }
   for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   return 0;
 }

@@ -76,6 +76,21 @@ TEST(Launcher, SigkilledRankStopsTheOthersAndLeavesNoOrphans) {
   for (int pid : grandchildren) EXPECT_TRUE(gone_within(pid, 2000)) << "grandchild " << pid << " survived";
 }
 
+// Ranks frozen by SIGSTOP when another fails: the launcher's TERM is followed by a CONT, so
+// they end at once instead of at the KILL a grace period (30 s here) later.
+TEST(Launcher, StoppedRanksEndAtTheTermNotAfterTheGrace) {
+  auto res = run_ranks(3, {"exit_code", "2", "7", "1500", "stop"}, 120, {}, /*grace_ms=*/30000);
+  EXPECT_EQ(res.launch.exit_code, 7) << res.all_output();
+  EXPECT_EQ(res.launch.failed_rank, 2);
+  for (int r : {0, 1}) EXPECT_NE(res.all_output().find("stopping rank " + std::to_string(r)), std::string::npos);
+  for (auto& st : res.launch.ranks) {
+    if (st.rank == 2) continue;
+    EXPECT_TRUE(st.stopped_by_launcher) << "rank " << st.rank;
+    EXPECT_EQ(st.signal, SIGTERM) << "rank " << st.rank << " was not ended by the TERM";
+  }
+  EXPECT_LT(res.launch.elapsed.count(), 20000) << "the stopped ranks waited for the KILL";
+}
+
 TEST(Launcher, AllSucceedMeansExitZero) {
   auto res = run_ranks(2, {"echo"}, 60);
   EXPECT_EQ(res.launch.exit_code, 0) << res.launch.message;

@@ -570,6 +570,11 @@ RoundEnd supervise(LaunchState& L, RankGroup& g, int round, const std::string& s
   std::optional<Clock::time_point> kill_at, drain_until;
   auto stop_all = [&](Clock::time_point now) {
     g.signal(SIGTERM);
+    // A stopped rank (SIGSTOP, a debugger's or the terminal's stop) would hold its TERM
+    // pending until the KILL a grace period later: continued, it takes the TERM now (as a
+    // shell does for a stopped job). Running ranks ignore the CONT. bench/faults: a
+    // SIGSTOPped rank's teardown took the whole 5 s grace before this.
+    g.signal(SIGCONT);
     kill_at = now + o.grace;
   };
   if (!spawn_error.empty()) {
