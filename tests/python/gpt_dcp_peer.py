@@ -2,8 +2,11 @@
 for test_dcp_import.cpp: random weights, the loss of a batch under them, and those weights
 saved with dcp.save from a model sharded by FSDP2 (fully_shard per block and at the root).
 
-usage (2 ranks: tessera run -n 2 -- python gpt_dcp_peer.py TEXT OUTDIR N_LAYER N_HEAD D_MODEL SEQ_LEN)
+usage (2 ranks: tessera run -n 2 -- python gpt_dcp_peer.py TEXT OUTDIR N_LAYER N_HEAD D_MODEL SEQ_LEN [tessera])
   OUTDIR/dcp/        dcp.save({"model": get_model_state_dict(model)})
+  OUTDIR/tessera/    with "tessera": the same state dict saved through Tessera's DCP storage
+                     writer, dcp.save(..., storage_writer=tessera_ckpt.dcp.Writer(...)): a
+                     Tessera checkpoint that gpt reads as it is (test_dcp_backend.cpp)
   OUTDIR/loss.txt    rank 0: the loss (repr of a float) of gpt's first training window, which
                      for a TEXT repeating one SEQ_LEN-byte pattern is every window
 """
@@ -19,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpt_model import Gpt  # noqa: E402
 
 
-def main(text_path, out, n_layer, n_head, d, seq_len):
+def main(text_path, out, n_layer, n_head, d, seq_len, writer=""):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -43,7 +46,13 @@ def main(text_path, out, n_layer, n_head, d, seq_len):
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(out, "dcp"))
+    state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=os.path.join(out, "dcp"))
+    if writer == "tessera":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+        import tessera_ckpt.dcp
+
+        dcp.save(state, storage_writer=tessera_ckpt.dcp.Writer(os.path.join(out, "tessera")))
     if rank == 0:
         with open(os.path.join(out, "loss.txt"), "w") as f:
             f.write(repr(loss) + "\n")
@@ -53,4 +62,4 @@ def main(text_path, out, n_layer, n_head, d, seq_len):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]))
+    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]), *sys.argv[7:8])
