@@ -16,8 +16,13 @@
 #   bench/faults/run.sh BUILD_DIR
 #     FAULTS_FAILURES (20), FAULTS_GAP (50 steps between failures), FAULTS_CKPT_EVERY (10),
 #     FAULTS_SEED (34), FAULTS_COMM_TIMEOUT (3 s: how long a rank waits for a stopped peer),
-#     FAULTS_MODES ("sync async sync-2nodes"), FAULTS_GRACE (the launcher's --grace, default 5 s as a
-#     user gets it)
+#     FAULTS_MODES ("sync async sync-2nodes sync-long"), FAULTS_GRACE (the launcher's --grace,
+#     default 5 s as a user gets it), FAULTS_LONG_BATCH (256), FAULTS_LONG_FAILURES (6)
+# Mode "sync-long": the same model at a global batch of FAULTS_LONG_BATCH, so that a step
+# takes ~20x longer (a failure per 50 steps is then a failure every ~30 s of training, not
+# every ~2 s) and fewer failures at the same rate: what goodput is when the restart is small
+# against the work between failures, next to its bound (the work a failure loses, about half
+# a checkpoint interval, is a fixed share of the interval between failures at any step time).
 set -euo pipefail
 BUILD=${1:-build}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -30,7 +35,8 @@ SEED=${FAULTS_SEED:-34}
 TIMEOUT=${FAULTS_COMM_TIMEOUT:-3}
 MODES=${FAULTS_MODES:-"sync async sync-2nodes"}
 GRACE=${FAULTS_GRACE:-5}
-STEPS=$((GAP * (FAILURES + 1)))
+LONG_BATCH=${FAULTS_LONG_BATCH:-256}
+LONG_FAILURES=${FAULTS_LONG_FAILURES:-6}
 source "$HERE/../common/run_env.sh"
 bench_run_env faults
 
@@ -51,12 +57,19 @@ echo "faults: gpt process start (gpt --help, best of 3): ${START_S} s"
 reports=()
 for mode in $MODES; do
   extra=()
+  failures=$FAILURES
+  batch=16
   [[ $mode == async ]] && extra=(--async-ckpt)
   [[ $mode == sync-2nodes ]] && extra=(--nodes 2)
-  echo "== faults: $mode checkpoints: $FAILURES failures over $STEPS steps, a checkpoint every $EVERY =="
-  "$PY" "$HERE/chaos.py" --build "$BUILD" --work "$TMP/$mode" --json "$TMP/$mode.json" --steps "$STEPS" \
-    --ckpt-every "$EVERY" --failures "$FAILURES" --gap "$GAP" --signals KILL,SEGV,STOP --seed "$SEED" \
-    --model 4:4:128:64 --batch-size 16 --comm-timeout "$TIMEOUT" --time-limit 3600 \
+  if [[ $mode == sync-long ]]; then
+    failures=$LONG_FAILURES
+    batch=$LONG_BATCH
+  fi
+  steps=$((GAP * (failures + 1)))
+  echo "== faults: $mode checkpoints: $failures failures over $steps steps (global batch $batch), a checkpoint every $EVERY =="
+  "$PY" "$HERE/chaos.py" --build "$BUILD" --work "$TMP/$mode" --json "$TMP/$mode.json" --steps "$steps" \
+    --ckpt-every "$EVERY" --failures "$failures" --gap "$GAP" --signals KILL,SEGV,STOP --seed "$SEED" \
+    --model 4:4:128:64 --batch-size "$batch" --comm-timeout "$TIMEOUT" --time-limit 3600 \
     "--launcher-arg=--grace=$GRACE" "${extra[@]}" || echo "faults: $mode: the driver reported problems (kept in the results)"
   reports+=("$TMP/$mode.json")
 done

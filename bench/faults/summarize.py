@@ -32,6 +32,8 @@ def main():
     for path in a.reports:
         r = json.load(open(path))
         mode = ("async" if r["async_ckpt"] else "sync") + ("-2nodes" if r.get("nodes", 1) > 1 else "")
+        if r["batch_size"] != 16:
+            mode += "-batch%d" % r["batch_size"]
         clean, chaos = r["clean"], r["chaos"]
         fs = [f for f in chaos["failures"] if "first_step_s" in f]
         step_s = clean["wall_s"] / r["steps"]  # includes the clean run's start
@@ -64,6 +66,13 @@ def main():
             "clean_wall_s": r3(clean["wall_s"]),
             "chaos_wall_s": r3(chaos["wall_s"]),
             "goodput_vs_clean": r3(clean["wall_s"] / chaos["wall_s"]) if chaos["wall_s"] else None,
+            # What goodput can be at most with this failure rate and checkpoint interval: the
+            # steps a failure loses are done again, so G <= gap / (gap + lost), restarts free.
+            "gap_steps": round(r["steps"] / (len(chaos["failures"]) + 1), 1),
+            "goodput_bound_from_lost_work": r3(
+                (r["steps"] / (len(chaos["failures"]) + 1)) / (r["steps"] / (len(chaos["failures"]) + 1) + mean(lost)))
+            if lost else None,
+            "batch_size": r["batch_size"],
         })
         # Where a failure's time goes (means over the failures of this mode): detection
         # (signal -> the launcher's report of the failed rank; for SIGSTOP the survivor's
