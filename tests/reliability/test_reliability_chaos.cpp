@@ -103,6 +103,9 @@ struct ChaosMode {
   bool async;
   int nodes;
 };
+void PrintTo(const ChaosMode& m, std::ostream* os) {
+  *os << (m.async ? "async" : "sync") << " checkpoints, " << m.nodes << (m.nodes > 1 ? " nodes" : " node");
+}
 
 class Chaos : public ::testing::TestWithParam<ChaosMode> {
  protected:
