@@ -35,7 +35,7 @@ bool same_plain_kind(const Value& target, const Value& saved) {
 LoadResult load_local(state::StateDict& target, const std::string& path, const LoadOptions& options) {
   check_path_chars(path);  // file_io.h (issue 35 item 4)
   CheckpointMetadata meta = open_checkpoint(path);
-  auto wanted = flatten_values(target);
+  auto wanted = target.flatten();
   LoadResult res;
   std::set<std::string> wanted_keys;
   struct Job {

@@ -30,7 +30,7 @@ namespace tessera::checkpoint {
 void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
   const int rank = comm.rank();
   const std::string what = concat("saving '", path, "'");
-  auto flat = flatten_values(sd);
+  auto flat = sd.flatten();
   TempGuard guard;
   std::string err, save_id;
   if (rank == 0) {

@@ -165,7 +165,7 @@ class FullSave {
         path_(path),
         rank_(comm.rank()),
         what_(concat("saving '", path, "'")),
-        flat_(flatten_values(sd)) {}
+        flat_(sd.flatten()) {}
 
   void describe_and_agree();  // 1. every rank describes what it saves; all compare
   void create_file();         // 2. rank 0 creates the file; all learn its layout

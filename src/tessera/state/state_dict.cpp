@@ -76,16 +76,32 @@ StateDict& StateDict::dict(const std::string& key) {
   return const_cast<StateDict&>(static_cast<const StateDict&>(*this).dict(key));
 }
 
-std::vector<std::pair<std::string, const Value*>> StateDict::flatten() const {
-  std::vector<std::pair<std::string, const Value*>> out;
-  for (size_t i = 0; i < keys_.size(); ++i) {
-    const Value& v = values_[index_.at(keys_[i])];
-    if (auto d = std::get_if<std::shared_ptr<StateDict>>(&v); d && *d) {
-      for (auto& [k, p] : (*d)->flatten()) out.emplace_back(keys_[i] + "." + k, p);
+namespace {
+
+template <typename SD, typename V>
+void flatten_into(SD& sd, const std::string& prefix, std::vector<std::pair<std::string, V*>>& out) {
+  for (const auto& k : sd.keys()) {
+    auto& v = sd.at(k);
+    const std::string fqn = prefix.empty() ? k : prefix + "." + k;
+    if (auto d = std::get_if<std::shared_ptr<StateDict>>(&v); d && *d && !(*d)->empty()) {
+      flatten_into<SD, V>(**d, fqn, out);
     } else {
-      out.emplace_back(keys_[i], &v);
+      out.emplace_back(fqn, &v);
     }
   }
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, const Value*>> StateDict::flatten() const {
+  std::vector<std::pair<std::string, const Value*>> out;
+  flatten_into<const StateDict, const Value>(*this, "", out);
+  return out;
+}
+
+std::vector<std::pair<std::string, Value*>> StateDict::flatten() {
+  std::vector<std::pair<std::string, Value*>> out;
+  flatten_into<StateDict, Value>(*this, "", out);
   return out;
 }
 

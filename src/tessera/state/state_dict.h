@@ -56,8 +56,12 @@ class StateDict {
   const StateDict& dict(const std::string& key) const;
   StateDict& dict(const std::string& key);
 
-  // Every (key, value) with nested dicts flattened to "outer.inner" keys.
+  // Every (key, value) in order, nested dicts flattened to "outer.inner" keys; an empty
+  // nested dict stays an entry of its own (a checkpoint saves it, a load target asks for
+  // it). What the checkpoint layer saves and loads by.
   std::vector<std::pair<std::string, const Value*>> flatten() const;
+  // The same, with the values mutable (a load's target).
+  std::vector<std::pair<std::string, Value*>> flatten();
 
   // Range-for over (key, value) in order.
   template <typename F>

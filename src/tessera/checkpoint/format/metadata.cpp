@@ -126,19 +126,6 @@ state::Value value_from_json(const json& j, const std::string& what) {
   throw Error(concat(what, ": unknown value kind '", k, "'"));
 }
 
-template <typename SD, typename V>
-void flatten_into(SD& sd, const std::string& prefix, std::vector<std::pair<std::string, V*>>& out) {
-  for (const auto& k : sd.keys()) {
-    auto& v = sd.at(k);
-    const std::string fqn = prefix.empty() ? k : prefix + "." + k;
-    if (auto d = std::get_if<std::shared_ptr<state::StateDict>>(&v); d && *d && !(*d)->empty()) {
-      flatten_into<SD, V>(**d, fqn, out);
-    } else {
-      out.emplace_back(fqn, &v);
-    }
-  }
-}
-
 uint64_t get_u64(const json& j, const std::string& what) {
   TESSERA_CHECK(j.is_number_unsigned(), what, ": expected a non-negative integer, got ", j.dump());
   return j.get<uint64_t>();
@@ -257,16 +244,6 @@ state::Value decode_value(const std::string& text, const std::string& what) {
   return value_from_json(parse_json_strict(text, what), what);
 }
 
-std::vector<std::pair<std::string, const state::Value*>> flatten_values(const state::StateDict& sd) {
-  std::vector<std::pair<std::string, const state::Value*>> out;
-  flatten_into<const state::StateDict, const state::Value>(sd, "", out);
-  return out;
-}
-std::vector<std::pair<std::string, state::Value*>> flatten_values(state::StateDict& sd) {
-  std::vector<std::pair<std::string, state::Value*>> out;
-  flatten_into<state::StateDict, state::Value>(sd, "", out);
-  return out;
-}
 
 void check_plain_name(const std::string& name, const std::string& what) {
   TESSERA_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&

@@ -101,10 +101,5 @@ void check_tiling(const std::string& fqn, const EntryInfo& e);
 std::string piece_name(const std::string& fqn, const sharding::Layout& layout, const std::vector<int64_t>& shape,
                        int64_t i);
 
-// Flattens a StateDict into (FQN, value) pairs like StateDict::flatten, keeping empty
-// nested dicts as entries.
-std::vector<std::pair<std::string, const state::Value*>> flatten_values(const state::StateDict& sd);
-// Mutable variant (targets of a load).
-std::vector<std::pair<std::string, state::Value*>> flatten_values(state::StateDict& sd);
 
 }  // namespace tessera::checkpoint
