@@ -298,7 +298,6 @@ void FsdpParamGroup::finish_reduce() {
   wait_for_reduce_scatter();
   at::Tensor piece = std::move(rs_piece_);  // leaves rs_piece_ undefined
   if (st.replicate_comm()->size() > 1) st.replicate_comm()->all_reduce(piece, distributed::ReduceOp::Avg);
-  const int s = st.shard_comm()->rank();
   for (auto& P : params) {
     const int64_t n = P->local_rows * P->row_numel;
     P->new_grad =

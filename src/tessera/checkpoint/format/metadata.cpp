@@ -208,7 +208,7 @@ class StrictDom : public nlohmann::json_sax<json> {
   }
   bool open(json&& v, bool object) {
     json* p = place_value(std::move(v));
-    stack_.push_back({p, object});
+    stack_.push_back({p, object, nullptr, {}});
     return true;
   }
   bool close() {
