@@ -1,6 +1,7 @@
 // Reading checkpoints of every kind through one description (CheckpointMetadata):
-// open_checkpoint() recognises a sharded directory, a safetensors file (Tessera's
-// consolidated format or anyone's) and a torch.save'd dict of tensors; ChunkReader
+// open_checkpoint() recognises a sharded directory, a Hugging Face model directory
+// (interop/hf_dir.h), a safetensors file (Tessera's consolidated format or anyone's) and a
+// torch.save'd dict of tensors; ChunkReader
 // reads the part of a chunk a caller needs with pread, verifying the checksum blocks
 // it reads.
 #pragma once
@@ -21,8 +22,9 @@
 
 namespace tessera::checkpoint {
 
-// Opens and validates the metadata at `path`. A missing directory whose previous
-// version was left aside by an interrupted commit is read from there.
+// Opens and validates the metadata at `path` (a Hugging Face directory: its index and shard
+// headers, checked against each other). A missing directory whose previous version was
+// left aside by an interrupted commit is read from there.
 CheckpointMetadata open_checkpoint(const std::string& path);
 
 // Whether `path` holds something Tessera wrote (a directory with metadata, or a
