@@ -260,7 +260,8 @@ TEST(HfDir, ARankReadsOnlyItsRows) {
 }
 
 // The Python package on the same directories (tests/python/tessera_ckpt_hf_check.py): the
-// same tensors, the same refusals with the same words, and `python -m tessera_ckpt verify`.
+// same tensors, the same refusals with the same words, `python -m tessera_ckpt verify`, and
+// (torch 2.x) DCP's dcp.load through the package's storage reader.
 TEST(PythonPackageHfDir, ReadsLibraryWrittenDirectoriesAndRefusesBrokenOnes) {
   std::string root;
   const json man = write_fixtures(&root);
@@ -271,4 +272,6 @@ TEST(PythonPackageHfDir, ReadsLibraryWrittenDirectoriesAndRefusesBrokenOnes) {
   EXPECT_EQ(rc, 0) << out;
   EXPECT_CONTAINS(out, "ok tessera_ckpt_hf_check: " + std::to_string(man["ok"].size() + 1) + " directories, " +
                            std::to_string(man["bad"].size()) + " refusals");
+  // With torch 2.x, DCP's own dcp.load reads every good directory through tessera_ckpt.dcp.Reader.
+  if (TESSERA_PYTHON_HAS_DCP) EXPECT_CONTAINS(out, ", " + std::to_string(man["ok"].size()) + " through dcp.load");
 }

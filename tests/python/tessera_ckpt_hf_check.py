@@ -10,7 +10,8 @@ inspect() and verify() against the reference file read by safetensors.torch.load
 tensor bit for bit; the keys are the union of what the shards hold (each read by the safetensors
 library too). For every broken one: load, inspect, verify and Checkpoint each raise
 CheckpointError holding every substring the manifest gives (the tensor and the file at fault),
-and `python -m tessera_ckpt verify` exits 1 saying CORRUPT. --consolidated FILE: `tessera ckpt
+and `python -m tessera_ckpt verify` exits 1 saying CORRUPT. With torch 2.x, each good directory
+is also loaded by DCP's own `dcp.load` through tessera_ckpt.dcp.Reader. --consolidated FILE: `tessera ckpt
 consolidate` of ok/hub, which must hold the reference's tensors and be Tessera's consolidated
 format. Prints "ok tessera_ckpt_hf_check: N directories, M refusals".
 """
@@ -51,11 +52,17 @@ def refused(fn, want, what):
     raise AssertionError(f"{what}: no error")
 
 
+try:  # torch 2.x: the DCP storage backend reads the same directories
+    import torch.distributed.checkpoint  # noqa: E402
+    from tessera_ckpt.dcp import Reader as dcp_reader  # noqa: E402
+except ImportError:
+    dcp_reader = None
+
 fixtures = sys.argv[1]
 with open(os.path.join(fixtures, "manifest.json")) as f:
     manifest = json.load(f)
 ref = load_file(manifest["reference"])
-dirs = refusals = 0
+dirs = refusals = dcp_loads = 0
 for d in manifest["ok"]:
     # What the shards hold, through the safetensors library.
     shards = {}
@@ -95,6 +102,14 @@ for d in manifest["ok"]:
                          env=dict(os.environ, PYTHONPATH=PYTHON_DIR))
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"OK: {d}: " in out.stdout and f"bytes read ({_hf.VERIFY_CHECKED})" in out.stdout, out.stdout
+    if dcp_reader is not None:
+        # DCP's own load through tessera_ckpt.dcp.Reader, into a state dict of the reference's
+        # shapes filled with another value (no process group: one process).
+        into = {k: torch.full_like(t, 7) for k, t in ref.items()}
+        torch.distributed.checkpoint.load(into, storage_reader=dcp_reader(d), no_dist=True)
+        for k, t in into.items():
+            same(t, ref[k], f"{d} {k} (dcp.load)")
+        dcp_loads += 1
     dirs += 1
 
 rows = manifest["rows"]
@@ -129,4 +144,5 @@ if "--consolidated" in sys.argv:
     r = tessera_ckpt.verify(path)
     assert r["checksummed"] and r["kind"] == "consolidated", r
 
-print(f"ok tessera_ckpt_hf_check: {dirs} directories, {refusals} refusals")
+print(f"ok tessera_ckpt_hf_check: {dirs} directories, {refusals} refusals"
+      + (f", {dcp_loads} through dcp.load" if dcp_reader is not None else ""))

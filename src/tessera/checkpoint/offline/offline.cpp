@@ -128,8 +128,8 @@ int64_t split_dim(const EntryInfo& e) {
   return 0;
 }
 
-// Reads every byte of chunk `c`, which has no checksums (a Hugging Face shard): what this
-// finds is a read error or a file shorter than its header says.
+// Reads every byte of chunk `c`, which has no checksums (a foreign safetensors file or a
+// Hugging Face shard): what this finds is a read error or a file shorter than its header says.
 void read_through(ChunkReader& reader, const ChunkInfo& c, std::vector<char>& buf) {
   const File& f = reader.reader(c.file).file();
   const uint64_t window = 32u << 20;
@@ -315,7 +315,7 @@ VerifyReport verify(const std::string& path) {
         if (rep.has_checksums && c.crcs.empty() && c.end > c.begin)
           throw Error(concat("key '", k, "' chunk ", c.box.to_string(), ": no checksum recorded"));
         reader.verify_chunk(k, e, c);
-        if (m.source_kind == "hf" && c.crcs.empty()) read_through(reader, c, through);
+        if (c.crcs.empty() && !c.memory.defined() && c.end > c.begin) read_through(reader, c, through);
         rep.chunks_checked++;
         rep.bytes_checked += c.end - c.begin;
       } catch (const ResourceError&) {
