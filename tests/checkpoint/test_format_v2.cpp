@@ -1,10 +1,12 @@
 // Format version 2 (docs/checkpoint-format.md §3) and version-1 compatibility: the v1
 // checkpoints committed under tests/checkpoint/fixtures/v1 (written by the version-1 writer)
 // read exactly as their consolidated copy; a v2 directory's data files are tied to their
-// save and rank; the metadata of a regular layout does not grow with the world size; and
-// a writer refuses metadata a reader would refuse before it commits anything.
+// save and rank; the metadata of a regular layout does not grow with the world size; lists of
+// 100,000 pieces are checked for overlaps by a sweep; and a writer refuses metadata a reader
+// would refuse before it commits anything.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
 
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
@@ -141,6 +143,57 @@ TEST(FormatV2, MetadataOfAFlatLayoutDoesNotGrowWithTheWorldSize) {
   EXPECT_LE(large.size(), small.size() + 4 * 4) << "only the digits of the piece counts and the world size may grow";
   const auto back = ck::parse_metadata(large, "/nowhere");
   EXPECT_EQ(back.entries.at("w0").layout->pieces, 16384);
+}
+
+// Irregular layouts of 100,000 pieces (a version-1 chunk list, a version-2 list layout read
+// back from its metadata text, as `tessera ckpt inspect` reads it): checked for overlaps by a
+// sweep (sharding::first_overlap), not every pair (5 billion), and an overlap among them is
+// named by its first pair in the list.
+TEST(FormatV2, ListsOfAHundredThousandPiecesAreCheckedBySweep) {
+  const int64_t n = 100000;
+  ck::EntryInfo e;
+  e.kind = "sharded";
+  e.shape = {2 * n, 4};
+  sharding::Layout L;
+  L.rule = sharding::Layout::Rule::List;
+  for (int64_t i = 0; i < n; ++i) {
+    ck::ChunkInfo c;
+    c.box = sharding::Box{{2 * i, 0}, {2, 4}};
+    e.chunks.push_back(c);
+    L.list.push_back({i % 64, c.box});
+  }
+  auto text_of = [&](const sharding::Layout& layout) {
+    ck::CheckpointMetadata m;
+    m.world_size = 64;
+    m.crc_block = 4194304;
+    m.save_id = "0123456789abcdef";
+    ck::EntryInfo v2 = e;
+    v2.chunks.clear();
+    v2.layout = layout;
+    m.keys.push_back("w");
+    m.entries.emplace("w", v2);
+    return ck::to_json(m);
+  };
+  const std::string good = text_of(L);
+  // Every pair of 100,000 pieces, 5 billion box intersections twice, would not end within the
+  // suite's per-test timeout; the sweep takes well under a second (no timing asserted here).
+  EXPECT_NO_THROW(ck::check_tiling("w", e));
+  EXPECT_EQ(ck::parse_metadata(good, "/nowhere").entries.at("w").layout->list.size(), static_cast<size_t>(n));
+  // Piece 70,000 moved up a row overlaps piece 69,999; the last one, at [1:3, 0:4], overlaps
+  // pieces 0 and 1 (met first by the sweep, which goes along the rows), later in the list.
+  for (sharding::Box* b : {&e.chunks[70000].box, &L.list[70000].box}) b->offsets[0] -= 1;
+  for (sharding::Box* b : {&e.chunks[n - 1].box, &L.list[n - 1].box}) *b = sharding::Box{{1, 0}, {2, 4}};
+  EXPECT_EQ(error_of([&] { ck::check_tiling("w", e); }),
+            "key 'w': chunks [139998:140000, 0:4] and [139999:140001, 0:4] overlap");
+  EXPECT_CONTAINS(error_of([&] { ck::parse_metadata(text_of(L), "/nowhere"); }),
+                  "pieces [139998:140000, 0:4] and [139999:140001, 0:4] overlap");
+  // A chunk outside the shape after an overlap: the overlap, as a chunk-by-chunk check meets it.
+  e.chunks[80000].box.offsets[1] = 1;
+  EXPECT_EQ(error_of([&] { ck::check_tiling("w", e); }),
+            "key 'w': chunks [139998:140000, 0:4] and [139999:140001, 0:4] overlap");
+  e.chunks[70000].box.offsets[0] += 1;
+  EXPECT_EQ(error_of([&] { ck::check_tiling("w", e); }),
+            "key 'w': chunk [160000:160002, 1:5] lies outside the shape [0:200000, 0:4]");
 }
 
 TEST(FormatV2, AWriterRefusesMetadataAReaderWouldRefuseAndKeepsThePreviousCheckpoint) {

@@ -13,11 +13,13 @@ with two pieces in one file (FQN@k); load / get / get(rows=...) / inspect / veri
 `python -m tessera_ckpt` equal the full tensors and values; only the data files holding what is
 read are opened (none for plain values); a slice of a tensor saved at 16,384 ranks opens only
 its pieces' files and evaluates O(log P) cuts per piece; the rule functions against brute
-force; then damaged copies, each refused naming the file (and key): another save's or rank's
-data file, a missing or extra piece, a piece of the wrong shape or dtype, bad rule and `files`
-parameters, metadata with a flipped byte or edited and re-checksummed, flipped data and header
-bytes, a missing data file. --v1: a version-1 sharded checkpoint must still read, tensor for
-tensor and value for value, as its consolidated file does.
+force; check_tiling's overlap sweep against every pair, and lists of 100,000 pieces checked
+quickly with the first overlapping pair named; then damaged copies, each refused naming the
+file (and key): another save's or rank's data file, a missing or extra piece, a piece of the
+wrong shape or dtype, bad rule and `files` parameters, metadata with a flipped byte or edited
+and re-checksummed, flipped data and header bytes, a missing data file. --v1: a version-1
+sharded checkpoint must still read, tensor for tensor and value for value, as its consolidated
+file does.
 Prints "ok tessera_ckpt_v2_check: N checks, M refusals" on success; exits non-zero otherwise.
 """
 import json
@@ -28,6 +30,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 
 PKG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")
 sys.path.insert(0, PKG)
@@ -511,6 +514,77 @@ def check_rules():
         _format.flat_row_cut = real
 
 
+def check_overlaps():
+    """check_tiling's overlap check (_format.first_overlap, a sweep) names the pair a check of
+    every pair names, on random tilings of 1 to 4 dimensions (a box cut again and again, shuffled)
+    with boxes moved by one; lists of 100,000 pieces (cut along one dimension, and a 250 x 400
+    grid in random order) pass quickly (every pair: 5 billion comparisons), and an overlap
+    among them is named by its first pair in the list, before a later piece outside the shape."""
+    rng = random.Random(7)
+
+    def box(offsets, sizes):
+        return _format.Chunk(list(offsets), list(sizes), 0, None, 0, 0, [])
+
+    def every_pair(v):
+        for j, b in enumerate(v):
+            for i in range(j):
+                a = v[i]
+                if numel(a.sizes) and numel(b.sizes) and all(
+                        max(p, q) < min(p + s, q + z) for p, s, q, z in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                    return i, j
+        return None
+
+    for trial in range(1500):
+        nd = rng.choice([0, 1, 2, 2, 3, 4])
+        ext = rng.choice([3, 6, 20, 60])
+        v = [box([0] * nd, [ext] * nd)]
+        for _ in range(rng.randint(0, 60) if nd else 0):
+            k, d = rng.randrange(len(v)), rng.randrange(nd)
+            if v[k].sizes[d] < 2:
+                continue
+            cut = rng.randint(1, v[k].sizes[d] - 1)
+            rest = box(v[k].offsets, v[k].sizes)
+            v[k].sizes[d] = cut
+            rest.offsets[d] += cut
+            rest.sizes[d] -= cut
+            v.append(rest)
+        rng.shuffle(v)
+        for _ in range(rng.randint(0, 2) if nd else 0):
+            b, d = rng.choice(v), rng.randrange(nd)
+            b.offsets[d] = max(0, b.offsets[d] + rng.choice([-1, 1]))
+        if rng.random() < 0.3:
+            extra = box([rng.randrange(ext) for _ in range(nd)], [rng.randint(0, 2) for _ in range(nd)])
+            v.insert(rng.randint(0, len(v)), extra)
+        got, want = _format.first_overlap(v), every_pair(v)
+        check(got == want, f"first_overlap {[(b.offsets, b.sizes) for b in v]} = {got}, every pair: {want}")
+
+    n = 100000
+    rows = [box([2 * i, 0], [2, 4]) for i in range(n)]
+    grid = [box([2 * r, 3 * c], [2, 3]) for r in range(250) for c in range(400)]
+    rng.shuffle(grid)
+    w, g = _format.Entry("sharded", "F32", [2 * n, 4]), _format.Entry("sharded", "F32", [500, 1200])
+    t0 = time.monotonic()
+    _format.check_tiling("w", w, "m", rows, "piece")
+    _format.check_tiling("g", g, "m", grid, "piece")
+    check(time.monotonic() - t0 < 60, f"two lists of 100,000 pieces checked in {time.monotonic() - t0:.1f} s")
+    # piece 70,000 moved up a row overlaps piece 69,999; the last piece, at [1:3, 0:4], overlaps
+    # pieces 0 and 1 (the sweep's first meeting), later in the list; piece 80,000 lies outside
+    rows[70000].offsets[0] -= 1
+    rows[n - 1] = box([1, 0], [2, 4])
+    rows[80000].offsets[1] = 1
+    expect_error(lambda: _format.check_tiling("w", w, "m", rows, "piece"),
+                 ["m: key 'w': pieces [139998:140000, 0:4] and [139999:140001, 0:4] overlap"],
+                 "100,000 pieces, overlap")
+    rows[70000].offsets[0] += 1
+    expect_error(lambda: _format.check_tiling("w", w, "m", rows, "piece"),
+                 ["m: key 'w': piece [160000:160002, 1:5] lies outside the shape [200000, 4]"],
+                 "100,000 pieces, outside")
+    b20, b30 = grid[20], grid[30]
+    grid[60000], grid[500] = box(b20.offsets, b20.sizes), box(b30.offsets, b30.sizes)
+    expect_error(lambda: _format.check_tiling("g", g, "m", grid, "piece"),
+                 [f"m: key 'g': pieces {b30.box()} and {b30.box()} overlap"], "grid of 100,000 pieces, overlap")
+
+
 def check_huge_world(tmp):
     """World size 16,384, one tensor cut over every rank: only the data files of the pieces
     read exist, and reading a slice (or a value) needs no other."""
@@ -820,6 +894,7 @@ def main():
         print(__doc__, file=sys.stderr)
         return 2
     check_rules()
+    check_overlaps()
     with tempfile.TemporaryDirectory(prefix="tessera-v2-") as tmp:
         src = os.path.join(tmp, "main")
         items, stored = build_main(src)

@@ -1,6 +1,7 @@
 // Layouts as rules (sharding/layout.h): the pieces every rule makes tile the shape, FSDP's
 // row-aligned cut as flat_rows gives it equals the unit-wide cut FSDP computes, and
-// overlapping() finds exactly the pieces a brute-force scan finds, in O(log P) steps.
+// overlapping() finds exactly the pieces a brute-force scan finds, in O(log P) steps; a
+// list of 100,000 pieces is checked for overlaps by a sweep, not every pair.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -167,4 +168,66 @@ TEST(Layout, HybridFileMapSpreadsPiecesOverTheReplicaGroups) {
   EXPECT_EQ(f.file(1), 1);
   EXPECT_EQ(f.file(2), 6);
   EXPECT_EQ(f.file(3), 3);
+}
+
+namespace {
+
+std::string validate_error(const Layout& L, const std::vector<int64_t>& shape, int64_t world, const std::string& what) {
+  try {
+    L.validate(shape, world, what);
+  } catch (const tessera::Error& e) {
+    return e.what();
+  }
+  return std::string();
+}
+
+}  // namespace
+
+// A list layout (an irregular one: DCP's, say) of 100,000 pieces, cut along one dimension or
+// a 250 x 400 grid listed in random order: validated by first_overlap's sweep, not by
+// comparing every pair (5 billion of them), and an overlap among the pieces is named by its
+// first pair as a piece-by-piece check meets it (not the pair the sweep happens to meet first).
+TEST(Layout, ListOfAHundredThousandPiecesIsCheckedBySweep) {
+  const int64_t n = 100000;
+  const std::vector<int64_t> rows_shape{2 * n, 4}, grid_shape{500, 1200};
+  Layout rows, grid;
+  rows.rule = grid.rule = Layout::Rule::List;
+  for (int64_t i = 0; i < n; ++i) rows.list.push_back({i % 64, Box{{2 * i, 0}, {2, 4}}});
+  for (int64_t r = 0; r < 250; ++r)
+    for (int64_t c = 0; c < 400; ++c) grid.list.push_back({(r + c) % 64, Box{{2 * r, 3 * c}, {2, 3}}});
+  std::mt19937_64 rng(5);
+  std::shuffle(grid.list.begin(), grid.list.end(), rng);
+  // (No timing here: comparing every pair, 10 billion box intersections, would not end
+  // within the suite's per-test timeout; the sweep takes well under a second.)
+  EXPECT_EQ(validate_error(rows, rows_shape, 64, "key 'w'"), "");
+  EXPECT_EQ(validate_error(grid, grid_shape, 64, "key 'g'"), "");
+
+  // Piece 70,000 moved up a row overlaps piece 69,999; the last piece, moved to [1:3, 0:4],
+  // overlaps pieces 0 and 1, the sweep's first meeting, but later in the list.
+  rows.list[70000].box.offsets[0] -= 1;
+  rows.list[n - 1].box = Box{{1, 0}, {2, 4}};
+  EXPECT_EQ(validate_error(rows, rows_shape, 64, "key 'w'"),
+            "key 'w': pieces [139998:140000, 0:4] and [139999:140001, 0:4] overlap");
+  // In the grid: piece 60,000 put on piece 20, and piece 500 on piece 30.
+  const Box b20 = grid.list[20].box, b30 = grid.list[30].box;
+  grid.list[60000].box = b20;
+  grid.list[500].box = b30;
+  EXPECT_EQ(validate_error(grid, grid_shape, 64, "key 'g'"),
+            "key 'g': pieces " + b30.to_string() + " and " + b30.to_string() + " overlap");
+}
+
+// As a piece-by-piece check reports them: an overlap before a malformed piece first, a
+// malformed piece before a later overlap.
+TEST(Layout, ListErrorsComeInTheOrderOfThePieces) {
+  const std::vector<int64_t> shape{8};
+  Layout L;
+  L.rule = Layout::Rule::List;
+  L.list = {{0, Box{{0}, {4}}}, {0, Box{{2}, {4}}}, {0, Box{{6}, {4}}}};
+  EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"), "key 'v': pieces [0:4] and [2:6] overlap");
+  std::swap(L.list[1], L.list[2]);
+  EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"), "key 'v': piece [6:10] lies outside the shape [0:8]");
+  L.list = {{0, Box{{0}, {4}}}, {0, Box{{3}, {1}}}, {3, Box{{4}, {4}}}};
+  EXPECT_EQ(validate_error(L, shape, 2, "key 'v'"), "key 'v': pieces [0:4] and [3:4] overlap");
+  L.list = {{0, Box{{0}, {4}}}, {0, Box{{4}, {0}}}, {0, Box{{4}, {0}}}, {0, Box{{4}, {4}}}};
+  EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"), "") << "empty pieces overlap nothing";
 }

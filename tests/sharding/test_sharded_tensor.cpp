@@ -3,6 +3,11 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <limits>
+#include <optional>
+#include <random>
+#include <utility>
+
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/sharding/sharded_tensor.h"
@@ -211,4 +216,98 @@ TEST(ShardingSpec, ValidatesSixteenThousandShardsAlongAnyDimension) {
   cols[9000].box.offsets[1] -= 1;
   EXPECT_CONTAINS(error_of([&] { validate_shards(cols, {8, 2 * n}); }),
                   "shard 9000 [0:8, 17999:18001] on rank:9000/cpu overlaps shard 8999 [0:8, 17998:18000]");
+}
+
+namespace {
+
+// The first overlapping pair as a box-by-box check meets it: every pair, the smallest later
+// box first.
+std::optional<std::pair<size_t, size_t>> every_pair(const std::vector<Box>& v) {
+  for (size_t j = 0; j < v.size(); ++j)
+    for (size_t i = 0; i < j; ++i)
+      if (!v[i].empty() && !v[j].empty() && intersect(v[i], v[j])) return std::make_pair(i, j);
+  return std::nullopt;
+}
+
+std::optional<std::pair<size_t, size_t>> swept(const std::vector<Box>& v) {
+  return first_overlap(v.size(), [&](size_t i) -> const Box& { return v[i]; });
+}
+
+}  // namespace
+
+// first_overlap (the overlap check of validate_shards, list layouts and version-1 chunk lists)
+// names the pair a check of every pair names, on boxes of 0 to 4 dimensions: random boxes, and
+// random tilings (a box cut again and again along random dimensions, shuffled), some moved
+// by one or with a box added.
+TEST(ShardingSpec, FirstOverlapNamesThePairEveryPairWouldName) {
+  std::mt19937_64 rng(29);
+  auto R = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int trial = 0; trial < 4000; ++trial) {
+    const size_t nd = static_cast<size_t>(std::vector<int64_t>{0, 1, 1, 2, 2, 2, 3, 3, 4}[R(0, 8)]);
+    const int64_t ext = std::vector<int64_t>{3, 6, 20, 60}[R(0, 3)];
+    std::vector<Box> v;
+    if (nd > 0 && R(0, 1)) {
+      v.push_back(Box{std::vector<int64_t>(nd, 0), std::vector<int64_t>(nd, ext)});
+      for (int64_t s = R(0, 120); s > 0; --s) {
+        const size_t k = static_cast<size_t>(R(0, static_cast<int64_t>(v.size()) - 1));
+        const size_t d = static_cast<size_t>(R(0, static_cast<int64_t>(nd) - 1));
+        if (v[k].sizes[d] < 2) continue;
+        Box rest = v[k];
+        const int64_t cut = R(1, v[k].sizes[d] - 1);
+        v[k].sizes[d] = cut;
+        rest.offsets[d] += cut;
+        rest.sizes[d] -= cut;
+        v.push_back(rest);
+      }
+      std::shuffle(v.begin(), v.end(), rng);
+      for (int64_t m = R(0, 2); m > 0; --m) {
+        Box& b = v[static_cast<size_t>(R(0, static_cast<int64_t>(v.size()) - 1))];
+        const size_t d = static_cast<size_t>(R(0, static_cast<int64_t>(nd) - 1));
+        b.offsets[d] = std::max<int64_t>(0, b.offsets[d] + (R(0, 1) ? 1 : -1));
+      }
+      if (R(0, 3) == 0) {
+        Box b;
+        for (size_t d = 0; d < nd; ++d) b.offsets.push_back(R(0, ext - 1)), b.sizes.push_back(R(0, 2));
+        v.insert(v.begin() + R(0, static_cast<int64_t>(v.size())), b);
+      }
+    } else {
+      for (int64_t k = R(0, 14); k > 0; --k) {
+        Box b;
+        for (size_t d = 0; d < nd; ++d) b.offsets.push_back(R(0, ext - 1)), b.sizes.push_back(R(0, ext / 2));
+        v.push_back(b);
+      }
+    }
+    ASSERT_EQ(swept(v), every_pair(v)) << "trial " << trial;
+  }
+  // Ends past 2^63 - 1 do not wrap.
+  const int64_t top = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(swept({Box{{top - 4}, {4}}, Box{{top - 2}, {2}}}), std::make_optional(std::make_pair(size_t{0}, size_t{1})));
+  EXPECT_EQ(swept({Box{{0, top - 1}, {1, 1}}, Box{{0, top - 2}, {1, 1}}}), std::nullopt);
+  EXPECT_EQ(swept({Box{{top}, {top}}, Box{{0}, {top}}}), std::nullopt);
+  // Boxes it cannot compare are an error, not a guess.
+  EXPECT_CONTAINS(error_of([] { swept({Box{{0}, {2}}, Box{{0, 0}, {2, 2}}}); }), "does not have the rank 1");
+  EXPECT_CONTAINS(error_of([] { swept({Box{{0}, {2}}, Box{{-1}, {2}}}); }), "negative offset or size");
+}
+
+// A 3-dimensional grid of 64,000 shards (40 x 40 x 40) and 100,000 shards along one
+// dimension listed in reverse: valid, quickly; the first overlapping pair in the list named
+// (not the first the sweep meets: in reverse, shards 89 and 90 come before 49 and 50).
+TEST(ShardingSpec, ValidatesGridsOfShardsAndNamesTheFirstOverlap) {
+  std::vector<ShardMetadata> grid, rows;
+  for (int64_t a = 0; a < 40; ++a)
+    for (int64_t b = 0; b < 40; ++b)
+      for (int64_t c = 0; c < 40; ++c) grid.push_back(shard({a, 2 * b, 3 * c}, {1, 2, 3}, static_cast<int>(grid.size())));
+  for (int64_t i = 99999; i >= 0; --i) rows.push_back(shard({3 * i, 0}, {3, 2}, static_cast<int>(rows.size())));
+  EXPECT_NO_THROW(validate_shards(grid, {40, 80, 120}));
+  EXPECT_NO_THROW(validate_shards(rows, {300000, 2}));
+  rows[50].box.offsets[0] += 1;
+  rows[90].box.offsets[0] += 2;
+  EXPECT_CONTAINS(error_of([&] { validate_shards(rows, {300000, 2}); }),
+                  "shard 50 [299848:299851, 0:2] on rank:50/cpu overlaps shard 49 [299850:299853, 0:2] on rank:49/cpu "
+                  "in [299850:299851, 0:2]");
+  grid[63999].box = grid[1].box;
+  grid[40000].box.offsets[2] += 1;
+  EXPECT_CONTAINS(error_of([&] { validate_shards(grid, {40, 80, 120}); }),
+                  "shard 40001 [25:26, 0:2, 3:6] on rank:40001/cpu overlaps shard 40000 [25:26, 0:2, 1:4] on "
+                  "rank:40000/cpu in [25:26, 0:2, 3:4]");
 }

@@ -5,6 +5,7 @@
 
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
+#include "tessera/sharding/spec.h"
 
 namespace tessera::sharding {
 
@@ -167,24 +168,31 @@ void Layout::validate(const std::vector<int64_t>& shape, int64_t world_size, con
       check_file(file, "the whole tensor");
       return;
     case Rule::List: {
-      TESSERA_CHECK(static_cast<int64_t>(list.size()) <= kMaxPieces * 64, what, ": ", list.size(), " pieces");
+      TESSERA_CHECK(static_cast<int64_t>(list.size()) <= kMaxPieces * 64, what, ": a list layout of ", list.size(),
+                    " pieces, more than the limit of ", kMaxPieces * 64, " (2^26)");
       const Box whole = full_box(shape);
-      std::vector<const LayoutPiece*> nonempty;
+      // No two of the pieces below `limit` overlap (first_overlap's sweep, not every pair).
+      auto check_overlap = [&](size_t limit) {
+        const auto o = first_overlap(limit, [&](size_t i) -> const Box& { return list[i].box; });
+        TESSERA_CHECK(!o, what, ": pieces ", list[o->first].box.to_string(), " and ", list[o->second].box.to_string(),
+                      " overlap");
+      };
       Wide volume = 0;
       for (size_t i = 0; i < list.size(); ++i) {
         const LayoutPiece& p = list[i];
-        check_file(p.file, concat("piece ", i));
-        TESSERA_CHECK(p.box.offsets.size() == shape.size() && p.box.sizes.size() == shape.size(), what, ": piece ", i,
-                      " has the wrong number of dimensions for shape of rank ", shape.size());
-        TESSERA_CHECK(inside_shape(shape, p.box), what, ": piece ", p.box.to_string(), " lies outside the shape ",
-                      whole.to_string());
-        if (p.box.empty()) continue;
-        for (auto* o : nonempty)
-          TESSERA_CHECK(!intersect(o->box, p.box), what, ": pieces ", o->box.to_string(), " and ", p.box.to_string(),
-                        " overlap");
-        nonempty.push_back(&p);
+        try {
+          check_file(p.file, concat("piece ", i));
+          TESSERA_CHECK(p.box.offsets.size() == shape.size() && p.box.sizes.size() == shape.size(), what, ": piece ",
+                        i, " has the wrong number of dimensions for shape of rank ", shape.size());
+          TESSERA_CHECK(inside_shape(shape, p.box), what, ": piece ", p.box.to_string(), " lies outside the shape ",
+                        whole.to_string());
+        } catch (const Error&) {
+          check_overlap(i);  // an overlap before the bad piece is named first, as a piece-by-piece check does
+          throw;
+        }
         volume += p.box.numel();
       }
+      check_overlap(list.size());
       TESSERA_CHECK(volume == n, what, ": the pieces cover ", static_cast<int64_t>(volume), " of ", n,
                     " elements (incomplete checkpoint)");
       return;

@@ -8,7 +8,11 @@
 #pragma once
 #include <c10/core/Device.h>
 
+#include <cstddef>
+#include <functional>
+#include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -48,6 +52,18 @@ std::vector<ShardMetadata> build_shards(const ShardingSpec& spec, const std::vec
 
 // Validates that `shards` tile `shape` exactly (rank, bounds, overlap, volume).
 void validate_shards(const std::vector<ShardMetadata>& shards, const std::vector<int64_t>& shape);
+
+// The first two non-empty boxes among box(0) … box(count - 1) that overlap, as (i, j) with
+// i < j, in the order a box-by-box check meets them (the smallest j that overlaps an earlier
+// box, then the smallest such i); nullopt when no two overlap. Every box must be well formed
+// (as many offsets as sizes, none negative) and of the rank of the others (throws otherwise);
+// ends are computed in 128 bits, so no offset + size wraps. The one overlap check of
+// validate_shards, Layout::validate (list layouts) and the checkpoint metadata's chunks.
+// A sweep along the dimension whose offsets differ most: each box is compared only with the
+// boxes still open at its start there, kept ordered along a second dimension, so boxes of one
+// or two dimensions (any split, grids included) cost O(P log P), not P^2/2 pairs (134 million
+// at 16,384 pieces). Naming the first pair when there is one takes O(log P) more sweeps.
+std::optional<std::pair<size_t, size_t>> first_overlap(size_t count, const std::function<const Box&(size_t)>& box);
 
 std::string to_string(const ShardingSpec& spec);
 

@@ -13,6 +13,7 @@
 #include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
+#include "tessera/sharding/spec.h"
 
 namespace tessera::checkpoint {
 
@@ -256,25 +257,32 @@ void check_tiling(const std::string& fqn, const EntryInfo& e) {
   // in 2^62, checked without wrapping (byte_size), before any box arithmetic.
   byte_size(e.shape, e.dtype, concat("key '", fqn, "': shape ", core::shape_string(e.shape)));
   const sharding::Box whole = sharding::full_box(e.shape);
-  int64_t volume = 0;
-  std::vector<const ChunkInfo*> nonempty;
-  for (const auto& c : e.chunks) {
-    TESSERA_CHECK(c.box.dim() == e.shape.size() && c.box.offsets.size() == c.box.sizes.size(), "key '", fqn,
-                  "': chunk ", c.box.to_string(), " has the wrong number of dimensions for shape of rank ",
-                  e.shape.size());
-    for (size_t d = 0; d < c.box.dim(); ++d)
-      TESSERA_CHECK(c.box.offsets[d] >= 0 && c.box.sizes[d] >= 0, "key '", fqn, "': chunk ", c.box.to_string(),
-                    " has negative offsets or sizes");
-    // Every chunk, empty ones included, lies inside the shape (no offset + size wraps).
-    TESSERA_CHECK(sharding::inside_shape(e.shape, c.box), "key '", fqn, "': chunk ", c.box.to_string(),
-                  " lies outside the shape ", whole.to_string());
-    if (c.box.empty()) continue;
-    for (auto* o : nonempty)
-      TESSERA_CHECK(!sharding::intersect(o->box, c.box), "key '", fqn, "': chunks ", o->box.to_string(), " and ",
-                    c.box.to_string(), " overlap");
-    nonempty.push_back(&c);
-    volume += c.box.numel();  // inside the shape and disjoint: the sum stays <= whole.numel()
+  // No two of the chunks below `limit` overlap (sharding::first_overlap's sweep, not every pair).
+  auto check_overlap = [&](size_t limit) {
+    const auto o = sharding::first_overlap(limit, [&](size_t i) -> const sharding::Box& { return e.chunks[i].box; });
+    TESSERA_CHECK(!o, "key '", fqn, "': chunks ", e.chunks[o->first].box.to_string(), " and ",
+                  e.chunks[o->second].box.to_string(), " overlap");
+  };
+  for (size_t i = 0; i < e.chunks.size(); ++i) {
+    const ChunkInfo& c = e.chunks[i];
+    try {
+      TESSERA_CHECK(c.box.dim() == e.shape.size() && c.box.offsets.size() == c.box.sizes.size(), "key '", fqn,
+                    "': chunk ", c.box.to_string(), " has the wrong number of dimensions for shape of rank ",
+                    e.shape.size());
+      for (size_t d = 0; d < c.box.dim(); ++d)
+        TESSERA_CHECK(c.box.offsets[d] >= 0 && c.box.sizes[d] >= 0, "key '", fqn, "': chunk ", c.box.to_string(),
+                      " has negative offsets or sizes");
+      // Every chunk, empty ones included, lies inside the shape (no offset + size wraps).
+      TESSERA_CHECK(sharding::inside_shape(e.shape, c.box), "key '", fqn, "': chunk ", c.box.to_string(),
+                    " lies outside the shape ", whole.to_string());
+    } catch (const Error&) {
+      check_overlap(i);  // an overlap before the bad chunk is named first, as a chunk-by-chunk check does
+      throw;
+    }
   }
+  check_overlap(e.chunks.size());
+  int64_t volume = 0;  // inside the shape and disjoint: the sum stays <= whole.numel()
+  for (const auto& c : e.chunks) volume += c.box.numel();
   TESSERA_CHECK(volume == whole.numel(), "key '", fqn, "': the chunks cover ", volume, " of ", whole.numel(),
                 " elements (incomplete checkpoint)");
 }
