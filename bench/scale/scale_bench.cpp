@@ -148,7 +148,7 @@ struct SaveOut {
 // the same steps: the saving rank of every world rank, the tensors' communicator
 // placement (group_placement), every entry with its layout (plan_saved_layout, FSDP's
 // rule as the hint, as ShardedTensor::layout() gives it), the pieces this rank stores,
-// the metadata text and the digest the ranks compare.
+// the metadata text and the digest of its structure (structure_of) the ranks compare.
 SaveOut plan_save(const Setup& s, int64_t rank, std::string* text_out = nullptr) {
   static const std::vector<sh::ShardMetadata> kNoShards;  // the hint makes the list unused
   SaveOut out;
@@ -193,7 +193,7 @@ SaveOut plan_save(const Setup& s, int64_t rank, std::string* text_out = nullptr)
     ++key_index;
   }
   std::string text = ck::to_json(m);
-  out.digest = ck::fnv1a64(text);
+  out.digest = ck::structure_of(m).digest();
   out.bytes = text.size();
   out.pieces = static_cast<int64_t>(pieces.size());
   if (text_out) *text_out = std::move(text);
@@ -827,7 +827,7 @@ int main(int argc, char** argv) {
     result["benchmark"] = "scale-tessera";
     result["method"] = {
         {"save", "per sampled rank: CheckpointMetadata + plan_saved_layout of every tensor + its pieces + to_json + "
-                 "fnv1a64, as save_sharded; median of the repeats"},
+                 "structure_of(...).digest(), as save_sharded; median of the repeats"},
         {"load", "per sampled rank: open_checkpoint (read, parse_metadata, checksum) + ChunkReader::chunks for every "
                  "local shard (Layout::overlapping, then the headers of the data files holding the pieces: sparse "
                  "files whose headers are what write_data_file writes)"},

@@ -16,6 +16,7 @@ W=$(mktemp -d /tmp/tessera-scale-validate-XXXXXX)
 trap 'rm -rf "$W"' EXIT
 model=(--n-layer 2 --n-head 2 --d-model 32 --seq-len 16)
 rows=()
+mismatches=0
 for n in "${RANKS[@]}"; do
   out="$W/run$n"
   "$BUILD/bin/tessera" run -n "$n" -- "$BUILD/bin/gpt" train "${model[@]}" --batch-size "$n" --max-steps 1 \
@@ -23,7 +24,7 @@ for n in "${RANKS[@]}"; do
     { tail -20 "$W/train$n.log"; exit 1; }
   meta="$out/checkpoints/last.ckpt/tessera-checkpoint.json"
   if "$BUILD/bin/scale_bench" --predict --model tiny-gpt "${model[@]}" --ranks "$n" --metadata "$meta" \
-      > "$W/predict$n.log" 2>&1; then ok=true; else ok=false; fi
+      > "$W/predict$n.log" 2>&1; then ok=true; else ok=false; mismatches=$((mismatches + 1)); fi
   echo "ranks $n: $(stat -c %s "$meta") metadata bytes, prediction: $(tail -1 "$W/predict$n.log")"
   rows+=("{\"ranks\": $n, \"metadata_bytes\": $(stat -c %s "$meta"), \"match\": $ok}")
 done
@@ -31,3 +32,8 @@ mkdir -p bench/results
 ( IFS=,; echo "{\"benchmark\": \"scale-validate\", \"date\": \"$(date -u +%FT%TZ)\", \"runs\": [${rows[*]}]}" ) \
   > bench/results/scale-validate.json
 cat bench/results/scale-validate.json
+# The harness's prediction must be exact: a mismatch fails make bench (the JSON keeps the rows).
+if [ "$mismatches" -gt 0 ]; then
+  echo "validate.sh: scale_bench --predict missed the real metadata at $mismatches world size(s)" >&2
+  exit 1
+fi

@@ -1,5 +1,6 @@
 // Rank programs for test_save_safety.cpp (issue 35 items 5, 6, 10): consolidated saves
-// that must fail on every rank at once, and leave the previous checkpoint alone.
+// (and sharded ones) that must fail on every rank at once, and leave the previous
+// checkpoint alone, or succeed with rank 0's plain values.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -31,13 +32,16 @@ sharding::ShardedTensor shard_of(const at::Tensor& full, int64_t dim, const std:
 
 }  // namespace
 
-// save_safety FILE STEP...: consolidated saves, one per STEP "VARIANT:ITER[:FAULT]", of
+// save_safety FILE STEP...: saves, one per STEP "[sharded/]VARIANT:ITER[:FAULT]"
+// (consolidated, or sharded with the prefix "sharded/": FILE is then a directory), of
 //   a, b: [8, 3] float sharded on dim 0 (written by every rank), values 1000 k + 100 ITER + i;
 //   g:    [4, 6] float sharded on dim 1 (gathered to rank 0);
 //   step: ITER.
 // VARIANT: "base"; "swap" (rank 1 lists b before a: same shapes, another order);
 // "complex1" (rank 1's g is a complex tensor, which a safetensors file cannot hold);
-// "meta1" (rank 1's shard of g is on the meta device: no data). FAULT ("1:write",
+// "meta1" (rank 1's shard of g is on the meta device: no data); "shape1" (rank 1's b is
+// [8, 4]); "plain1" (plain values that differ between the ranks: rank 1's step is
+// ITER + 50, and "loss", a per-rank metric, is 0.25 + rank). FAULT ("1:write",
 // "0:flip", ...): TESSERA_TEST_SAVE_FAULT for that step only; a suffix "+MODE" sets
 // TESSERA_FULL_SAVE_READ_BACK=MODE for it.
 // For each step each rank prints one line, "save rank R step S ms T: ok" or
@@ -46,7 +50,9 @@ sharding::ShardedTensor shard_of(const at::Tensor& full, int64_t dim, const std:
 SCENARIO("save_safety") {
   auto c = comm();
   for (size_t step = 1; step < args.args.size(); ++step) {
-    const std::string spec = args.arg(step);
+    std::string spec = args.arg(step);
+    const bool sharded = spec.rfind("sharded/", 0) == 0;
+    if (sharded) spec.erase(0, 8);
     const size_t p1 = spec.find(':'), p2 = spec.find(':', p1 + 1);
     const std::string variant = spec.substr(0, p1);
     const int64_t iter = std::stoll(spec.substr(p1 + 1, p2 == std::string::npos ? std::string::npos : p2 - p1 - 1));
@@ -59,10 +65,10 @@ SCENARIO("save_safety") {
     if (fault.empty()) ::unsetenv("TESSERA_TEST_SAVE_FAULT");
     else ::setenv("TESSERA_TEST_SAVE_FAULT", fault.c_str(), 1);
     auto value = [&](int64_t k, std::vector<int64_t> shape) {
-      return at::arange(24, at::kFloat).reshape(shape) + float(1000 * k + 100 * iter);
+      return at::arange(shape[0] * shape[1], at::kFloat).reshape(shape) + float(1000 * k + 100 * iter);
     };
     auto a = shard_of(value(0, {8, 3}), 0, c);
-    auto b = shard_of(value(1, {8, 3}), 0, c);
+    auto b = shard_of(value(1, {8, variant == "shape1" && c->rank() == 1 ? 4 : 3}), 0, c);
     state::StateDict sd;
     if (variant == "swap" && c->rank() == 1) {
       sd.set("b", b);
@@ -83,11 +89,16 @@ SCENARIO("save_safety") {
       }
       sd.set("g", g);
     }
-    sd.set("step", iter);
+    if (variant == "plain1") {
+      sd.set("step", c->rank() == 1 ? iter + 50 : iter);
+      sd.set("loss", 0.25 + c->rank());
+    } else {
+      sd.set("step", iter);
+    }
     std::string line = "ok";
     const auto t0 = std::chrono::steady_clock::now();
     try {
-      ck::save(sd, args.arg(0), *c, {ck::SaveMode::Full});
+      ck::save(sd, args.arg(0), *c, {sharded ? ck::SaveMode::Sharded : ck::SaveMode::Full});
     } catch (const std::exception& e) {
       line = std::string("error: ") + e.what();
       std::replace(line.begin(), line.end(), '\n', ' ');

@@ -1,6 +1,6 @@
 // Saves that must not destroy data (issue 35): control characters in checkpoint paths
 // (item 4), a consolidated save failing on one rank (item 5), ranks that disagree on what
-// they save (item 6), and the read-back of an every-rank-writes save before its commit,
+// they save, or only on their plain values (item 6), and the read-back of an every-rank-writes save before its commit,
 // the page size and the filesystems that get that path (item 10).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -69,13 +69,15 @@ struct Failing {
   std::vector<std::string> expected;  // in every rank's message
 };
 
-// At 2 ranks, with a 20 s communicator timeout: a good save of iteration 1, then each of
-// `failing`, which must fail on both ranks, quickly, with its expected text in the
-// message, and leave iteration 1 in place and no temporary file.
-void expect_fails_everywhere(const std::vector<Failing>& failing) {
+// At 2 ranks, with a 20 s communicator timeout: a good save of iteration 1 (`first`),
+// then each of `failing`, which must fail on both ranks, quickly, with its expected text
+// in the message, and leave iteration 1 in place and no temporary file. `name`: the
+// checkpoint's (a directory for sharded saves).
+void expect_fails_everywhere(const std::vector<Failing>& failing, const std::string& first = "base:1",
+                             const std::string& name = "c.safetensors") {
   const std::string dir = temp_dir();
-  const std::string file = dir + "/c.safetensors";
-  std::vector<std::string> args = {"save_safety", file, "base:1"};
+  const std::string file = dir + "/" + name;
+  std::vector<std::string> args = {"save_safety", file, first};
   for (const auto& f : failing) args.push_back(f.step);
   auto r = run_ranks(2, args, 60, {{"TESSERA_TEST_TIMEOUT_MS", "20000"}});
   EXPECT_EQ(r.launch.exit_code, 0) << r.all_output();
@@ -190,6 +192,43 @@ TEST(SaveSafetyDist, RanksThatDisagreeOnTheEntriesAreRefused) {
   expect_fails_everywhere({{"swap:2",
                             {"rank 1 differs from rank 0", "entry 0 is 'a' (sharded Float [8, 3]", "on rank 0, 'b' (",
                              "on rank 1", "nothing was written"}}});
+}
+
+// A sharded save compares the ranks' structure (keys, order, kinds, dtypes, shapes and
+// layouts), not their plain values: ranks that hold different ones (a per-rank metric;
+// here the step too) save, and the checkpoint holds rank 0's, as a consolidated save
+// does. Format 2's sharded save once compared a digest of the whole metadata text, plain
+// values included, and refused such a save.
+TEST(SaveSafetyDist, RanksWithDifferentPlainValuesSaveRankZerosValues) {
+  const std::string dir = temp_dir();
+  for (const std::string mode : {"sharded/", ""}) {
+    const std::string path = dir + (mode.empty() ? "/c.safetensors" : "/c.ckpt");
+    SCOPED_TRACE(path);
+    auto r = run_ranks(2, {"save_safety", path, mode + "plain1:3"}, 60, {{"TESSERA_TEST_TIMEOUT_MS", "20000"}});
+    EXPECT_EQ(r.launch.exit_code, 0) << r.all_output();
+    const auto lines = save_lines(r);
+    ASSERT_EQ(lines.size(), 1u) << r.all_output();
+    ASSERT_EQ(lines.at(1).size(), 2u) << r.all_output();
+    for (const auto& [rank, line] : lines.at(1)) EXPECT_EQ(line.second, "ok") << "rank " << rank;
+    EXPECT_TRUE(ck::verify(path).ok);
+    expect_iter(path, 3);  // step 3, rank 0's (rank 1's is 53)
+    state::StateDict sd;
+    sd.set("loss", 0.0);
+    ck::LoadOptions lo;
+    lo.strict = false;  // the tensors are expect_iter's
+    ck::load_local(sd, path, lo);
+    EXPECT_EQ(sd.number("loss"), 0.25) << "rank 0's loss";
+  }
+}
+
+// Ranks that disagree on a shape are refused by a sharded save too, on every rank, naming
+// the rank, the key and the save mode; nothing is written and the previous checkpoint
+// stays.
+TEST(SaveSafetyDist, ShardedSaveOfRanksThatDisagreeOnAShapeIsRefused) {
+  expect_fails_everywhere({{"sharded/shape1:2",
+                            {"rank 1 differs from rank 0", "entry 1 is 'b' (", "\"shape\":[8,3]", "on rank 0, 'b' (",
+                             "\"shape\":[8,4]", "on rank 1", "A sharded save needs", "nothing was written"}}},
+                          "sharded/base:1", "c.ckpt");
 }
 
 // ---------------------------------------------------------------- item 10

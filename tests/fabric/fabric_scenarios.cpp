@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "support/scenario.h"
+#include "tessera/checkpoint/save_steps.h"  // set_async_save_hook_for_tests
 #include "tessera/core/env.h"
 #include "tessera/fabric/fabric.h"
 #include "tessera/strategy/ddp.h"

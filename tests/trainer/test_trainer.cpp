@@ -18,6 +18,7 @@
 
 #include "trainer/trainer_test_util.h"
 #include "support/test_util.h"
+#include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/strategy/fsdp.h"
 #include "tessera/trainer/trainer.h"
 #include "support/harness.h"
@@ -200,6 +201,45 @@ TEST(TrainerDist, ResumesFromTwoRanksOnOne) {
   auto refused = run_ranks(2, {"trainer_fit", "ddp", tmp.path + "/odd", "4", "last"}, 60);
   EXPECT_NE(refused.launch.exit_code, 0);
   EXPECT_NE(refused.all_output().find("which 2 ranks cannot split evenly"), std::string::npos) << refused.all_output();
+}
+
+// Each rank restores its own row of the generator states, from its own data file: a
+// rank whose row is damaged once failed alone, and the other went on into training and
+// waited in its first collective until the communicator's timeout. Now every rank fails
+// at once, naming the rank that could not read its row.
+TEST(TrainerDist, DamagedRngRowFailsEveryRankNamingIt) {
+  TempDir tmp;
+  auto first = run_ranks(2, {"trainer_fit", "fsdp-sharded", tmp.path + "/rng", "3"}, 60);
+  EXPECT_RANKS_OK(first);
+  // One byte of rank 1's row of rng.cpu, which only the restore of the RNG states reads
+  // (its own checksum block: Fabric::load reads the model and optimizer and succeeds).
+  const std::string data = tmp.path + "/rng/checkpoints/last.ckpt/data-rank00001.safetensors";
+  uint64_t at = 0;
+  {
+    checkpoint::SafetensorsReader r(data);
+    const checkpoint::TensorEntry* e = r.find("rng.cpu");
+    ASSERT_NE(e, nullptr) << data << " holds no row of rng.cpu";
+    ASSERT_GT(e->nbytes(), 0u);
+    at = e->begin + e->nbytes() / 2;
+  }
+  std::string bytes = read_bytes(data);
+  bytes[at] = static_cast<char>(~bytes[at]);
+  write_bytes(data, bytes);
+
+  // Rank 0 prints its error only if it learned rank 1's: left to wait in a collective, it
+  // would be stopped by the launcher once rank 1 exited, with nothing printed.
+  auto resumed = run_ranks(2, {"trainer_fit", "fsdp-sharded", tmp.path + "/rng", "5", "last"}, 60,
+                           {{"TESSERA_TEST_TIMEOUT_MS", "20000"}});
+  EXPECT_NE(resumed.launch.exit_code, 0) << resumed.all_output();
+  for (int rank : {0, 1}) {
+    std::string error;
+    for (const auto& l : resumed.out[rank])
+      if (l.rfind("fit error: ", 0) == 0) error = l;
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_NE(error.find("restoring the random generator states"), std::string::npos) << resumed.all_output();
+    EXPECT_NE(error.find("rank 1: "), std::string::npos) << error;
+    EXPECT_NE(error.find("rng.cpu"), std::string::npos) << error;
+  }
 }
 
 // accumulate_grad_batches=2 at batch 3 equals batch 6 on 2 ranks (DDP: the first

@@ -81,7 +81,8 @@ trainer::TrainerOptions base_options(const std::string& strategy, const std::str
 // [DROPOUT=0]: CKPT a path, "last" or "auto"; batch BATCH per rank (20 samples at batch
 // 3 on 2 ranks: mid-epoch stops and a partial last batch), validation on 8 samples every 2 batches, StepLR, LR monitor,
 // optional dropout (the RNG states must resume too); prints "logdir <dir>" on rank 0 and
-// "restored <marker>" (10 x the step of the checkpoint loaded, -1 when none) on every rank.
+// "restored <marker>" (10 x the step of the checkpoint loaded, -1 when none) on every rank,
+// or "fit error: <message>" when fit throws.
 // STRATEGY "fsdp-sharded": FSDP with sharded checkpoints.
 SCENARIO("trainer_fit") {
   trainer::TrainerOptions o = base_options(args.arg(0), args.arg(1));
@@ -94,7 +95,15 @@ SCENARIO("trainer_fit") {
   trainer::Trainer t(o);
   Regression m;
   m.dropout = std::stod(args.arg(7, "0"));
-  t.fit(m, make_data(args.int_arg(6, 20)), make_data(8), ckpt);
+  try {
+    t.fit(m, make_data(args.int_arg(6, 20)), make_data(8), ckpt);
+  } catch (const std::exception& e) {
+    // Printed at once, before the Trainer is destroyed: the launcher stops the other
+    // ranks as soon as one exits, and a test reads every rank's error.
+    std::printf("fit error: %s\n", e.what());
+    std::fflush(stdout);
+    throw;
+  }
   // "auto" may start fresh (marker -1): the tests read the "restored" line instead.
   if (!ckpt.empty() && ckpt != "auto") WCHECK(m.restored_marker > 0, "on_load_checkpoint did not see the saved extra state");
   WCHECK(t.global_step() == o.max_steps, "stopped at step ", t.global_step());

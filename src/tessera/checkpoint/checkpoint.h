@@ -89,9 +89,4 @@ void wait_for_pending_save();
 // handle): what save and load do before they start.
 void finish_pending_save();
 
-// Tests only: each later save_async's background thread calls `hook` before it writes
-// anything (an exception from it fails that save); tests block in it to see that
-// save_async returned while the write had not begun. Empty: no hook (the default).
-void set_async_save_hook_for_tests(std::function<void()> hook);
-
 }  // namespace tessera::checkpoint

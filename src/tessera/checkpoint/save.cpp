@@ -22,11 +22,12 @@ namespace tessera::checkpoint {
 
 // A sharded save (format 2). Every rank computes the whole metadata alone (every rank
 // knows every shard's box: ShardedTensor keeps them) and the pieces it stores
-// (save_plan.h); each writes its data file; the ranks then compare a digest of the
-// metadata text and learn each other's outcome through agree(), an all-reduce of three
-// integers, so a save moves O(1) bytes per rank whatever the world size (plus the
-// temporary's path from rank 0). Ranks that disagree on keys, order, shapes or layouts
-// are refused before rank 0 commits, naming the first rank that differs from rank 0.
+// (save_plan.h); each writes its data file; the ranks compare a digest of what they save
+// (keys, order, kinds, dtypes, shapes and layouts: structure_of) and learn each other's
+// outcome through agree(), an all-reduce of three integers, so a save moves O(1) bytes
+// per rank whatever the world size (plus the temporary's path from rank 0). Ranks that
+// disagree on any of these are refused before anything is written, naming the first
+// rank that differs from rank 0; rank 0's metadata, plain values included, is written.
 void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
   const int rank = comm.rank();
   const std::string what = concat("saving '", path, "'");
@@ -48,7 +49,8 @@ void save_sharded(const state::StateDict& sd, const std::string& path, distribut
   m.crc_block = kCrcBlock;
   m.save_id = save_id;
   std::vector<Piece> pieces;
-  std::string text;
+  SaveLayout structure;
+  std::string text;  // rank 0's: the metadata it writes
   std::string local_err;
   try {
     // The saving rank of every world rank, for tensors on other communicators (subgroups).
@@ -100,20 +102,22 @@ void save_sharded(const state::StateDict& sd, const std::string& path, distribut
       m.entries.emplace(fqn, std::move(e));
       ++key_index;
     }
-    text = to_json(m);  // the same on every rank that saves the same thing; bounded (metadata.h)
+    structure = structure_of(m);
+    // Only rank 0's metadata is written (the others' may hold other plain values); its
+    // bound (metadata.h) is checked here, before anything is written.
+    if (rank == 0) text = to_json(m);
   } catch (const std::exception& e) {
     local_err = e.what();
   }
-  const Agreement planned = agree_or_throw(comm, local_err, what, fnv1a64(text));
+  const Agreement planned = agree_or_throw(comm, local_err, what, structure.digest());
   if (!planned.same_digest) {
     // Only now (an error path): every rank's digest, and the first rank that differs.
-    SaveLayout mine;
-    for (const auto& k : m.keys) mine.records.emplace_back(k, entry_json(m.entries.at(k)));
-    const auto all = comm.all_gather_bytes(Packer().u64(mine.digest()).bytes());
+    const auto all = comm.all_gather_bytes(Packer().u64(structure.digest()).bytes());
     std::vector<uint64_t> digests;
     for (size_t r = 0; r < all.size(); ++r) digests.push_back(Unpacker(all[r], concat("rank ", r, "'s digest")).u64());
-    check_same_layout(comm, mine, digests, path);
-    throw Error(concat(what, ": the ranks' metadata differ (in the save id or the world size)"));
+    check_same_layout(comm, structure, digests, path, SaveMode::Sharded);
+    // The all-reduce compared the same digests (62 bits of each): unreachable.
+    throw Error(concat(what, ": internal: the ranks' digests differed in the agreement but not when gathered"));
   }
   try {
     write_data_file(tmp, data_file_name(rank), pieces, data_file_identity(rank, save_id));

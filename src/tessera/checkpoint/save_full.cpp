@@ -281,7 +281,7 @@ void FullSave::describe_and_agree() {
   const auto digests = exchange_or_throw(comm_, err_, Packer().u64(layout_list.digest()).bytes(), what_);
   std::vector<uint64_t> d;
   for (size_t r = 0; r < digests.size(); ++r) d.push_back(Unpacker(digests[r], concat("rank ", r, "'s digest")).u64());
-  check_same_layout(comm_, layout_list, d, path_);
+  check_same_layout(comm_, layout_list, d, path_, SaveMode::Full);
 }
 
 // 2. Rank 0 creates the file: the header (its checksum placeholder holding a random

@@ -182,8 +182,18 @@ std::string SaveLayout::packed() const {
 
 uint64_t SaveLayout::digest() const { return fnv1a64(packed()); }
 
+SaveLayout structure_of(const CheckpointMetadata& m) {
+  SaveLayout out;
+  out.records.reserve(m.keys.size());
+  for (const auto& k : m.keys) {
+    const EntryInfo& e = m.entries.at(k);
+    out.records.emplace_back(k, e.is_tensor() ? entry_json(e) : e.kind);
+  }
+  return out;
+}
+
 void check_same_layout(distributed::Communicator& comm, const SaveLayout& mine, const std::vector<uint64_t>& digests,
-                       const std::string& path) {
+                       const std::string& path, SaveMode mode) {
   std::vector<size_t> differ;
   for (size_t r = 1; r < digests.size(); ++r)
     if (digests[r] != digests[0]) differ.push_back(r);
@@ -217,8 +227,12 @@ void check_same_layout(distributed::Communicator& comm, const SaveLayout& mine, 
   throw Error(concat("saving '", path, "': rank ", r, " differs from rank 0 in what it saves: ", where,
                      others.empty() ? "" : concat(" (", differ.size() == 2 ? "rank " : "ranks ", others,
                                                   differ.size() == 2 ? " differs" : " differ", " too)"),
-                     ". A consolidated save needs the same keys, in the same order, with the same kinds, dtypes, "
-                     "shapes and shards on every rank; nothing was written"));
+                     mode == SaveMode::Full
+                         ? ". A consolidated save needs the same keys, in the same order, with the same kinds, dtypes, "
+                           "shapes and shards on every rank; nothing was written"
+                         : ". A sharded save needs the same keys, in the same order, with the same kinds, dtypes, "
+                           "shapes and layouts on every rank (plain values may differ: rank 0's are written); "
+                           "nothing was written"));
 }
 
 // ------------------------------------------------------------------ writing

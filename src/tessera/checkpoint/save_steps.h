@@ -7,10 +7,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/storage/file.h"
@@ -118,22 +120,31 @@ uint64_t fnv1a64(const std::string& bytes);
 std::string broadcast_or_throw(distributed::Communicator& comm, const std::string& rank0_error,
                                const std::string& rank0_payload, const std::string& what);
 
-// What the ranks of a consolidated save must agree on: they write their bytes at
-// offsets each computes from its own list of entries, matched by position. Records are
-// (key, description: kind, dtype, shape and, for sharded tensors, every shard's box and
-// rank). The path is not among them: every rank writes into the file rank 0 names.
+// What the ranks of a save must agree on, as (key, description) records in save order.
+// A consolidated save's ranks write their bytes at offsets each computes from its own
+// list of entries, matched by position: the description is the kind, dtype, shape and,
+// for sharded tensors, every shard's box and rank. A sharded save's: the entry's JSON
+// without a plain value's value (kind, dtype, shape, layout). Plain values are not
+// compared: ranks may hold different ones (a per-rank metric), and rank 0's are written.
+// The path is not among them: every rank writes into what rank 0 names.
 struct SaveLayout {
   std::vector<std::pair<std::string, std::string>> records;
   std::string packed() const;
   // 64-bit FNV-1a of packed(), exchanged instead of the records themselves.
   uint64_t digest() const;
 };
+// What the ranks of a sharded save must agree on: each entry's JSON as format 2 writes it,
+// but a plain value's kind only. Not the value: ranks may hold different plain values (a
+// per-rank metric), as they may in a consolidated save, and rank 0's are written.
+SaveLayout structure_of(const CheckpointMetadata& m);
+
 // Refuses, on every rank alike, when the digests (`digests[r]`, one per rank, already
 // exchanged) differ: the ranks then exchange their records (only then) and the error
-// names the first rank that differs from rank 0 and the first entry where it does.
-// Collective when (and only when) the digests differ, which every rank sees alike.
+// names the first rank that differs from rank 0, the first entry where it does, and
+// what a save of `mode` needs. Collective when (and only when) the digests differ,
+// which every rank sees alike.
 void check_same_layout(distributed::Communicator& comm, const SaveLayout& mine, const std::vector<uint64_t>& digests,
-                       const std::string& path);
+                       const std::string& path, SaveMode mode);
 
 // A byte range of a file and the checksum of the bytes written there.
 struct WrittenRange {
@@ -199,5 +210,11 @@ void flip_byte(const std::string& path, uint64_t at);
 // thread start would), "flip" inverts a byte the rank wrote after its fsync (as a write
 // lost on an incoherent filesystem would). Not set in any real run.
 bool test_fault(int rank, const char* what);
+
+// Tests only: each later save_async's background thread calls `hook` before it writes
+// anything (an exception from it fails that save); tests block in it to see that
+// save_async returned while the write had not begun. Empty: no hook (the default).
+// Here, not in checkpoint.h, so that it is not part of the installed interface.
+void set_async_save_hook_for_tests(std::function<void()> hook);
 
 }  // namespace tessera::checkpoint

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/save_steps.h"  // agree_or_throw: every rank learns every rank's outcome
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
 #include "tessera/fabric/fabric.h"
@@ -47,18 +48,16 @@ namespace {
 
 // Every rank's `bytes` as one uint8 tensor [world size, length], row r on rank r (a chunk
 // layout along rows: one line in the metadata at any world size, each row in its rank's
-// data file). No communication: every rank knows the layout.
+// data file). No communication: every rank knows the layout. Made from the rule, so a
+// save builds no list of every rank's row (O(world size) per save).
 sharding::ShardedTensor rows_by_rank(fabric::Fabric& f, const std::string& bytes) {
-  const int64_t w = f.world_size(), r = f.global_rank(), len = static_cast<int64_t>(bytes.size());
+  const std::shared_ptr<distributed::Communicator>& comm = f.comm();
+  const int64_t w = comm->size(), r = comm->rank(), len = static_cast<int64_t>(bytes.size());
   at::Tensor row = at::empty({1, len}, at::kByte);
   std::memcpy(row.data_ptr(), bytes.data(), bytes.size());
-  std::vector<sharding::ShardMetadata> all;
-  all.reserve(static_cast<size_t>(w));
-  for (int64_t i = 0; i < w; ++i)
-    all.push_back(sharding::ShardMetadata{sharding::Box{{i, 0}, {1, len}}, sharding::Placement{static_cast<int>(i)}});
-  std::vector<sharding::Shard> local{sharding::Shard{row, all[static_cast<size_t>(r)]}};
-  return sharding::ShardedTensor::from_parts(std::move(local), std::move(all), {w, len}, at::kByte, f.comm(),
-                                             sharding::Layout::chunk(0, w));
+  const sharding::ShardMetadata mine{sharding::Box{{r, 0}, {1, len}}, sharding::Placement{static_cast<int>(r)}};
+  return sharding::ShardedTensor::from_rule(sharding::Shard{row, mine}, sharding::Layout::chunk(0, w), {w, len},
+                                            at::kByte, comm);
 }
 
 // This rank's row of the generator states `key` of the checkpoint (rank 0's when the
@@ -88,24 +87,37 @@ state::StateDict gather_rng_states(fabric::Fabric& f) {
 }
 
 void restore_rng_states(fabric::Fabric& f, const state::StateDict& rng, const std::string& path) {
-  std::string cpu, cuda;
-  auto pick = [&](const std::string& kind) -> std::string {
-    // Checkpoints before the tensor form: one bytes value per rank in the metadata.
-    const std::string mine = kind + "_" + std::to_string(f.global_rank());
-    if (rng.contains(mine)) return rng.bytes(mine).data;
-    if (rng.contains(kind + "_0")) return rng.bytes(kind + "_0").data;
-    return "";
-  };
-  cpu = pick("cpu");
-  if (f.device().is_cuda()) cuda = pick("cuda");
-  if (cpu.empty() && cuda.empty()) {
-    const checkpoint::CheckpointMetadata meta = checkpoint::open_checkpoint(path);
-    checkpoint::ChunkReader reader(meta);
-    cpu = read_row(meta, reader, "rng.cpu", f.global_rank());
-    if (f.device().is_cuda()) cuda = read_row(meta, reader, "rng.cuda", f.global_rank());
+  // Each rank reads its own row (from its own data file at the same world size), so one
+  // rank can fail alone (its data file missing or damaged). Every rank therefore learns
+  // every rank's outcome before going on: alone, a failed rank would leave the others
+  // waiting in the training's next collective until the communicator's timeout.
+  std::string err;
+  try {
+    std::string cpu, cuda;
+    auto pick = [&](const std::string& kind) -> std::string {
+      // Checkpoints before the tensor form: one bytes value per rank in the metadata.
+      const std::string mine = kind + "_" + std::to_string(f.global_rank());
+      if (rng.contains(mine)) return rng.bytes(mine).data;
+      if (rng.contains(kind + "_0")) return rng.bytes(kind + "_0").data;
+      return "";
+    };
+    cpu = pick("cpu");
+    if (f.device().is_cuda()) cuda = pick("cuda");
+    if (cpu.empty() && cuda.empty()) {
+      const checkpoint::CheckpointMetadata meta = checkpoint::open_checkpoint(path);
+      checkpoint::ChunkReader reader(meta);
+      cpu = read_row(meta, reader, "rng.cpu", f.global_rank());
+      if (f.device().is_cuda()) cuda = read_row(meta, reader, "rng.cuda", f.global_rank());
+    }
+    if (!cpu.empty()) set_generator_state(at::detail::getDefaultCPUGenerator(), cpu);
+    if (!cuda.empty()) set_generator_state(at::globalContext().defaultGenerator(f.device()), cuda);
+  } catch (const std::exception& e) {
+    err = e.what();
   }
-  if (!cpu.empty()) set_generator_state(at::detail::getDefaultCPUGenerator(), cpu);
-  if (!cuda.empty()) set_generator_state(at::globalContext().defaultGenerator(f.device()), cuda);
+  // Taken by every rank whatever it found (O(1) bytes each): all fail together, naming
+  // the lowest rank that failed and its error.
+  checkpoint::agree_or_throw(*f.comm(), err,
+                             concat("Trainer: restoring the random generator states from checkpoint '", path, "'"));
 }
 
 }  // namespace tessera::trainer

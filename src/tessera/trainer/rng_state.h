@@ -44,7 +44,8 @@ state::StateDict gather_rng_states(fabric::Fabric& f);
 // rng.cuda, else row 0 (a checkpoint from a smaller world), else leaves the generator as
 // it is. Checkpoints written before the tensor form hold one bytes value per rank
 // ("cpu_<rank>", "cuda_<rank>") among the metadata's values: `rng` (the checkpoint's
-// leftover values under "rng.") is read for those first.
+// leftover values under "rng.") is read for those first. Collective: every rank calls it,
+// and an error on any rank (its row unreadable) is raised on every rank, naming that rank.
 void restore_rng_states(fabric::Fabric& f, const state::StateDict& rng, const std::string& path);
 
 }  // namespace tessera::trainer

@@ -294,7 +294,9 @@ SafetensorsLayout layout_safetensors(const std::string& path, const std::vector<
   const size_t pos = text.find(marker);
   TESSERA_CHECK(pos != std::string::npos, "internal: checksum placeholder not found");
   while (text.size() % 8) text.push_back(' ');
-  TESSERA_CHECK(text.size() <= kMaxHeaderBytes, "'", path, "': header of ", text.size(), " bytes is over the limit");
+  TESSERA_CHECK(text.size() <= kMaxHeaderBytes, "'", path, "': the safetensors header would be ", text.size(),
+                " bytes, more than the ", kMaxHeaderBytes, "-byte (", kMaxHeaderBytes >> 20,
+                " MiB) limit every reader enforces (", L.tensors.size(), " tensors): nothing is committed");
   L.crc_pos = 8 + pos + marker.size();
   const size_t hpos = text.find(kHeaderCrcMarker);
   TESSERA_CHECK(hpos != std::string::npos, "internal: header checksum placeholder not found");
