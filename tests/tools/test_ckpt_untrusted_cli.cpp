@@ -82,6 +82,25 @@ TEST(CkptUntrustedCli, OutputThatIsASymlinkIsRefusedNamingIt) {
   EXPECT_CONTAINS(error_of([&] { ck::import_dcp(dcp_dir, dir + "/dcp-link", true); }),
                   "output '" + dir + "/dcp-link' is a symbolic link");
   EXPECT_TRUE(fs::is_empty(dir + "/empty"));
+
+  // So do the library's consolidate, reshard and export (one check serves every command that
+  // writes: checkpoint::check_output_path), with and without --force, naming the command.
+  fs::create_directory_symlink(dir + "/empty", dir + "/dir-link");
+  for (bool force : {false, true}) {
+    EXPECT_CONTAINS(error_of([&] { ck::reshard(src, 3, dir + "/dir-link/", force); }),
+                    "output '" + dir + "/dir-link/' is a symbolic link (to '" + dir + "/empty'): reshard neither");
+    EXPECT_CONTAINS(error_of([&] { ck::consolidate(src, dir + "/alias.safetensors", force); }),
+                    "consolidate neither replaces a link");
+    EXPECT_CONTAINS(error_of([&] { ck::export_checkpoint(src, ck::ExportFormat::Safetensors,
+                                                         dir + "/alias.safetensors", force); }),
+                    "export neither replaces a link");
+  }
+  EXPECT_TRUE(fs::is_empty(dir + "/empty"));
+  EXPECT_EQ(read_bytes(file), before);
+  // A sharded output named like a file is refused as import-dcp's is.
+  EXPECT_CONTAINS(error_of([&] { ck::reshard(src, 3, dir + "/r.safetensors", false); }),
+                  "output '" + dir + "/r.safetensors' ends in .safetensors, but reshard writes a directory");
+  EXPECT_FALSE(fs::exists(dir + "/r.safetensors"));
 }
 
 // `verify DIR` of a directory of safetensors files printed "CORRUPT" (exit 1); a directory

@@ -73,65 +73,7 @@ void remove_output_on_interrupt() {
     ::_exit(128 + sig);
   }).detach();
 }
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
-// For verify: why `path` is not a checkpoint at all ("" when it may be one, intact or not):
-// a directory without the metadata file, without Tessera data files and that is no Hugging
-// Face model directory (a DCP checkpoint, a directory of other safetensors files, any other
-// directory), or a Python pickle in place of a file. Such an input is an input error (exit
-// 2), not a corrupt checkpoint (exit 1). A Hugging Face directory (model.safetensors.index.json
-// or model.safetensors) is read as one (checkpoint/interop/hf_dir.h): a broken one is corrupt.
-std::string not_a_checkpoint(const std::string& path) {
-  namespace ck = tessera::checkpoint;
-  if (ck::is_regular_file(path)) return ck::pickle_file_reason(path);
-  if (!ck::is_directory(path) || ck::path_exists(ck::join_path(path, ck::kMetadataFile))) return "";
-  if (ck::is_hf_directory(path)) return "";
-  int64_t safetensors = 0;
-  bool dcp = false;
-  int64_t xla = 0;  // torch_xla FSDP rank files (NAME_rank-XXXXXXXX-of-YYYYYYYY.pth)
-  std::string first;
-  for (const auto& n : ck::list_dir(path)) {
-    if (n.compare(0, 9, "data-rank") == 0 && ends_with(n, ".safetensors")) return "";  // Tessera's, metadata lost
-    dcp |= n == ".metadata";
-    if (ends_with(n, ".pth") && n.find("_rank-") != std::string::npos && n.find("-of-") != std::string::npos) ++xla;
-    if (ends_with(n, ".safetensors")) {
-      ++safetensors;
-      if (first.empty() || n < first) first = n;
-    }
-  }
-  std::string what, hint;
-  if (safetensors > 0 && !dcp) {
-    what = concat("a directory of ", safetensors, " safetensors file(s) (not a Hugging Face model directory: ",
-                  "no ", ck::kHfIndexFile, " or ", ck::kHfSingleFile, ")");
-    if (!first.empty()) hint = concat("; verify its files one by one: tessera ckpt verify ", ck::join_path(path, first));
-  } else if (xla > 0 && !dcp) {
-    what = concat("a torch_xla FSDP checkpoint (", xla, " rank file(s))");
-    hint = concat("; import it first: tessera ckpt import-xla ", path, " -o OUT");
-  } else if (dcp) {
-    what = "a PyTorch Distributed Checkpoint (.metadata)";
-    hint = concat("; import it first: tessera ckpt import-dcp ", path, " -o OUT");
-  } else {
-    what = "a directory";
-  }
-  return concat("'", path, "' is not a Tessera checkpoint: it is ", what, " without ", ck::kMetadataFile, hint);
-}
-
-// The commands that write refuse an output path that is a symbolic link, naming it: the
-// link is neither replaced (a checkpoint where the link was) nor written through (into
-// its target, somewhere else).
-void check_output_not_link(const std::string& out) {
-  std::string bare = out;
-  while (bare.size() > 1 && bare.back() == '/') bare.pop_back();
-  struct stat st;
-  if (::lstat(bare.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return;
-  char target[4096];
-  const ssize_t n = ::readlink(bare.c_str(), target, sizeof target);
-  throw Error(concat("output '", out, "' is a symbolic link (to '", n > 0 ? std::string(target, n) : "?",
-                     "'): tessera ckpt neither replaces a link nor writes through one; give the path to write "
-                     "(the link's target, or another name)"));
-}
 }  // namespace
 
 void wait_if_interrupted() {
@@ -237,7 +179,7 @@ Runner add_ckpt_command(CLI::App& app) {
       return 0;
     }
     if (verify->parsed()) {
-      const std::string foreign = not_a_checkpoint(a->path);
+      const std::string foreign = ck::not_a_checkpoint_reason(a->path);
       if (!foreign.empty()) throw Error(foreign);  // exit 2: an input error, not corruption
       ck::VerifyReport r = ck::verify(a->path);
       for (const auto& n : r.notes) std::cout << "note: " << n << "\n";
@@ -253,7 +195,6 @@ Runner add_ckpt_command(CLI::App& app) {
       return 1;
     }
     if (consolidate->parsed() || reshard->parsed() || exp->parsed() || import_dcp->parsed() || import_xla->parsed()) {
-      check_output_not_link(a->out);
       remove_output_on_interrupt();
     }
     if (consolidate->parsed()) {

@@ -116,6 +116,41 @@ std::string pickle_file_reason(const std::string& path) {
                 "_use_new_zipfile_serialization=True) (the default since torch 1.6)");
 }
 
+// What a directory without the metadata holds decides the message (reader.h).
+std::string not_a_checkpoint_reason(const std::string& path) {
+  if (is_regular_file(path)) return pickle_file_reason(path);
+  if (!is_directory(path) || path_exists(join_path(path, kMetadataFile))) return "";
+  if (is_hf_directory(path)) return "";
+  int64_t safetensors = 0;
+  bool dcp = false;
+  int64_t xla = 0;  // torch_xla FSDP rank files (NAME_rank-XXXXXXXX-of-YYYYYYYY.pth)
+  std::string first;
+  for (const auto& n : list_dir(path)) {
+    if (n.compare(0, 9, "data-rank") == 0 && core::ends_with(n, ".safetensors")) return "";  // Tessera's, metadata lost
+    dcp |= n == ".metadata";
+    if (core::ends_with(n, ".pth") && n.find("_rank-") != std::string::npos && n.find("-of-") != std::string::npos) ++xla;
+    if (core::ends_with(n, ".safetensors")) {
+      ++safetensors;
+      if (first.empty() || n < first) first = n;
+    }
+  }
+  std::string what, hint;
+  if (safetensors > 0 && !dcp) {
+    what = concat("a directory of ", safetensors, " safetensors file(s) (not a Hugging Face model directory: ",
+                  "no ", kHfIndexFile, " or ", kHfSingleFile, ")");
+    if (!first.empty()) hint = concat("; verify its files one by one: tessera ckpt verify ", join_path(path, first));
+  } else if (xla > 0 && !dcp) {
+    what = concat("a torch_xla FSDP checkpoint (", xla, " rank file(s))");
+    hint = concat("; import it first: tessera ckpt import-xla ", path, " -o OUT");
+  } else if (dcp) {
+    what = "a PyTorch Distributed Checkpoint (.metadata)";
+    hint = concat("; import it first: tessera ckpt import-dcp ", path, " -o OUT");
+  } else {
+    what = "a directory";
+  }
+  return concat("'", path, "' is not a Tessera checkpoint: it is ", what, " without ", kMetadataFile, hint);
+}
+
 CheckpointMetadata open_checkpoint(const std::string& path) {
   std::string p = path;
   if (!path_exists(p)) {
@@ -128,6 +163,10 @@ CheckpointMetadata open_checkpoint(const std::string& path) {
     if (is_hf_directory(p)) return open_hf_directory(p);
     const std::string mf = join_path(p, kMetadataFile);
     const std::string why_mf = not_regular_file_reason(mf);
+    if (why_mf == "does not exist") {
+      const std::string foreign = not_a_checkpoint_reason(p);
+      TESSERA_CHECK(foreign.empty(), foreign);
+    }
     TESSERA_CHECK(why_mf.empty(), "'", path, "' is not a Tessera checkpoint: '", kMetadataFile, "' ",
                   why_mf == "does not exist" ? "is missing" : why_mf + ": '" + mf + "'",
                   " (incomplete or foreign directory)");

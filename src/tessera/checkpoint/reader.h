@@ -37,6 +37,14 @@ bool is_tessera_checkpoint(const std::string& path);
 // checkpoint rather than a corrupt one.
 std::string pickle_file_reason(const std::string& path);
 
+// Why `path` is no Tessera checkpoint at all, intact or damaged ("" when it may be one): a
+// directory that is another system's checkpoint (DCP, torch_xla rank files), a directory of
+// other safetensors files or any other directory without the metadata file, or a Python
+// pickle in place of a file; the message says what it is and how to read it (import-dcp,
+// import-xla, ...). open_checkpoint() throws it; `tessera ckpt verify` reports such an input
+// as not a checkpoint (exit 2) rather than a corrupt one (exit 1).
+std::string not_a_checkpoint_reason(const std::string& path);
+
 class ChunkReader {
  public:
   // Keeps at most max_open_files() data files open at once (each may hold a second, O_DIRECT

@@ -2,6 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdio>
 
 #include "tessera/checkpoint/format/checksum.h"
@@ -85,33 +88,6 @@ void layouts_from_chunks(CheckpointMetadata& m) {
   }
 }
 
-std::string to_json(const DataFileResult& r) {
-  json j = {{"file", r.file}, {"size", r.size}, {"chunks", json::array()}};
-  for (const auto& [fqn, c] : r.chunks)
-    j["chunks"].push_back({{"fqn", fqn}, {"offsets", c.box.offsets}, {"sizes", c.box.sizes}, {"name", c.name},
-                           {"begin", c.begin}, {"end", c.end}, {"crcs", c.crcs}});
-  return j.dump();
-}
-
-DataFileResult data_file_result_from_json(const std::string& text) {
-  json j = json::parse(text);
-  DataFileResult r;
-  r.file = j["file"].get<std::string>();
-  r.size = j["size"].get<uint64_t>();
-  for (const auto& jc : j["chunks"]) {
-    ChunkInfo c;
-    c.box.offsets = jc["offsets"].get<std::vector<int64_t>>();
-    c.box.sizes = jc["sizes"].get<std::vector<int64_t>>();
-    c.file = r.file;
-    c.name = jc["name"].get<std::string>();
-    c.begin = jc["begin"].get<uint64_t>();
-    c.end = jc["end"].get<uint64_t>();
-    c.crcs = jc["crcs"].get<std::vector<uint32_t>>();
-    r.chunks.emplace_back(jc["fqn"].get<std::string>(), std::move(c));
-  }
-  return r;
-}
-
 void write_metadata_file(const std::string& dir, const CheckpointMetadata& m) { write_metadata_text(dir, to_json(m)); }
 
 void write_metadata_text(const std::string& dir, const std::string& text) {
@@ -145,6 +121,32 @@ void check_replaceable(const std::string& path) {
                 "checkpoint (", is_directory(path) ? "a non-empty directory without " + std::string(kMetadataFile)
                                                   : std::string("a file that is not a Tessera safetensors file"),
                 "); nothing was touched");
+}
+
+bool check_output_path(const std::string& out, bool force, OutputKind kind, const std::string& command) {
+  std::string bare = out;
+  while (bare.size() > 1 && bare.back() == '/') bare.pop_back();
+  struct stat st;
+  if (::lstat(bare.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+    char target[4096];
+    const ssize_t n = ::readlink(bare.c_str(), target, sizeof target);
+    throw Error(concat("output '", out, "' is a symbolic link (to '", n > 0 ? std::string(target, n) : "?", "'): ",
+                       command, " neither replaces a link nor writes through one; give the path to write (the ",
+                       "link's target, or another name)"));
+  }
+  const std::string suffix = ".safetensors";
+  const bool safetensors_name =
+      bare.size() >= suffix.size() && bare.compare(bare.size() - suffix.size(), suffix.size(), suffix) == 0;
+  TESSERA_CHECK(kind == OutputKind::File || !safetensors_name, "output '", out, "' ends in .safetensors, but ",
+                command, " writes a directory; give a directory name (then `tessera ckpt consolidate DIR -o ",
+                base_name(bare), "` writes one safetensors file)");
+  if (!path_exists(bare)) {
+    TESSERA_CHECK(is_directory(parent_dir(bare)), "output '", out, "': directory '", parent_dir(bare),
+                  "' does not exist");
+    return false;
+  }
+  TESSERA_CHECK(force, "output '", out, "' exists; pass --force to replace it");
+  return true;
 }
 
 }  // namespace tessera::checkpoint

@@ -45,10 +45,6 @@ std::map<std::string, std::string> data_file_identity(int rank, const std::strin
 // (internal) if a chunk's name in its file is not the one the layout gives it.
 void layouts_from_chunks(CheckpointMetadata& m);
 
-// JSON round trip of a DataFileResult (exchanged between ranks).
-std::string to_json(const DataFileResult& r);
-DataFileResult data_file_result_from_json(const std::string& text);
-
 // Writes `dir/tessera-checkpoint.json` (fsync'ed) and fsyncs `dir`: to_json(m), which
 // refuses metadata a reader would refuse (kMaxMetadataBytes) before anything is written.
 void write_metadata_file(const std::string& dir, const CheckpointMetadata& m);
@@ -62,5 +58,17 @@ std::map<std::string, std::string> consolidated_header(const CheckpointMetadata&
 // Refuses (tessera::Error naming the path) when `path` exists and is not something
 // a save may replace: a Tessera checkpoint or an empty directory.
 void check_replaceable(const std::string& path);
+
+// What an offline command writes at its output path.
+enum class OutputKind { File, Directory };
+
+// The first check of every command that writes an output path (consolidate, reshard,
+// export, import-dcp, import-xla), made before anything is written; each refusal names
+// `out` and `command`. The path must not be a symbolic link (a link is neither replaced
+// nor written through); a Directory output's name must not end in .safetensors (the name
+// would misdescribe it); an absent path needs its parent directory; an existing one needs
+// `force`. Returns whether `out` exists: what the command may then replace is its own rule
+// (check_replaceable for a checkpoint). Trailing slashes are ignored ("dir/" is "dir").
+bool check_output_path(const std::string& out, bool force, OutputKind kind, const std::string& command);
 
 }  // namespace tessera::checkpoint

@@ -17,6 +17,11 @@ inline std::string join(const std::vector<std::string>& parts, const std::string
   return out;
 }
 
+// Whether `s` ends with `tail` (a file name's suffix).
+inline bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
 // "[2, 3]"; "[]" for a scalar's shape.
 inline std::string shape_string(const std::vector<int64_t>& shape) {
   std::string out = "[";

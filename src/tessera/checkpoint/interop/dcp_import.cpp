@@ -250,30 +250,6 @@ std::string flatten_plain(const std::string& key, const Py& v, std::vector<std::
       [&](const std::string& k) { out.emplace_back(k, std::make_shared<state::StateDict>()); });
 }
 
-// An output path may be written: absent (in an existing directory), or replaceable
-// with `force` (a Tessera checkpoint or an empty directory; checked by check_replaceable).
-// Never a symbolic link (neither replaced nor written through), and never a name ending
-// in .safetensors: the import is a directory, which such a name would misdescribe.
-void check_output(const std::string& out, bool force) {
-  std::string bare = out;
-  while (bare.size() > 1 && bare.back() == '/') bare.pop_back();
-  struct stat st;
-  TESSERA_CHECK(::lstat(bare.c_str(), &st) != 0 || !S_ISLNK(st.st_mode), "output '", out,
-                "' is a symbolic link: import-dcp neither replaces a link nor writes through one; give the path of "
-                "the directory to write");
-  const std::string suffix = ".safetensors";
-  TESSERA_CHECK(bare.size() < suffix.size() || bare.compare(bare.size() - suffix.size(), suffix.size(), suffix) != 0,
-                "output '", out, "' ends in .safetensors, but import-dcp writes a sharded checkpoint (a directory); "
-                "give a directory name, then `tessera ckpt consolidate DIR -o ", base_name(bare),
-                "` writes one safetensors file");
-  if (!path_exists(out)) {
-    TESSERA_CHECK(is_directory(parent_dir(out)), "output '", out, "': directory '", parent_dir(out), "' does not exist");
-    return;
-  }
-  TESSERA_CHECK(force, "output '", out, "' exists; pass --force to replace it");
-  check_replaceable(out);
-}
-
 struct TensorPlan {
   std::string fqn;
   EntryInfo entry;                                    // kind, dtype, shape
@@ -464,7 +440,7 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
   CheckpointMetadata src;
   src.location = dir;
   offline_check_not_source(dir, src, out);
-  check_output(out, force);
+  if (check_output_path(out, force, OutputKind::Directory, "import-dcp")) check_replaceable(out);
   offline_publish(out, true, [&](const std::string& tmp) {
     for (int r = 0; r < world_size; ++r) {
       std::vector<Piece> pieces;

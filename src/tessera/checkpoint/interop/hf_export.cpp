@@ -12,6 +12,7 @@
 #include "tessera/checkpoint/offline/offline_publish.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/writer.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {
@@ -61,11 +62,7 @@ bool is_export_file_name(const std::string& n) {
 // empty or holds nothing but what an export writes: never a Tessera checkpoint, a file,
 // or a directory a user keeps other files in.
 void check_hf_output(const std::string& out, bool force) {
-  if (!path_exists(out)) {
-    TESSERA_CHECK(is_directory(parent_dir(out)), "output '", out, "': directory '", parent_dir(out), "' does not exist");
-    return;
-  }
-  TESSERA_CHECK(force, "output '", out, "' exists; pass --force to replace it");
+  if (!check_output_path(out, force, OutputKind::Directory, "export --format hf")) return;
   TESSERA_CHECK(is_directory(out), "refusing to replace '", out,
                 "': not a directory (a Hugging Face export writes a directory)");
   for (const auto& n : list_dir(out)) {
