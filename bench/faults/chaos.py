@@ -3,7 +3,8 @@
 `tessera run --max-restarts K` hit at random moments by SIGKILL, SIGSEGV and SIGSTOP of
 random ranks, against an uninterrupted run of the same command. With --nodes 2 the two
 ranks are two nodes: one `tessera run --nnodes 2 --node-rank i` each, on this host, meeting
-in node 0's store over TCP (Gloo), so a failure on one node restarts both.
+in node 0's store over TCP, their collectives on Gloo over TCP (TESSERA_SHM=0, as between
+hosts), so a failure on one node restarts both.
 
 Used by the chaos test (tests/reliability/test_reliability_chaos.cpp, short form) and the
 chaos benchmark (bench/faults/run.sh, long form). Standard library only.
@@ -359,6 +360,10 @@ def run_job(a, name, plan, rng):
     L, H, D, T = a.model.split(":")
     launch = [[a.tessera, "run", "-n", "2", "--max-restarts", str(a.max_restarts)]]
     if a.nodes == 2:
+        # Two launchers on one host would otherwise find each other's ranks on this host and
+        # use the shared-memory channel: TESSERA_SHM=0 keeps the ranks on Gloo over TCP, as
+        # between hosts.
+        env["TESSERA_SHM"] = "0"
         port = str(free_port())
         launch = [[a.tessera, "run", "--nnodes", "2", "--node-rank", str(i), "-n", "1", "--master-addr", "127.0.0.1",
                    "--master-port", port, "--max-restarts", str(a.max_restarts), "--rdzv-timeout", "60"]

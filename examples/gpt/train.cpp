@@ -319,7 +319,11 @@ int run_train(TrainArgs a) {
     // gets its path), or a fresh start: then the run replaces an earlier run's metrics.csv
     // and hparams.yaml (a job that failed before its first checkpoint starts over).
     const std::string dir = (fs::path(a.out) / "checkpoints").string();
-    resume = checkpoint::find_resumable({dir}, *f.comm(), [&](const std::string& line) { f.print("gpt: ", line); }).path;
+    // A damaged checkpoint is set aside (renamed X.unverified-<time>), never replaced by this
+    // run's next save of the same name.
+    resume = checkpoint::find_resumable({dir}, *f.comm(), [&](const std::string& line) { f.print("gpt: ", line); },
+                                        checkpoint::Skipped::SetAside)
+                 .path;
     csv->keep_existing(!resume.empty());
   } else if (!a.resume.empty()) {
     resume = resume_path(a);

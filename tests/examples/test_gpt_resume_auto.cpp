@@ -104,7 +104,8 @@ TEST_F(GptResumeAuto, FreshThenResumesThenSkipsACorruptedNewest) {
   EXPECT_EQ(resumed.at(2), first.at(2));
 
   // last.ckpt (step 4) corrupted: a flipped byte in its tensor data. auto skips it,
-  // naming it and the problem, and takes step2.ckpt; last.ckpt stays as it is.
+  // naming it and the problem, sets it aside (last.ckpt.unverified-<time>, bytes as they
+  // were: this run's save of last.ckpt would replace it) and takes step2.ckpt.
   const std::string last = r.ckpts + "/last.ckpt";
   std::string file = last;
   if (fs::is_directory(last))
@@ -124,13 +125,21 @@ TEST_F(GptResumeAuto, FreshThenResumesThenSkipsACorruptedNewest) {
   EXPECT_TRUE(has(o4, "gpt: resuming from " + r.ckpts + "/step2.ckpt (step 2)")) << o4;
   EXPECT_TRUE(has(o4, "gpt: nothing left to do")) << o4;
   EXPECT_FALSE(has(o4, "tessera-tmp")) << o4;
-  EXPECT_TRUE(files_of(last) == corrupted) << "auto changed the corrupted checkpoint";
+  EXPECT_TRUE(has(o4, "; set aside as " + last + ".unverified-")) << o4;
+  std::string aside;
+  for (const auto& e : fs::directory_iterator(r.ckpts))
+    if (e.path().filename().string().rfind("last.ckpt.unverified-", 0) == 0) aside = e.path().string();
+  ASSERT_FALSE(aside.empty()) << o4;
+  EXPECT_FALSE(fs::exists(last));
+  EXPECT_TRUE(files_of(aside) == corrupted) << "auto changed the corrupted checkpoint";
 
-  // Training on from step2.ckpt: step 3 again, bit for bit as the first time.
+  // Training on from step2.ckpt: step 3 again, bit for bit as the first time; the
+  // set-aside checkpoint is no candidate any more, and this run's last.ckpt leaves it be.
   auto [rc5, o5] = r.train(3);
   ASSERT_EQ(rc5, 0) << o5;
-  EXPECT_TRUE(has(o5, "gpt: skipping " + last + ": ")) << o5;
+  EXPECT_FALSE(has(o5, "gpt: skipping")) << o5;
   EXPECT_TRUE(has(o5, "gpt: resuming from " + r.ckpts + "/step2.ckpt (step 2)")) << o5;
+  EXPECT_TRUE(files_of(aside) == corrupted);
   EXPECT_TRUE(has(o5, "gpt: done step=3 steps_this_run=1")) << o5;
   const auto again = train_losses(r.out + "/metrics.csv");
   ASSERT_EQ(again.size(), 3u) << read_bytes(r.out + "/metrics.csv");

@@ -20,8 +20,8 @@
 // two nodes (one `tessera run --nnodes 2` per node, one rank each, on this host: a failure
 // on either node restarts both, through node 0's store). The seed is printed (TESSERA_SEED
 // picks it); TESSERA_SOAK=1 injects 12 failures instead of 3. The launcher's --grace is
-// 1 s here: a SIGSTOPped rank ignores the launcher's SIGTERM and only goes at its
-// SIGKILL, a grace period later (bench/faults measures the default 5 s).
+// 1 s here (a SIGSTOPped rank takes the launcher's SIGTERM at once since it follows it
+// with SIGCONT; the grace bounds anything slower to end).
 #include <gtest/gtest.h>
 
 #include <cstring>

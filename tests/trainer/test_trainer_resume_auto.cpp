@@ -1,6 +1,7 @@
 // Resuming by itself (issue 34, item 2): checkpoint::find_resumable takes the newest
 // checkpoint that verifies (by stored global_step), skips torn, corrupted and unreadable
-// ones with a message naming them and leaves them as they are, ignores temporaries and
+// ones with a message naming them and leaves them as they are (or sets them aside:
+// Skipped::SetAside, the Trainer's choice), verifies in parts across ranks, ignores temporaries and
 // what is not a checkpoint; the Trainer's ckpt_path "auto" starts fresh when there is
 // none and resumes otherwise, at 1 and 2 ranks.
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 
 #include "support/harness.h"
 #include "support/test_util.h"
+#include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/resume.h"
 #include "tessera/trainer/callbacks.h"
 #include "tessera/trainer/trainer.h"
@@ -139,6 +141,60 @@ TEST(ResumeAuto, NewestThatVerifiesWinsAndBadOnesAreSkippedAndKept) {
     EXPECT_EQ(c.skipped.size(), 4u);
     ASSERT_FALSE(lines.empty());
     EXPECT_EQ(lines.back(), "no checkpoint that verifies in " + dir + ": starting fresh");
+
+    // Verification in parts (what the collective form gives each rank): the parts' problems
+    // together are the whole verification's, each part checks a share of the bytes, and
+    // the shares add up to the whole.
+    const checkpoint::VerifyReport whole = checkpoint::verify(last);
+    ASSERT_FALSE(whole.ok);
+    for (int parts : {2, 3}) {
+      std::vector<std::string> problems;
+      uint64_t bytes = 0;
+      for (int part = 0; part < parts; ++part) {
+        const checkpoint::VerifyReport r = checkpoint::verify(last, part, parts);
+        EXPECT_LT(r.bytes_checked, whole.bytes_checked) << "part " << part << " of " << parts;
+        bytes += r.bytes_checked;
+        problems.insert(problems.end(), r.problems.begin(), r.problems.end());
+      }
+      EXPECT_EQ(bytes, whole.bytes_checked) << parts << " parts";
+      std::vector<std::string> want = whole.problems;
+      std::sort(want.begin(), want.end());
+      std::sort(problems.begin(), problems.end());
+      EXPECT_EQ(problems, want) << parts << " parts";
+    }
+    EXPECT_CONTAINS(error_of([&] { checkpoint::verify(last, 2, 2); }), "part 2 of 2 is out of range");
+
+    // SetAside (the Trainer's and gpt's choice): each damaged candidate is renamed
+    // X.unverified-<time>, bytes unchanged, and is no candidate afterwards; a file that is
+    // no training checkpoint stays. Nothing verifies here, so every checkpoint goes aside.
+    const auto s2_before = files_of(s2);
+    lines.clear();
+    c = checkpoint::find_resumable({dir}, collect, checkpoint::Skipped::SetAside);
+    EXPECT_EQ(c.path, "");
+    ASSERT_EQ(c.skipped.size(), 4u);
+    std::map<std::string, std::string> aside;  // original name -> set-aside name
+    for (const auto& e : fs::directory_iterator(dir)) {
+      const std::string n = e.path().filename().string();
+      const size_t at = n.find(".unverified-");
+      if (at != std::string::npos) aside[n.substr(0, at)] = n;
+    }
+    ASSERT_EQ(aside.size(), 4u) << ::testing::PrintToString(entries(dir));
+    for (const std::string n : {"broken.ckpt", "last.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=2.ckpt"}) {
+      ASSERT_TRUE(aside.count(n)) << n;
+      EXPECT_FALSE(fs::exists(dir + "/" + n)) << n;
+      bool reported = false;
+      for (const auto& s : c.skipped) reported |= s.find("set aside as " + dir + "/" + aside[n]) != std::string::npos;
+      EXPECT_TRUE(reported) << n << ": " << ::testing::PrintToString(c.skipped);
+    }
+    EXPECT_TRUE(files_of(dir + "/" + aside["last.ckpt"]) == last_before);
+    EXPECT_TRUE(files_of(dir + "/" + aside["epoch=0-step=4.ckpt"]) == s4_before);
+    EXPECT_TRUE(files_of(dir + "/" + aside["epoch=0-step=2.ckpt"]) == s2_before);
+    EXPECT_TRUE(fs::exists(dir + "/notes.txt"));
+    lines.clear();
+    c = checkpoint::find_resumable({dir}, collect, checkpoint::Skipped::SetAside);
+    EXPECT_TRUE(c.skipped.empty()) << ::testing::PrintToString(c.skipped);
+    ASSERT_EQ(lines.size(), 1u);
+    EXPECT_EQ(lines[0], "no checkpoint that verifies in " + dir + ": starting fresh");
   }
 }
 
@@ -197,6 +253,14 @@ TEST(ResumeAuto, TrainerAtOneAndTwoRanks) {
     auto third = run_ranks(n, {"trainer_fit", "fsdp-sharded", root, "4", "auto"}, 60);
     EXPECT_RANKS_OK(third);
     EXPECT_TRUE(any_line_has(third.out[0], "tessera: skipping " + dir + "/last.ckpt: ")) << third.all_output();
+    // Set aside (not replaced by this run's save of last.ckpt), and found by one rank's part.
+    EXPECT_TRUE(any_line_has(third.out[0], "; set aside as " + dir + "/last.ckpt.unverified-")) << third.all_output();
+    if (n == 2) EXPECT_TRUE(any_line_has(third.out[0], "(found by rank ")) << third.all_output();
+    int aside = 0;
+    for (const auto& e : fs::directory_iterator(dir))
+      aside += e.path().filename().string().rfind("last.ckpt.unverified-", 0) == 0;
+    EXPECT_EQ(aside, 1);
+    EXPECT_TRUE(fs::exists(dir + "/last.ckpt")) << "the run's own save of last.ckpt";
     EXPECT_TRUE(any_line_has(third.out[0], "tessera: resuming from " + dir + "/step3.ckpt (step 3)"))
         << third.all_output();
     for (int r = 0; r < n; ++r) EXPECT_TRUE(any_line_has(third.out[r], "restored 30")) << third.all_output();

@@ -163,7 +163,8 @@ std::string Trainer::find_resumable_checkpoint() {
                 "directories, but there is no ModelCheckpoint callback (enable_checkpointing is false)");
   auto& f = *fabric_;
   const checkpoint::ResumeChoice choice =
-      checkpoint::find_resumable(dirs, *f.comm(), [&](const std::string& line) { f.print("tessera: ", line); });
+      checkpoint::find_resumable(dirs, *f.comm(), [&](const std::string& line) { f.print("tessera: ", line); },
+                                 checkpoint::Skipped::SetAside);
   return choice.path;
 }
 

@@ -92,18 +92,15 @@ void check_not_source(const std::string& src, const CheckpointMetadata& m, const
   }
 }
 
-// An output path may be written: absent, or replaceable with --force.
-void check_output(const std::string& out, bool force, bool file_output) {
-  if (!path_exists(out)) {
-    TESSERA_CHECK(is_directory(parent_dir(out)), "output '", out, "': directory '", parent_dir(out), "' does not exist");
-    return;
-  }
-  TESSERA_CHECK(force, "output '", out, "' exists; pass --force to replace it");
+// An output path may be written (check_output_path); with --force an existing one may be
+// replaced when it is an empty directory or a Tessera checkpoint, or (`any_file`) any file.
+void check_output(const std::string& out, bool force, OutputKind kind, const std::string& command, bool any_file) {
+  if (!check_output_path(out, force, kind, command)) return;
   if (is_directory(out)) {
     TESSERA_CHECK(list_dir(out).empty() || is_tessera_checkpoint(out), "refusing to replace '", out,
                   "': a non-empty directory that is not a Tessera checkpoint");
   } else {
-    TESSERA_CHECK(file_output || is_tessera_checkpoint(out), "refusing to replace '", out,
+    TESSERA_CHECK(any_file || is_tessera_checkpoint(out), "refusing to replace '", out,
                   "': not a Tessera checkpoint");
   }
 }
@@ -234,7 +231,10 @@ std::string inspect(const std::string& path) {
   return os.str();
 }
 
-VerifyReport verify(const std::string& path) {
+VerifyReport verify(const std::string& path) { return verify(path, 0, 1); }
+
+VerifyReport verify(const std::string& path, int part, int parts) {
+  TESSERA_CHECK(parts >= 1 && part >= 0 && part < parts, "verify: part ", part, " of ", parts, " is out of range");
   VerifyReport rep;
   CheckpointMetadata m;
   try {
@@ -262,7 +262,7 @@ VerifyReport verify(const std::string& path) {
     // Every data file: present, of this save and rank, holding exactly the pieces the
     // layouts place there (a missing one is reported below with its chunk).
     const auto expected = reader.expected_names();
-    for (int r = 0; r < m.world_size; ++r) {
+    for (int r = part; r < m.world_size; r += parts) {
       try {
         const SafetensorsReader& f = reader.data_file(r);
         std::set<std::string> want(expected[static_cast<size_t>(r)].begin(), expected[static_cast<size_t>(r)].end());
@@ -276,7 +276,9 @@ VerifyReport verify(const std::string& path) {
       }
     }
   } else if (m.source_kind == "sharded") {
+    int64_t index = 0;
     for (const auto& [name, size] : m.files) {
+      if (index++ % parts != part) continue;
       try {
         reader.reader(name);
       } catch (const ResourceError&) {
@@ -293,12 +295,14 @@ VerifyReport verify(const std::string& path) {
     for (const auto& [k, e] : m.entries)
       for (const auto& c : e.chunks) rep.has_checksums &= !c.crcs.empty();
   std::vector<char> through;  // read_through's window
+  int64_t unit = 0;            // every piece's (or listed chunk's) number, for the parts
   for (const auto& k : m.keys) {
     const EntryInfo& e = m.entries.at(k);
     std::vector<ChunkInfo> chunks;
     if (e.layout) {
       // Piece by piece, so that one missing or damaged file is one problem among the others.
       for (int64_t i : e.layout->overlapping(e.shape, sharding::full_box(e.shape))) {
+        if (unit++ % parts != part) continue;
         try {
           for (auto& c : reader.chunks(k, e, e.layout->box(e.shape, i))) chunks.push_back(std::move(c));
         } catch (const ResourceError&) {
@@ -308,7 +312,8 @@ VerifyReport verify(const std::string& path) {
         }
       }
     } else {
-      chunks = e.chunks;
+      for (const auto& c : e.chunks)
+        if (unit++ % parts == part) chunks.push_back(c);
     }
     for (const auto& c : chunks) {
       try {
@@ -406,7 +411,7 @@ std::string abandon_output_in_progress() {
 void consolidate(const std::string& src, const std::string& out, bool force) {
   CheckpointMetadata m = open_checkpoint(src);
   check_not_source(src, m, out);
-  check_output(out, force, false);
+  check_output(out, force, OutputKind::File, "consolidate", false);
   publish_via_temp(out, false, [&](const std::string& tmp) { write_consolidated(m, tmp); });
 }
 
@@ -415,7 +420,7 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
                 kMaxReshardWorldSize, ", got ", world_size);
   CheckpointMetadata m = open_checkpoint(src);
   check_not_source(src, m, out);
-  check_output(out, force, false);
+  check_output(out, force, OutputKind::Directory, "reshard", false);
   ChunkReader reader(m);
   publish_via_temp(out, true, [&](const std::string& tmp) {
     CheckpointMetadata o;
@@ -467,13 +472,13 @@ void export_checkpoint(const std::string& src, ExportFormat format, const std::s
   if (format == ExportFormat::Safetensors) {
     CheckpointMetadata m = open_checkpoint(src);
     check_not_source(src, m, out);
-    check_output(out, force, true);
+    check_output(out, force, OutputKind::File, "export", true);
     publish_via_temp(out, false, [&](const std::string& tmp) { write_consolidated(m, tmp); });
     return;
   }
   CheckpointMetadata m = open_checkpoint(src);
   check_not_source(src, m, out);
-  check_output(out, force, true);
+  check_output(out, force, OutputKind::File, "export", true);
   ChunkReader reader(m);
   publish_via_temp(out, false, [&](const std::string& tmp) {
     {

@@ -28,6 +28,11 @@ struct VerifyReport {
 // throws for a bad checkpoint; throws ResourceError (safetensors.h) when this process runs
 // out of a resource (descriptors) that says nothing about the checkpoint.
 VerifyReport verify(const std::string& path);
+// One part of that work, for `parts` processes verifying one checkpoint together (the
+// collective checkpoint::find_resumable): every part opens the metadata and checks it; part
+// `part` checks the data files r and the chunks i with r, i = part (mod parts). The parts'
+// problems together are verify(path)'s.
+VerifyReport verify(const std::string& path, int part, int parts);
 
 // The most ranks `reshard` writes a checkpoint for (one data file per rank).
 constexpr int kMaxReshardWorldSize = 65536;
