@@ -161,28 +161,6 @@ at::Tensor read_box(Files& files, const Out& o, const sharding::Box& box) {
   return o.dtype == o.stored ? t : t.to(o.dtype);
 }
 
-// Output paths as import-dcp takes them (its check_output, with this command's name).
-void check_output(const std::string& out, bool force) {
-  std::string bare = out;
-  while (bare.size() > 1 && bare.back() == '/') bare.pop_back();
-  struct stat st;
-  TESSERA_CHECK(::lstat(bare.c_str(), &st) != 0 || !S_ISLNK(st.st_mode), "output '", out,
-                "' is a symbolic link: import-xla neither replaces a link nor writes through one; give the path of "
-                "the directory to write");
-  const std::string suffix = ".safetensors";
-  TESSERA_CHECK(bare.size() < suffix.size() || bare.compare(bare.size() - suffix.size(), suffix.size(), suffix) != 0,
-                "output '", out, "' ends in .safetensors, but import-xla writes a sharded checkpoint (a directory); "
-                "give a directory name, then `tessera ckpt consolidate DIR -o ", base_name(bare),
-                "` writes one safetensors file");
-  if (!path_exists(out)) {
-    TESSERA_CHECK(is_directory(parent_dir(out)), "output '", out, "': directory '", parent_dir(out),
-                  "' does not exist");
-    return;
-  }
-  TESSERA_CHECK(force, "output '", out, "' exists; pass --force to replace it");
-  check_replaceable(out);
-}
-
 // Reads every rank file and checks that together they are one checkpoint: one world
 // size, every rank once, the same shard_metadata and the same model keys and shard shapes.
 std::vector<RankFile> read_ranks(const std::vector<std::string>& files) {
@@ -282,6 +260,8 @@ class Planner {
       base.per = ref.numel();
       base.dim0 = ref.sizes.size() != 1;
       const int64_t orig = checked_numel(info->orig_size, where);
+      // torch_xla shards a parameter flat (1-d) or along dim 0 (at least 1-d): never 0-d.
+      TESSERA_CHECK(!ref.sizes.empty(), where, ": a 0-d shard (torch_xla writes flat or dim-0 shards)");
       if (base.dim0) {  // shard_param_on_dim_0: rows [r·R, (r+1)·R) of the padded parameter
         const int64_t rows = info->orig_size.empty() ? 1 : info->orig_size[0];
         TESSERA_CHECK(info->orig_size.size() == ref.sizes.size() &&
@@ -535,7 +515,7 @@ XlaImportResult import_xla(const std::string& input, const std::string& out, boo
                     "' (--force does not change this). Choose another output");
     }
   }
-  check_output(out, force);
+  if (check_output_path(out, force, OutputKind::Directory, "import-xla")) check_replaceable(out);
   const std::vector<RankFile> ranks = read_ranks(files);
   XlaImportResult res;
   res.world_size = static_cast<int>(ranks.size());
