@@ -1,6 +1,7 @@
 // Rank programs for the runtime tests: collectives, subgroups, failures.
 #include <ATen/ATen.h>
 #include <signal.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
 #include <chrono>
@@ -457,5 +458,60 @@ SCENARIO("restart_then_reduce") {
     }
   }
   c->barrier();
+  return 0;
+}
+
+// fail_after_done BAD FAIL_ROUNDS: one rank per node, under launchers with --max-restarts:
+// every rank meets the others (sums its rank); in the first FAIL_ROUNDS rounds the others
+// exit 0 at once, and rank BAD exits 5 only once another node's launcher has counted its
+// ranks done in the launchers' store (the round's "done" key, launch_rounds.h): a failure
+// that comes after another node finished the round. Later rounds exit 0 after the sum.
+SCENARIO("fail_after_done") {
+  const int bad = static_cast<int>(args.int_arg(0, 1));
+  const int fail_rounds = static_cast<int>(args.int_arg(1, 1));
+  const char* count_env = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  WCHECK(count_env != nullptr, "TORCHELASTIC_RESTART_COUNT is not set");
+  const int count = std::stoi(count_env);
+  auto c = comm();
+  at::Tensor t = at::full({1}, static_cast<double>(c->rank()));
+  c->all_reduce(t);
+  std::cout << "restart count " << count << " rank " << c->rank() << " of " << c->size() << " reduced "
+            << t[0].item<double>() << std::endl;
+  if (count >= fail_rounds || c->rank() != bad) return 0;
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(std::stoi(std::getenv("MASTER_PORT")));
+  so.isServer = false;
+  so.waitWorkers = false;
+  so.timeout = std::chrono::seconds(30);
+  c10d::TCPStore store(std::getenv("MASTER_ADDR"), so);
+  const std::string done = "tessera/launch/" + std::to_string(count) + "/done";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (store.add(done, 0) < 1) {
+    WCHECK(std::chrono::steady_clock::now() < until, "no other node finished round ", count, " within 60 s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::cout << "failing after another node finished round " << count << std::endl;
+  return 5;
+}
+
+// flood_on FILE BYTES: every rank meets the others and says so ("met rank R"); the last
+// rank then waits for FILE to exist and writes BYTES bytes of output in 1000-byte lines
+// (far more than a pipe holds: it gets through only while its launcher reads), says
+// "flooded", and every rank waits up to 60 s to be stopped.
+SCENARIO("flood_on") {
+  const std::string file = args.arg(0);
+  const int64_t bytes = args.int_arg(1, 1 << 20);
+  auto c = comm();
+  c->barrier();
+  std::cout << "met rank " << c->rank() << std::endl;
+  if (c->rank() == c->size() - 1) {
+    for (int i = 0; i < 3000 && !std::ifstream(file).good(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    WCHECK(std::ifstream(file).good(), file, " did not appear within 60 s");
+    const std::string line(999, 'x');
+    for (int64_t n = 0; n < bytes; n += 1000) std::cout << line << '\n';
+    std::cout << "flooded " << bytes << " bytes rank " << c->rank() << std::endl;
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(60));
   return 0;
 }

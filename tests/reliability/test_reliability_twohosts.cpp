@@ -198,3 +198,39 @@ TEST_F(ReliabilityTwoHosts, KilledNodeLauncherIsNamedByTheOthers) {
   std::cout << "[twohosts] node 1's launcher killed: node 0 exited " << WEXITSTATUS(st) << " after " << dt
             << " ms naming it" << std::endl;
 }
+
+// Node 0 cut off (its end of the link down: packets dropped, no connection closed) while
+// every rank sleeps: node 1's launcher is held up by no store call to node 0, and once one
+// has gone unanswered for --rdzv-timeout it stops its ranks and exits 1 naming node 0,
+// without trying a restart that could not meet.
+TEST_F(ReliabilityTwoHosts, PartitionedNode0IsNamedByTheOthersAfterTheTimeout) {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> args = {"restart_then_reduce", "-1", "100"},
+                                 flags = {"--max-restarts", "1", "--rdzv-timeout", "5", "--grace", "1"};
+  Child n0 = start_node(0, port, args, flags), n1 = start_node(1, port, args, flags);
+  ASSERT_GT(n0.pid, 0);
+  ASSERT_GT(n1.pid, 0);
+  const bool met = n1.wait_for("restart count 0 rank 3", 120000) && n0.wait_for("restart count 0 rank 0", 30000);
+  if (!met) ::kill(-n0.pid, SIGKILL), ::kill(-n1.pid, SIGKILL);
+  ASSERT_TRUE(met) << "--- node 0:\n" << n0.text << "\n--- node 1:\n" << n1.text;
+  auto [rc, out] = run_command("ip -n " + a + " link set " + va + " down");
+  if (rc != 0) ::kill(-n0.pid, SIGKILL), ::kill(-n1.pid, SIGKILL);
+  ASSERT_EQ(rc, 0) << "cannot take node 0's link down: " << out;
+  const int64_t t_cut = steady_ms();
+  const int st = n1.wait_exit(60000);
+  const int64_t dt = steady_ms() - t_cut;
+  ::kill(-n0.pid, SIGKILL);
+  n0.wait_exit(10000);
+  if (st == -1) ::kill(-n1.pid, SIGKILL), n1.wait_exit(10000);
+  ASSERT_NE(st, -1) << "node 1's launcher still runs " << dt << " ms after node 0 was cut off\n" << n1.text;
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << n1.text;
+  EXPECT_NE(n1.text.find("node 0's launcher (the launchers' store at " + ip_a + ":" + port +
+                         ") has not answered for 5 s (--rdzv-timeout)"),
+            std::string::npos)
+      << n1.text;
+  EXPECT_EQ(n1.text.find("restart 1 of at most 1"), std::string::npos) << n1.text;
+  EXPECT_LT(dt, 30000) << n1.text;
+  EXPECT_FALSE(group_alive(n1.pid));
+  std::cout << "[twohosts] node 0 cut off: node 1 exited " << WEXITSTATUS(st) << " after " << dt << " ms naming it"
+            << std::endl;
+}

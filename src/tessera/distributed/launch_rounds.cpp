@@ -1,11 +1,15 @@
 #include "tessera/distributed/launch_rounds.h"
 
 #include <c10/util/Logging.h>
+#include <pthread.h>
+#include <signal.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
-#include <thread>
-#include <vector>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 
 #include "tessera/core/error.h"
 #include "tessera/distributed/rendezvous.h"  // find_free_port, short_error
@@ -14,6 +18,9 @@ namespace tessera::distributed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// How often the launcher's thread asks Stop while it waits, and polls the store.
+constexpr std::chrono::milliseconds kTick{20};
 
 std::string as_string(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 std::vector<uint8_t> as_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
@@ -38,7 +45,38 @@ std::string node_list(const std::vector<int>& nodes) {
   return s;
 }
 
+std::string round_name(int round) { return round == 0 ? std::string("the job") : concat("restart round ", round); }
+
+// Seconds, to a tenth.
+double seconds(Clock::duration d) {
+  return std::round(std::chrono::duration_cast<std::chrono::milliseconds>(d).count() / 100.0) / 10.0;
+}
+
+// The failure reported under `key`, if any.
+std::optional<std::string> reported(c10d::Store& s, const std::string& key) {
+  if (!s.check({key})) return std::nullopt;
+  return as_string(s.get(key));
+}
+
 }  // namespace
+
+// One store call, posted by the launcher's thread and made by the store thread.
+struct LaunchRounds::Call {
+  Run run;
+  Clock::time_point posted;
+  // Written by the store thread, read by the launcher's thread once `done`: under Shared::mu.
+  bool done = false;
+  Answer answer;
+  std::string error;  // the store's error, or why there is no store; "" when answered
+};
+
+struct LaunchRounds::Shared {
+  std::mutex mu;
+  std::condition_variable cv;               // a call posted or answered, quit, the thread's end
+  std::deque<std::shared_ptr<Call>> queue;  // in order; the first one is being made
+  bool quit = false;                        // answer what is queued, then end
+  bool exited = false;
+};
 
 LaunchRounds::LaunchRounds(const std::string& addr, int port, int nnodes, int node_rank,
                            std::chrono::milliseconds timeout)
@@ -49,96 +87,223 @@ LaunchRounds::LaunchRounds(const std::string& addr, int port, int nnodes, int no
   }
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(port_);
-  so.isServer = node_rank == 0;
   so.waitWorkers = false;
   so.timeout = timeout;
-  QuietC10Log quiet;
-  try {
-    store_ = c10::make_intrusive<c10d::TCPStore>(so.isServer ? std::string("0.0.0.0") : addr, so);
-  } catch (const std::exception& e) {
-    if (so.isServer)
-      throw Error(concat("tessera run: node 0 cannot start the launchers' store on port ", port_,
+  if (node_rank == 0) {
+    so.isServer = true;
+    QuietC10Log quiet;
+    try {
+      store_ = c10::make_intrusive<c10d::TCPStore>(std::string("0.0.0.0"), so);
+    } catch (const std::exception& e) {
+      throw Error(concat("node 0 cannot start the launchers' store on port ", port_,
                          " (--master-port; is another job using it?): ", short_error(e)));
-    throw Error(concat("tessera run: node ", node_rank, " cannot reach node 0's launcher at ", addr, ":", port_,
-                       " (--master-addr:--master-port) within ", timeout.count() / 1000.0, " s: ", short_error(e)));
+    }
   }
+  if (nnodes == 1) return;  // no other node to wait for: the store only hosts the ranks'
+  // The store thread holds everything it uses (never `this`): the launcher may end while
+  // it still waits for a node 0 that does not answer.
+  shared_ = std::make_shared<Shared>();
+  const std::string where = concat("the launchers' store at ", addr, ":", port_);
+  const std::string unreachable = concat("node ", node_rank, " cannot reach node 0's launcher at ", addr, ":", port_,
+                                         " (--master-addr:--master-port) within ", timeout.count() / 1000.0, " s: ");
+  // The launcher's handlers of INT/TERM/HUP (launcher.cpp) are to run on its own thread,
+  // which stops waiting here when they do: the store thread starts with them blocked.
+  sigset_t launcher_signals, mask;
+  sigemptyset(&launcher_signals);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&launcher_signals, sig);
+  pthread_sigmask(SIG_BLOCK, &launcher_signals, &mask);
+  thread_ = std::thread([shared = shared_, store = store_, so, addr, where, unreachable]() mutable {
+    std::string no_store;
+    if (!store) {
+      QuietC10Log quiet;
+      try {
+        store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+      } catch (const std::exception& e) {
+        no_store = unreachable + short_error(e);
+      }
+    }
+    std::unique_lock<std::mutex> lock(shared->mu);
+    for (;;) {
+      shared->cv.wait(lock, [&] { return shared->quit || !shared->queue.empty(); });
+      if (shared->queue.empty()) break;  // told to quit, and every call answered
+      const std::shared_ptr<Call> call = shared->queue.front();
+      lock.unlock();
+      Answer answer;
+      std::string error = no_store;
+      if (store) {
+        try {
+          call->run(*store, answer);
+        } catch (const std::exception& e) {
+          error = concat(where, " no longer answers (node 0's launcher is gone?): ", short_error(e));
+        }
+      }
+      lock.lock();
+      call->answer = std::move(answer);
+      call->error = std::move(error);
+      call->done = true;
+      shared->queue.pop_front();
+      shared->cv.notify_all();
+    }
+    shared->exited = true;
+    shared->cv.notify_all();
+  });
+  pthread_sigmask(SIG_SETMASK, &mask, nullptr);
 }
 
-LaunchRounds::~LaunchRounds() = default;
+LaunchRounds::~LaunchRounds() {
+  if (!thread_.joinable()) return;
+  bool exited = false;
+  {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    shared_->quit = true;
+    shared_->cv.notify_all();
+    exited = shared_->cv.wait_for(lock, std::chrono::seconds(2), [&] { return shared_->exited; });
+  }
+  if (exited)
+    thread_.join();
+  else
+    thread_.detach();  // waiting for node 0 (Shared and its store client live as long as it)
+}
 
 std::string LaunchRounds::key(int round, const std::string& what) const {
   return concat("tessera/launch/", round, "/", what);
 }
 
-std::string LaunchRounds::join(int round) {
-  const auto gone = [&](const std::exception& e) {
-    return concat("the launchers' store at ", addr_, ":", port_, " no longer answers (node 0's launcher is gone?): ",
-                  short_error(e));
-  };
-  int64_t joined = 0;
-  try {
-    store_->set(key(round, concat("node", node_rank_)), as_bytes("1"));
-    joined = store_->add(key(round, "joined"), 1);
-  } catch (const std::exception& e) {
-    return gone(e);
-  }
-  const auto until = Clock::now() + timeout_;
-  while (joined < nnodes_) {
-    if (Clock::now() >= until) {
-      std::vector<int> missing;
-      try {
-        for (int n = 0; n < nnodes_; ++n)
-          if (!store_->check({key(round, concat("node", n))})) missing.push_back(n);
-      } catch (const std::exception& e) {
-        return gone(e);
-      }
-      return concat(missing.size() == 1 ? "node " : "nodes ", node_list(missing), " did not join ",
-                    round == 0 ? std::string("the job") : concat("restart round ", round), " within ",
-                    timeout_.count() / 1000.0, " s (--rdzv-timeout): ", joined, " of ", nnodes_, " nodes joined");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    try {
-      joined = store_->add(key(round, "joined"), 0);
-    } catch (const std::exception& e) {
-      return gone(e);
-    }
-  }
-  return "";
+std::shared_ptr<LaunchRounds::Call> LaunchRounds::post(Run run) {
+  auto call = std::make_shared<Call>();
+  call->run = std::move(run);
+  call->posted = Clock::now();
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  shared_->queue.push_back(call);
+  shared_->cv.notify_all();
+  return call;
 }
 
-std::optional<std::string> LaunchRounds::failure(int round) {
-  if (nnodes_ == 1) return std::nullopt;
-  try {
-    const std::string k = key(round, "failed");
-    if (!store_->check({k})) return std::nullopt;
-    return as_string(store_->get(k));
-  } catch (const std::exception& e) {
-    return concat("the launchers' store at ", addr_, ":", port_, " no longer answers (node 0's launcher is gone?)");
+std::optional<LaunchRounds::Outcome> LaunchRounds::ask(Run run, Clock::time_point until, const Stop& stop,
+                                                       Answer& answer) {
+  const std::shared_ptr<Call> call = post(std::move(run));
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(shared_->mu);
+      if (shared_->cv.wait_until(lock, std::min(until, Clock::now() + kTick), [&] { return call->done; })) {
+        if (!call->error.empty()) return Outcome{Outcome::kError, call->error};
+        answer = call->answer;
+        return std::nullopt;
+      }
+    }
+    if (stop && stop()) return Outcome{Outcome::kStopped, ""};
+    if (Clock::now() >= until) return Outcome{Outcome::kError, silent(until - call->posted)};
   }
+}
+
+std::string LaunchRounds::silent(Clock::duration waited) const {
+  return concat("node 0's launcher (the launchers' store at ", addr_, ":", port_, ") has not answered for ",
+                seconds(waited), " s (--rdzv-timeout): node 0 is unreachable or stalled");
+}
+
+LaunchRounds::Outcome LaunchRounds::join(int round, const Stop& stop) {
+  if (nnodes_ == 1) return {};
+  const std::string joined_key = key(round, "joined"), mine = key(round, concat("node", node_rank_));
+  Answer a;
+  // The first call of nodes 1.. waits for their connection to node 0 as well (the store
+  // thread gives up on that after the timeout, with its own message).
+  const auto first_until = Clock::now() + (round == 0 && node_rank_ != 0 ? 2 : 1) * timeout_;
+  const auto join_round = [=](c10d::Store& s, Answer& r) {
+    s.set(mine, as_bytes("1"));
+    r.number = s.add(joined_key, 1);
+  };
+  if (auto out = ask(join_round, first_until, stop, a)) return *out;
+  const auto until = Clock::now() + timeout_;
+  while (a.number < nnodes_) {
+    if (stop && stop()) return {Outcome::kStopped, ""};
+    if (Clock::now() >= until) {
+      const int64_t joined = a.number;
+      const int nnodes = nnodes_;
+      const std::string node_key = key(round, "node");
+      const auto missing = [=](c10d::Store& s, Answer& r) {
+        for (int n = 0; n < nnodes; ++n)
+          if (!s.check({node_key + std::to_string(n)})) r.nodes.push_back(n);
+      };
+      if (auto out = ask(missing, Clock::now() + timeout_, stop, a)) return *out;
+      return {Outcome::kError,
+              concat(a.nodes.size() == 1 ? "node " : "nodes ", node_list(a.nodes), " did not join ", round_name(round),
+                     " within ", timeout_.count() / 1000.0, " s (--rdzv-timeout): ", joined, " of ", nnodes_,
+                     " nodes joined")};
+    }
+    std::this_thread::sleep_for(kTick);
+    const auto count = [=](c10d::Store& s, Answer& r) { r.number = s.add(joined_key, 0); };
+    if (auto out = ask(count, Clock::now() + timeout_, stop, a)) return *out;
+  }
+  return {};
+}
+
+std::optional<LaunchRounds::Outcome> LaunchRounds::news(int round) {
+  if (nnodes_ == 1) return std::nullopt;
+  if (lookup_) {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    if (!lookup_->done) {
+      if (Clock::now() - lookup_->posted < timeout_) return std::nullopt;  // no answer yet: no news
+      return Outcome{Outcome::kError, silent(timeout_)};
+    }
+    const std::shared_ptr<Call> done = std::move(lookup_);
+    lock.unlock();  // an answered call is no longer written
+    if (!done->error.empty()) return Outcome{Outcome::kError, done->error};
+    if (lookup_round_ == round && done->answer.text) return Outcome{Outcome::kFailed, *done->answer.text};
+  }
+  const std::string failed = key(round, "failed");
+  lookup_round_ = round;
+  lookup_ = post([failed](c10d::Store& s, Answer& r) { r.text = reported(s, failed); });
+  return std::nullopt;
 }
 
 void LaunchRounds::report_failure(int round, const std::string& message) {
   if (nnodes_ == 1) return;
-  try {
-    // compareSet keeps the first report: "" expected means "set only if absent".
-    store_->compareSet(key(round, "failed"), {}, as_bytes(concat("node ", node_rank_, ": ", message)));
-  } catch (const std::exception&) {
-    // The store is gone with node 0: the others learn of the failure from their ranks.
-  }
+  const std::string failed = key(round, "failed"), report = concat("node ", node_rank_, ": ", message);
+  // compareSet keeps the first report: "" expected means "set only if absent". With node 0
+  // gone it fails: the others learn of the failure from their ranks.
+  post([failed, report](c10d::Store& s, Answer&) { s.compareSet(failed, {}, as_bytes(report)); });
 }
 
-void LaunchRounds::finish(int round) {
-  if (nnodes_ == 1) return;
-  try {
-    int64_t done = store_->add(key(round, "done"), 1);
-    if (node_rank_ != 0) return;
-    const auto until = Clock::now() + timeout_;
-    while (done < nnodes_ && Clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      done = store_->add(key(round, "done"), 0);
-    }
-  } catch (const std::exception&) {
+LaunchRounds::Outcome LaunchRounds::finish(int round, const Stop& stop) {
+  if (nnodes_ == 1) return {};
+  const std::string done_key = key(round, "done"), failed = key(round, "failed");
+  // Counts this node as done (add 1) or looks again (add 0), and for a failure of the round.
+  const auto look = [=](int64_t add) -> Run {
+    return [=](c10d::Store& s, Answer& r) {
+      r.number = s.add(done_key, add);
+      r.text = reported(s, failed);
+    };
+  };
+  Answer a;
+  if (auto out = ask(look(1), Clock::now() + timeout_, stop, a)) return *out;
+  const auto until = Clock::now() + timeout_;
+  while (!a.text && a.number < nnodes_) {
+    if (stop && stop()) return {Outcome::kStopped, ""};
+    if (Clock::now() >= until)
+      return {Outcome::kReady, concat(nnodes_ - a.number, " of ", nnodes_, " nodes did not report the end of ",
+                                      round_name(round), " within ", timeout_.count() / 1000.0,
+                                      " s (--rdzv-timeout); this node's ranks all exited 0")};
+    std::this_thread::sleep_for(kTick);
+    if (auto out = ask(look(0), Clock::now() + timeout_, stop, a)) return *out;
   }
+  if (a.text) return {Outcome::kFailed, *a.text};
+  // Every node's ranks exited 0. The others say they saw it; node 0 keeps the store until
+  // then (bounded), so that none of them finds it gone in its last lookup.
+  const std::string left = key(round, "left");
+  const auto leave = [=](int64_t add) -> Run {
+    return [=](c10d::Store& s, Answer& r) { r.number = s.add(left, add); };
+  };
+  if (node_rank_ != 0) {
+    const auto out = ask(leave(1), Clock::now() + timeout_, stop, a);
+    return out && out->kind == Outcome::kStopped ? *out : Outcome{};  // node 0 gone now: the job is done anyway
+  }
+  const auto left_until = Clock::now() + timeout_;
+  for (a.number = 0; a.number < nnodes_ - 1 && Clock::now() < left_until;) {
+    if (stop && stop()) return {Outcome::kStopped, ""};
+    if (auto out = ask(leave(0), Clock::now() + timeout_, stop, a)) return *out;
+    if (a.number < nnodes_ - 1) std::this_thread::sleep_for(kTick);
+  }
+  return {};
 }
 
 }  // namespace tessera::distributed

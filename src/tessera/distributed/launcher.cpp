@@ -22,6 +22,7 @@
 
 #include "tessera/core/error.h"
 #include "tessera/distributed/launch_guard.h"
+#include "tessera/distributed/launch_output.h"
 #include "tessera/distributed/launch_rounds.h"
 #include "tessera/distributed/rendezvous.h"  // find_free_port
 
@@ -31,6 +32,7 @@ namespace tessera::distributed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using launch_output::Stream;
 
 int g_signal_pipe[2] = {-1, -1};
 std::atomic<int> g_last_signal{0};
@@ -44,19 +46,7 @@ void on_signal(int sig) {
   }
 }
 
-// Output of a rank not yet written is bounded: a line longer than kMaxPending bytes is
-// written in pieces of that size (the first with the "[rank R] " prefix, the rest
-// continuing it), so a rank that never ends its line costs the launcher at most this much.
-constexpr size_t kMaxPending = 64 * 1024;
-
-// One of a rank's two output streams.
-struct Stream {
-  int fd = -1;
-  std::string buf;         // text read but not yet written: no '\n' in it, at most kMaxPending bytes
-  bool open = false;       // a piece of the current line was written (prefix included), its end not yet
-  bool after_cr = false;   // the last text written or delivered ended with '\r'
-};
-
+// One rank of a generation: how it ended, and its output streams.
 struct Child {
   RankStatus status;
   Stream out, err;
@@ -80,187 +70,6 @@ std::vector<std::string> make_env(const std::map<std::string, std::string>& over
   }
   for (const auto& [k, v] : overrides) out.push_back(k + "=" + v);
   return out;
-}
-
-// A rank's live line. When the launcher writes the ranks' output itself and its stderr
-// is a terminal, text a rank redraws with '\r' on stderr (the Trainer's progress bar,
-// told by TESSERA_TTY_COLUMNS that a terminal shows it) is shown as it comes, as one
-// "[rank R] ..." line redrawn in place at the bottom: other output clears it, is
-// written, and the line is drawn again below; the rank's '\n' makes it a normal line.
-// Elsewhere (output to a file or a pipe, or handed to on_line) a '\r' ends a line like
-// '\n' for prefixing: each redraw is written as "[rank R] text\r", so a file keeps every
-// state and a terminal showing it later still shows one prefixed line; "\r\n" is one end.
-struct LiveLine {
-  bool enabled = false, on = false;
-  int rank = -1;
-  std::string shown;  // what the terminal line holds now
-};
-LiveLine g_live;
-
-// The stream whose line was left unfinished on the output (a piece of a long line), if
-// any. Anything else written first ends that line with '\n' (its rest comes later with
-// a fresh prefix), so that every line of the output starts with its rank's prefix; the
-// live line is not shown while a line is unfinished.
-Stream* g_open = nullptr;
-FILE* g_open_file = nullptr;
-
-std::string rank_prefix(int rank) { return "[rank " + std::to_string(rank) + "] "; }
-
-void live_write(const std::string& s) {
-  std::fwrite(s.data(), 1, s.size(), stderr);
-  std::fflush(stderr);
-}
-// "\r" + text, padded over what the line showed before.
-std::string live_redraw(const std::string& text) {
-  std::string s = "\r" + text;
-  if (text.size() < g_live.shown.size()) s.append(g_live.shown.size() - text.size(), ' ');
-  return s;
-}
-void live_clear() {
-  if (g_live.on && !g_open) live_write(live_redraw("") + "\r");
-}
-void live_restore() {
-  if (g_live.on && !g_open) live_write("\r" + g_live.shown);
-}
-// Ends the unfinished line (g_open), and shows the live line again below it.
-void end_open_line() {
-  if (!g_open) return;
-  std::fputc('\n', g_open_file);
-  std::fflush(g_open_file);
-  g_open->open = false;
-  g_open = nullptr;
-  g_open_file = nullptr;
-  live_restore();
-}
-// Ends the live line where it is (before the launcher's own messages and at the end).
-void live_end() {
-  end_open_line();
-  if (g_live.on) live_write("\n");
-  g_live.on = false;
-  g_live.shown.clear();
-}
-
-// Appends to `w` what the launcher writes for `text` of rank `rank` ended by `term`
-// ('\n', '\r', or 0 for a piece of a longer line). Sets ends_live when this ends the
-// live line (its final state becomes a normal line).
-void render(std::string& w, int rank, bool is_err, Stream& s, const std::string& text, char term, bool& ends_live) {
-  if (term == '\n' && text.empty() && s.after_cr && !s.open) {  // "\r\n": the line ended at the '\r'
-    w += '\n';
-    s.after_cr = false;
-    return;
-  }
-  size_t from = 0;
-  if (g_live.enabled) {  // on a terminal, text before a '\r' is overwritten: only the last state shows
-    const size_t r = text.rfind('\r');
-    if (r != std::string::npos) {
-      from = r + 1;
-      if (term == '\n' && g_live.on && is_err && rank == g_live.rank) ends_live = true;
-    }
-  }
-  if (!s.open) w += rank_prefix(rank);
-  w.append(text, from, std::string::npos);
-  if (term) w += term;
-  s.open = term == 0;
-  s.after_cr = term == '\r';
-}
-
-// The unfinished tail of a rank's stderr: when it redraws with '\r', shows its newest
-// state as the live line (one live line at a time; the first rank to draw keeps it).
-void live_update(const LaunchOptions& o, Child& c, std::string& buf) {
-  if (!g_live.enabled || o.on_line) return;
-  const size_t r = buf.rfind('\r');
-  if (r == std::string::npos || (g_live.on && g_live.rank != c.status.rank)) return;
-  buf.erase(0, r);  // earlier states are overwritten anyway
-  if (buf.size() == 1) return;  // "\r" alone: the text follows
-  end_open_line();
-  const std::string text = rank_prefix(c.status.rank) + buf.substr(1);
-  live_write(live_redraw(text));
-  g_live.on = true;
-  g_live.rank = c.status.rank;
-  g_live.shown = text;
-}
-
-// Writes (or hands to on_line) what a stream's buffer holds up to its last line end,
-// a line longer than kMaxPending in pieces of that size (the last one may be its end),
-// and at end of file (eof) the rest.
-void process(const LaunchOptions& o, Child& c, bool is_err, bool eof) {
-  Stream& s = is_err ? c.err : c.out;
-  std::string& buf = s.buf;
-  const int rank = c.status.rank;
-  std::string w;  // what this call writes (one write for all of it)
-  bool ends_live = false;
-  auto deliver = [&](size_t from, size_t len, char term) {
-    if (!o.on_line) {
-      render(w, rank, is_err, s, buf.substr(from, len), term, ends_live);
-      return;
-    }
-    if (!(term == '\n' && len == 0 && s.after_cr)) o.on_line(rank, is_err, buf.substr(from, len));
-    s.after_cr = term == '\r';
-  };
-  const char* ends = g_live.enabled ? "\n" : "\r\n";
-  size_t start = 0;
-  for (;;) {
-    const size_t p = buf.find_first_of(ends, start);
-    if (p == std::string::npos && g_live.enabled) {  // only the last state of a redrawn line will show
-      const size_t r = buf.rfind('\r');
-      if (r != std::string::npos && r > start) start = r;
-    }
-    const size_t len = (p == std::string::npos ? buf.size() : p) - start;
-    if (p != std::string::npos && len <= kMaxPending) {
-      deliver(start, len, buf[p]);
-      start = p + 1;
-    } else if (len >= kMaxPending) {
-      deliver(start, kMaxPending, 0);
-      start += kMaxPending;
-    } else {
-      break;
-    }
-  }
-  if (eof && (start < buf.size() || (!o.on_line && (s.open || s.after_cr)))) {
-    deliver(start, buf.size() - start, '\n');
-    start = buf.size();
-  }
-  buf.erase(0, start);
-  if (!w.empty()) {
-    FILE* f = is_err ? stderr : stdout;
-    if (g_open && g_open != &s) end_open_line();
-    live_clear();
-    if (ends_live) {
-      g_live.on = false;
-      g_live.shown.clear();
-    }
-    std::fflush(stdout);
-    std::fwrite(w.data(), 1, w.size(), f);
-    std::fflush(f);
-    if (s.open) {
-      g_open = &s;
-      g_open_file = f;
-    } else {
-      if (g_open == &s) g_open = nullptr;
-      live_restore();
-    }
-  }
-  if (is_err && !eof) live_update(o, c, buf);
-}
-
-// Reads what is available from the stream; returns false at EOF or error.
-bool pump(const LaunchOptions& o, Child& c, bool is_err) {
-  Stream& s = is_err ? c.err : c.out;
-  char tmp[65536];
-  for (;;) {
-    ssize_t n = ::read(s.fd, tmp, sizeof(tmp));
-    if (n > 0) {
-      s.buf.append(tmp, static_cast<size_t>(n));
-      process(o, c, is_err, false);
-      continue;
-    }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-    if (n < 0 && errno == EINTR) continue;
-    process(o, c, is_err, true);
-    ::close(s.fd);
-    s.fd = -1;
-    return false;
-  }
 }
 
 // ---- Signals received by the launcher, forwarded to the ranks for the whole launch.
@@ -482,7 +291,9 @@ std::vector<const RankStatus*> RankGroup::poll(int ms, int extra_fd, bool* extra
   if (extra_fd >= 0) fds.push_back({extra_fd, POLLIN, 0});
   ::poll(fds.data(), fds.size(), ms);
   for (size_t k = 0; k < owners.size(); ++k) {
-    if (fds[k].revents & (POLLIN | POLLHUP | POLLERR)) pump(o_, children_[owners[k].first], owners[k].second);
+    if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    Child& c = children_[owners[k].first];
+    launch_output::pump(o_, c.status.rank, owners[k].second, owners[k].second ? c.err : c.out);
   }
   if (extra_ready) *extra_ready = extra_fd >= 0 && (fds.back().revents & POLLIN);
   std::vector<const RankStatus*> reaped;
@@ -516,7 +327,7 @@ std::vector<RankStatus> RankGroup::close() {
   std::vector<RankStatus> out;
   if (closed_) return out;
   closed_ = true;
-  end_open_line();  // a rank whose pipe stayed open past the drain: end its line
+  launch_output::end_open_line();  // a rank whose pipe stayed open past the drain: end its line
   // A rank never reaped here (the launcher failed itself) is killed and reaped, so that
   // no generation outlives its group.
   for (auto& c : children_) {
@@ -542,7 +353,6 @@ struct RoundEnd {
   int failed_rank = -1;
   std::string message;
   bool restartable = false;  // a rank failed (or another node's did): a new round may help
-  bool remote = false;       // ended because another node reported a failure
   std::vector<RankStatus> ranks;
 };
 
@@ -553,12 +363,23 @@ struct LaunchState {
   SignalForwarder& signals;
   LaunchGuard& guard;
   LaunchRounds* rounds = nullptr;  // with --max-restarts: the launchers' rendezvous
-  int forwarded_signal = 0;
+  int received_signal = 0;         // the first one: forwarded to the ranks, or ending the launch between rounds
 };
 
 void say(const std::string& what) {
-  live_end();
+  launch_output::live_end();
   std::fprintf(stderr, "tessera run: %s\n", what.c_str());
+}
+
+// Between rounds no rank runs to forward a signal to: one that arrives while the
+// launchers wait for each other, or before a round starts, ends the launch there
+// (LaunchRounds asks this every 20 ms while it waits).
+bool stop_requested(LaunchState& L) {
+  for (int sig : L.signals.take()) {
+    if (!L.received_signal) L.received_signal = sig;
+    say(concat("received signal ", sig, " (", strsignal(sig), ") while no rank runs; stopping"));
+  }
+  return L.received_signal != 0;
 }
 
 // Watches one generation until every rank has exited (and its output is drained):
@@ -590,7 +411,7 @@ RoundEnd supervise(LaunchState& L, RankGroup& g, int round, const std::string& s
     const auto reaped = g.poll(50, L.signals.fd(), &signalled);
     if (signalled) {
       for (int sig : L.signals.take()) {
-        if (!L.forwarded_signal) L.forwarded_signal = sig;
+        if (!L.received_signal) L.received_signal = sig;
         say(concat("received signal ", sig, " (", strsignal(sig), "); forwarding it to the ranks"));
         g.signal(sig);
         if (!kill_at) kill_at = Clock::now() + o.grace;
@@ -616,11 +437,12 @@ RoundEnd supervise(LaunchState& L, RankGroup& g, int round, const std::string& s
     const auto now = Clock::now();
     if (L.rounds && !kill_at && g.any_running() && now >= next_remote_check) {
       next_remote_check = now + std::chrono::milliseconds(200);
-      if (auto other = L.rounds->failure(round)) {
+      // Never waits on node 0 (a lookup is under way or not): output and exits go on.
+      if (auto news = L.rounds->news(round)) {
         end.exit_code = 1;
-        end.restartable = true;
-        end.remote = true;
-        end.message = concat(*other, "; stopping this node's ranks");
+        // Another node's failure: a new round may help. Node 0's store lost: none can start.
+        end.restartable = news->kind == LaunchRounds::Outcome::kFailed;
+        end.message = concat(news->message, "; stopping this node's ranks");
         say(end.message);
         g.mark_stopped();
         stop_all(now);
@@ -637,7 +459,7 @@ RoundEnd supervise(LaunchState& L, RankGroup& g, int round, const std::string& s
     if (!g.any_running() && !drain_until) drain_until = Clock::now() + std::chrono::seconds(2);
   }
   end.ranks = g.close();
-  if (L.forwarded_signal || !spawn_error.empty()) end.restartable = false;
+  if (L.received_signal || !spawn_error.empty()) end.restartable = false;
   return end;
 }
 
@@ -665,8 +487,7 @@ LaunchResult launch(const LaunchOptions& o) {
   RoundSetup setup;
   const bool live = !o.on_line && ::isatty(2);
   if (live) {
-    g_live = LiveLine{};
-    g_live.enabled = true;
+    launch_output::live_start();
     struct winsize ws {};
     setup.live_columns = ::ioctl(2, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 20 ? ws.ws_col : 80;
   }
@@ -684,29 +505,41 @@ LaunchResult launch(const LaunchOptions& o) {
     L.rounds = rounds.get();
     setup.agent_store = true;
   }
+  const LaunchRounds::Stop stop = [&L] { return stop_requested(L); };
+  bool idle_stop = false;  // ended by a signal while no rank ran
   for (int round = 0; rounds || o.max_restarts == 0; ++round) {
     setup.round = round;
     setup.port = rounds ? rounds->port() : (o.master_port ? o.master_port : find_free_port());
     if (rounds) {
-      const std::string joined = rounds->join(round);
-      if (!joined.empty()) {
+      const LaunchRounds::Outcome joined = rounds->join(round, stop);
+      if (joined.kind == LaunchRounds::Outcome::kError) {
         result.exit_code = result.exit_code ? result.exit_code : 1;
-        result.message = result.message.empty() ? joined : concat(result.message, "; then ", joined);
-        say(joined);
+        result.message = result.message.empty() ? joined.message : concat(result.message, "; then ", joined.message);
+        say(joined.message);
         break;
       }
     }
+    idle_stop = stop();
+    if (idle_stop) break;  // no rank of this round started
     RankGroup group(o, guard);
     const std::string spawn_error = group.start(setup);
     RoundEnd end = supervise(L, group, round, spawn_error, group.exec_failed_rank());
+    if (rounds && end.exit_code == 0 && !L.received_signal) {
+      // This node's ranks all exited 0: the round is over when every node's did, and failed
+      // when another node's failed meanwhile (then the next round starts on every node).
+      const LaunchRounds::Outcome fin = rounds->finish(round, stop);
+      if (fin.kind == LaunchRounds::Outcome::kFailed || fin.kind == LaunchRounds::Outcome::kError) {
+        end.exit_code = 1;
+        end.restartable = fin.kind == LaunchRounds::Outcome::kFailed;
+        end.message = end.restartable ? concat(fin.message, "; this node's ranks had all exited 0") : fin.message;
+      }
+      if (!fin.message.empty()) say(fin.kind == LaunchRounds::Outcome::kReady ? fin.message : end.message);
+    }
     result.ranks = std::move(end.ranks);
     result.exit_code = end.exit_code;
     result.failed_rank = end.failed_rank;
     result.message = end.message;
-    if (end.exit_code == 0 && !L.forwarded_signal) {
-      if (rounds) rounds->finish(round);
-      break;
-    }
+    if (end.exit_code == 0 && !L.received_signal) break;
     if (!end.restartable || round >= o.max_restarts) {
       if (end.restartable && o.max_restarts > 0)
         say(concat("giving up: the job failed ", round + 1, " time(s) and --max-restarts is ", o.max_restarts));
@@ -716,14 +549,15 @@ LaunchResult launch(const LaunchOptions& o) {
     ++result.restarts;
     say(concat("restart ", round + 1, " of at most ", o.max_restarts, ": starting every rank again"));
   }
-  if (live) {
-    live_end();
-    g_live = LiveLine{};
-  }
+  if (live) launch_output::live_stop();
   guard.finish();
-  if (L.forwarded_signal && result.failed_rank < 0 && result.exit_code == 0) {
-    result.exit_code = 128 + L.forwarded_signal;
-    result.message = concat("stopped by signal ", L.forwarded_signal);
+  if (idle_stop) {  // after a failed round, too: the signal is why the launch ends
+    result.exit_code = 128 + L.received_signal;
+    result.failed_rank = -1;
+    result.message = concat("stopped by signal ", L.received_signal, " while no rank ran");
+  } else if (L.received_signal && result.failed_rank < 0 && result.exit_code == 0) {
+    result.exit_code = 128 + L.received_signal;
+    result.message = concat("stopped by signal ", L.received_signal);
   }
   result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - L.start);
   return result;

@@ -9,7 +9,7 @@
 //
 // Inside (launcher.cpp): a RankGroup is one generation of ranks (start, poll, signal,
 // close, as torch elastic's PContext), supervise() watches one until it ends, and
-// launch() runs the rounds.
+// launch() runs the rounds; launch_output.cpp writes the ranks' output.
 #pragma once
 #include <chrono>
 #include <functional>
@@ -51,7 +51,10 @@ struct LaunchOptions {
   // forwarded signal, the deadline, or a program that cannot be executed.
   int max_restarts = 0;
   // How long the launchers wait for every node to join a round (and node 1.. to reach
-  // node 0's launcher); a node missing after it is named and the launch fails.
+  // node 0's launcher); a node missing after it is named and the launch fails. Also how
+  // long node 0's store may leave a lookup unanswered (a partition) before the other
+  // nodes stop their ranks and fail, naming it. A signal ends any of these waits (exit
+  // 128+signal, no round started after it).
   std::chrono::milliseconds rdzv_timeout{std::chrono::seconds(300)};
 };
 
