@@ -226,7 +226,9 @@ TEST(TesseraRun, SilentNode0HoldsUpNeitherOutputNorExitsAndIsNamed) {
   const std::string dir = tessera::testing::temp_dir("tessera-run-partition"), go = dir + "/go";
   const int port = tessera::testing::free_port();
   Relay relay(port);
-  const std::vector<std::string> flags = {"--max-restarts", "1", "--rdzv-timeout", "6", "--grace", "1"},
+  // --rdzv-timeout 15: node 0 may take seconds to start on a loaded machine, and node 1's
+  // launcher gives up on a node 0 that has not answered for that long.
+  const std::vector<std::string> flags = {"--max-restarts", "1", "--rdzv-timeout", "15", "--grace", "1"},
                                  program = {TESSERA_WORKER, "flood_on", go, "1048576"};
   Launcher n0 = start_node(0, port, flags, program), n1 = start_node(1, relay.port(), flags, program);
   ASSERT_GT(n0.c.pid, 0);
@@ -243,12 +245,12 @@ TEST(TesseraRun, SilentNode0HoldsUpNeitherOutputNorExitsAndIsNamed) {
   EXPECT_TRUE(n1.c.wait_for("[rank 1] flooded 1048576 bytes rank 1", 3000))
       << "node 1's launcher stopped reading its rank's output while node 0 did not answer ("
       << tessera::testing::steady_ms() - t_go << " ms)";
-  ASSERT_TRUE(n1.wait(30000)) << "node 1's launcher did not end after node 0 went silent";
+  ASSERT_TRUE(n1.wait(60000)) << "node 1's launcher did not end after node 0 went silent";
   EXPECT_EQ(n1.exit_code(), 1);
   const size_t flooded = n1.c.text.rfind("flooded");
   const std::string tail = n1.c.text.substr(flooded == std::string::npos ? 0 : flooded);
   EXPECT_NE(tail.find("tessera run: node 0's launcher (the launchers' store at 127.0.0.1:" +
-                      std::to_string(relay.port()) + ") has not answered for 6 s (--rdzv-timeout)"),
+                      std::to_string(relay.port()) + ") has not answered for 15 s (--rdzv-timeout)"),
             std::string::npos)
       << tail;
   EXPECT_NE(tail.find("stopping this node's ranks"), std::string::npos) << tail;
