@@ -87,6 +87,14 @@ Launcher start_node(int node, int port, const std::vector<std::string>& flags,
   return Launcher{tessera::testing::spawn(cmd, {{"TESSERA_TEST_TIMEOUT_MS", "30000"}})};
 }
 
+// Waits for both launchers (node 1's up to 90 s, then node 0's up to 30 s) and returns both
+// outputs, for the failure messages.
+std::string wait_both(Launcher& n0, Launcher& n1) {
+  n1.wait(90000);
+  n0.wait(30000);
+  return "--- node 0:\n" + n0.c.text + "\n--- node 1:\n" + n1.c.text;
+}
+
 }  // namespace
 
 // Ctrl-C / SIGTERM while node 0's launcher waits for a node that does not come (joining the
@@ -142,9 +150,7 @@ TEST(TesseraRun, FailureAfterAnotherNodeFinishedRestartsEveryNode) {
   ASSERT_GT(n0.c.pid, 0);
   ASSERT_GT(n1.c.pid, 0);
   const int64_t t0 = tessera::testing::steady_ms();
-  n1.wait(90000);
-  n0.wait(30000);
-  const std::string both = "--- node 0:\n" + n0.c.text + "\n--- node 1:\n" + n1.c.text;
+  const std::string both = wait_both(n0, n1);
   EXPECT_EQ(n0.exit_code(), 0) << both;
   EXPECT_EQ(n1.exit_code(), 0) << both;
   EXPECT_NE(n1.c.text.find("[rank 1] failing after another node finished round 0"), std::string::npos) << both;
@@ -166,9 +172,7 @@ TEST(TesseraRun, FailureAfterAnotherNodeFinishedWithNoRestartLeftFailsTheJob) {
   Launcher n0 = start_node(0, port, flags, program), n1 = start_node(1, port, flags, program);
   ASSERT_GT(n0.c.pid, 0);
   ASSERT_GT(n1.c.pid, 0);
-  n1.wait(90000);
-  n0.wait(30000);
-  const std::string both = "--- node 0:\n" + n0.c.text + "\n--- node 1:\n" + n1.c.text;
+  const std::string both = wait_both(n0, n1);
   EXPECT_EQ(n0.exit_code(), 1) << both;
   EXPECT_EQ(n1.exit_code(), 5) << both;
   EXPECT_NE(n1.c.text.find("[rank 1] failing after another node finished round 1"), std::string::npos) << both;

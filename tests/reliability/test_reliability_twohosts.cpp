@@ -92,6 +92,24 @@ class ReliabilityTwoHosts : public ::testing::Test {
     return spawn(cmd, {{"GLOO_SOCKET_IFNAME", i == 0 ? va : vb}, {"TESSERA_TEST_TIMEOUT_MS", "60000"}});
   }
 
+  // Both nodes started with `args` and `flags` (start_node), and every rank of both in
+  // round 0 ("restart count 0 rank R" from restart_then_reduce); when they do not meet, both
+  // are killed and `met` is false.
+  struct Met {
+    Child n0, n1;
+    bool met = false;
+  };
+  Met start_and_meet(const std::string& port, const std::vector<std::string>& args,
+                     const std::vector<std::string>& flags) {
+    Met m{start_node(0, port, args, flags), start_node(1, port, args, flags)};
+    EXPECT_GT(m.n0.pid, 0);
+    EXPECT_GT(m.n1.pid, 0);
+    if (m.n0.pid <= 0 || m.n1.pid <= 0) return m;
+    m.met = m.n1.wait_for("restart count 0 rank 3", 120000) && m.n0.wait_for("restart count 0 rank 0", 30000);
+    if (!m.met) ::kill(-m.n0.pid, SIGKILL), ::kill(-m.n1.pid, SIGKILL);
+    return m;
+  }
+
   // One `tessera run` per namespace (2 ranks each) running the worker with `args`.
   Nodes run_nodes(const std::vector<std::string>& args, const std::vector<std::string>& flags = {}) {
     const std::string port = std::to_string(free_port());
@@ -178,12 +196,9 @@ TEST_F(ReliabilityTwoHosts, KilledNodeLauncherIsNamedByTheOthers) {
   const std::string port = std::to_string(free_port());
   const std::vector<std::string> args = {"restart_then_reduce", "-1", "100", "busy"},
                                  flags = {"--max-restarts", "3", "--rdzv-timeout", "5", "--grace", "1"};
-  Child n0 = start_node(0, port, args, flags), n1 = start_node(1, port, args, flags);
-  ASSERT_GT(n0.pid, 0);
-  ASSERT_GT(n1.pid, 0);
-  const bool met = n1.wait_for("restart count 0 rank 3", 120000) && n0.wait_for("restart count 0 rank 0", 30000);
-  if (!met) ::kill(-n0.pid, SIGKILL), ::kill(-n1.pid, SIGKILL);
-  ASSERT_TRUE(met) << "--- node 0:\n" << n0.text << "\n--- node 1:\n" << n1.text;
+  Met m = start_and_meet(port, args, flags);
+  Child &n0 = m.n0, &n1 = m.n1;
+  ASSERT_TRUE(m.met) << "--- node 0:\n" << n0.text << "\n--- node 1:\n" << n1.text;
   const int64_t t_kill = steady_ms();
   ::kill(n1.pid, SIGKILL);  // the launcher only: its ranks must not outlive it
   n1.wait_exit(10000);
@@ -207,12 +222,9 @@ TEST_F(ReliabilityTwoHosts, PartitionedNode0IsNamedByTheOthersAfterTheTimeout) {
   const std::string port = std::to_string(free_port());
   const std::vector<std::string> args = {"restart_then_reduce", "-1", "100"},
                                  flags = {"--max-restarts", "1", "--rdzv-timeout", "5", "--grace", "1"};
-  Child n0 = start_node(0, port, args, flags), n1 = start_node(1, port, args, flags);
-  ASSERT_GT(n0.pid, 0);
-  ASSERT_GT(n1.pid, 0);
-  const bool met = n1.wait_for("restart count 0 rank 3", 120000) && n0.wait_for("restart count 0 rank 0", 30000);
-  if (!met) ::kill(-n0.pid, SIGKILL), ::kill(-n1.pid, SIGKILL);
-  ASSERT_TRUE(met) << "--- node 0:\n" << n0.text << "\n--- node 1:\n" << n1.text;
+  Met m = start_and_meet(port, args, flags);
+  Child &n0 = m.n0, &n1 = m.n1;
+  ASSERT_TRUE(m.met) << "--- node 0:\n" << n0.text << "\n--- node 1:\n" << n1.text;
   auto [rc, out] = run_command("ip -n " + a + " link set " + va + " down");
   if (rc != 0) ::kill(-n0.pid, SIGKILL), ::kill(-n1.pid, SIGKILL);
   ASSERT_EQ(rc, 0) << "cannot take node 0's link down: " << out;

@@ -149,50 +149,64 @@ std::string skipped_line(const std::string& path, const std::string& problem, bo
                             : "; set aside as " + to + " (kept for inspection; never loaded)");
 }
 
+// What both forms of find_resumable say and return as they go through the candidates; on a
+// rank that does not report (the collective form's ranks but 0), it only returns.
+class Chooser {
+ public:
+  Chooser(const ResumeReport& report, Skipped skipped, bool reports)
+      : report_(report ? report : ResumeReport(default_report)), skipped_(skipped), reports_(reports) {}
+  void skip(const std::string& path, const std::string& problem, bool damaged) {
+    if (!reports_) return;
+    choice_.skipped.push_back(skipped_line(path, problem, damaged, skipped_));
+    report_("skipping " + choice_.skipped.back());
+  }
+  ResumeChoice take(const Candidate& c) {
+    choice_.path = c.path;
+    choice_.global_step = c.step;
+    if (reports_) report_("resuming from " + c.path + " (step " + std::to_string(c.step) + ")");
+    return choice_;
+  }
+  ResumeChoice none(const std::vector<std::string>& dirs) {
+    if (reports_)
+      report_("no checkpoint that verifies in " + (dirs.empty() ? std::string("(no directories)") : core::join(dirs)) +
+              ": starting fresh");
+    return choice_;
+  }
+
+ private:
+  ResumeReport report_;
+  Skipped skipped_;
+  bool reports_;
+  ResumeChoice choice_;
+};
+
 }  // namespace
 
-ResumeChoice find_resumable(const std::vector<std::string>& dirs, const ResumeReport& report_fn, Skipped skipped) {
-  const ResumeReport report = report_fn ? report_fn : ResumeReport(default_report);
-  ResumeChoice choice;
-  auto skip = [&](const std::string& path, const std::string& problem, bool damaged) {
-    choice.skipped.push_back(skipped_line(path, problem, damaged, skipped));
-    report("skipping " + choice.skipped.back());
-  };
+ResumeChoice find_resumable(const std::vector<std::string>& dirs, const ResumeReport& report, Skipped skipped) {
+  Chooser chooser(report, skipped, true);
   std::vector<Unread> unread;
   const std::vector<Candidate> candidates = ordered_candidates(dirs, unread);
-  for (const auto& u : unread) skip(u.path, u.problem, u.torn);
+  for (const auto& u : unread) chooser.skip(u.path, u.problem, u.torn);
   for (const Candidate& c : candidates) {
     const VerifyReport r = verify(c.path);  // throws only ResourceError
-    if (!r.ok || !r.problems.empty()) {
-      skip(c.path, problems_of(r), true);
-      continue;
-    }
-    choice.path = c.path;
-    choice.global_step = c.step;
-    report("resuming from " + c.path + " (step " + std::to_string(c.step) + ")");
-    return choice;
+    if (r.ok && r.problems.empty()) return chooser.take(c);
+    chooser.skip(c.path, problems_of(r), true);
   }
-  report("no checkpoint that verifies in " + (dirs.empty() ? std::string("(no directories)") : core::join(dirs)) +
-         ": starting fresh");
-  return choice;
+  return chooser.none(dirs);
 }
 
 ResumeChoice find_resumable(const std::vector<std::string>& dirs, distributed::Communicator& comm,
-                            const ResumeReport& report_fn, Skipped skipped) {
-  const ResumeReport report = report_fn ? report_fn : ResumeReport(default_report);
+                            const ResumeReport& report, Skipped skipped) {
   const int rank = comm.rank(), size = comm.size();
+  Chooser chooser(report, skipped, rank == 0);
   // Rank 0 lists and orders the candidates (their metadata only) and sends every rank the
   // list: "ok\n" then "<step> <path>\n" per candidate, or "error\n<message>".
-  ResumeChoice choice;
   std::string msg;
   if (rank == 0) {
     try {
       std::vector<Unread> unread;
       const std::vector<Candidate> candidates = ordered_candidates(dirs, unread);
-      for (const auto& u : unread) {
-        choice.skipped.push_back(skipped_line(u.path, u.problem, u.torn, skipped));
-        report("skipping " + choice.skipped.back());
-      }
+      for (const auto& u : unread) chooser.skip(u.path, u.problem, u.torn);
       msg = "ok\n";
       for (const auto& c : candidates) msg += std::to_string(c.step) + " " + c.path + "\n";
     } catch (const std::exception& e) {
@@ -223,25 +237,14 @@ ResumeChoice find_resumable(const std::vector<std::string>& dirs, distributed::C
       resource = true;
     }
     const int64_t first = comm.all_reduce_int(problem.empty() ? size : rank, distributed::ReduceOp::Min);
-    if (first == size) {
-      choice.path = c.path;
-      choice.global_step = c.step;
-      if (rank == 0) report("resuming from " + c.path + " (step " + std::to_string(c.step) + ")");
-      return choice;
-    }
-    const std::string found =
-        comm.broadcast_bytes(rank == first ? std::string(resource ? "R" : "P") + problem : std::string(), static_cast<int>(first));
+    if (first == size) return chooser.take(c);
+    const std::string found = comm.broadcast_bytes(
+        rank == first ? std::string(resource ? "R" : "P") + problem : std::string(), static_cast<int>(first));
     TESSERA_CHECK(found.empty() || found[0] != 'R', "find_resumable: rank ", first, " could not verify '", c.path,
                   "': ", found.substr(1));
-    if (rank == 0) {
-      choice.skipped.push_back(skipped_line(c.path, found.substr(1) + (size > 1 ? " (found by rank " + std::to_string(first) + ")" : ""), true, skipped));
-      report("skipping " + choice.skipped.back());
-    }
+    chooser.skip(c.path, found.substr(1) + (size > 1 ? " (found by rank " + std::to_string(first) + ")" : ""), true);
   }
-  if (rank == 0)
-    report("no checkpoint that verifies in " + (dirs.empty() ? std::string("(no directories)") : core::join(dirs)) +
-           ": starting fresh");
-  return choice;
+  return chooser.none(dirs);
 }
 
 }  // namespace tessera::checkpoint
