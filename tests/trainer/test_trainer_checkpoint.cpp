@@ -9,6 +9,9 @@
 #include "trainer/regression_module.h"
 #include "trainer/trainer_test_util.h"
 #include "support/test_util.h"
+#include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/reader.h"
+#include "tessera/distributed/communicator.h"
 #include "tessera/trainer/callbacks.h"
 #include "tessera/trainer/trainer.h"
 
@@ -209,4 +212,82 @@ TEST(TrainerResume, FromACheckpointSavedBeforeItsValidation) {
   const Csv got = read_csv(t.log_dir() + "/metrics.csv");
   expect_same(column_of(got, "val_loss"), column_of(want, "val_loss"), 2, "validation after resume");
   expect_same(losses_of(got), losses_of(want), 3, "losses after resume");
+}
+
+// A checkpoint with only the model, the optimizer and global_step (what
+// tessera_ckpt.dcp.TrainerState writes from PyTorch, or Fabric::save of those three), cut
+// here out of a Trainer checkpoint taken mid-epoch: fit resumes it at that step, with the
+// data position (epoch, batch) and LR schedule of an uninterrupted run there, so every later
+// loss and learning rate is that run's; it says what it derived.
+TEST(TrainerResume, FromACheckpointWithoutLoopState) {
+  auto opts = [&](const std::string& root, int64_t steps) {
+    auto o = local_options(root);
+    o.max_steps = steps;
+    o.batch_size = 2;  // 10 samples: 5 steps per epoch
+    o.callbacks.push_back(std::make_shared<trainer::LearningRateMonitor>());
+    return o;
+  };
+  auto module = [] {
+    Reg m;
+    m.momentum = 0.9;
+    m.sched = "step";
+    return m;
+  };
+  TempDir a, b;
+  trainer::Trainer full(opts(a.path, 9));
+  Reg m = module();
+  full.fit(m, regression_data(10), regression_data(6));
+  const Csv want = read_csv(full.log_dir() + "/metrics.csv");
+  ASSERT_EQ(losses_of(want).size(), 9u);
+  {
+    trainer::Trainer t(opts(b.path, 6));  // epoch 1, after its first step
+    Reg m1 = module();
+    t.fit(m1, regression_data(10), regression_data(6));
+  }
+  const std::string from = b.path + "/checkpoints/last.ckpt", cut = b.path + "/model-optimizer-step.ckpt";
+  {
+    const checkpoint::CheckpointMetadata meta = checkpoint::open_checkpoint(from);
+    state::StateDict sd;
+    for (const auto& [k, e] : meta.entries) {
+      if (k != "global_step" && k.rfind("model.", 0) != 0 && k.rfind("optimizer_0.", 0) != 0) continue;
+      if (e.is_tensor()) sd.set(k, at::empty(e.shape, at::TensorOptions().dtype(e.dtype)));
+      else sd.set(k, e.value);
+    }
+    size_t moments = 0;
+    for (const auto& k : sd.keys()) moments += k.rfind("optimizer_0.state.", 0) == 0;
+    ASSERT_EQ(moments, 4u) << "the momentum buffers of the 4 parameters";
+    checkpoint::LoadOptions only_these;
+    only_these.strict = false;  // the RNG states and the rest stay behind
+    const checkpoint::LoadResult res = checkpoint::load_local(sd, from, only_these);
+    ASSERT_TRUE(res.missing.empty() && res.mismatched.empty());
+    auto comm = distributed::Communicator::create(distributed::World{});
+    checkpoint::save(sd, cut, *comm, {checkpoint::SaveMode::Full});
+  }
+  ::testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStdout();
+  trainer::Trainer t(opts(b.path + "/resumed", 9));
+  Reg m2 = module();
+  t.fit(m2, regression_data(10), regression_data(6), cut);
+  const std::string said = ::testing::internal::GetCapturedStdout() + ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("has no Trainer loop state"), std::string::npos) << said;
+  EXPECT_NE(said.find("resuming at step 6 (epoch 1, batch 1 of 5)"), std::string::npos) << said;
+  const Csv got = read_csv(t.log_dir() + "/metrics.csv");
+  EXPECT_EQ(losses_of(got).count(6), 0u);
+  expect_same(losses_of(got), losses_of(want), 7, "train_loss after a resume from model, optimizer and step");
+  expect_same(column_of(got, "lr-SGD"), column_of(want, "lr-SGD"), 7, "lr after a resume from model, optimizer and step");
+  auto p1 = params_of(m), p2 = params_of(m2);
+  for (size_t i = 0; i < p1.size(); ++i) EXPECT_TRUE(at::allclose(p1[i], p2[i], 1e-5, 1e-7));
+
+  // Gradient accumulation: the position does not follow from the step alone; refused,
+  // naming the option.
+  auto acc = opts(b.path + "/acc", 9);
+  acc.accumulate_grad_batches = 2;
+  trainer::Trainer ta(acc);
+  Reg m3 = module();
+  try {
+    ta.fit(m3, regression_data(10), regression_data(6), cut);
+    ADD_FAILURE() << "resumed with accumulate_grad_batches 2";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("accumulate_grad_batches"), std::string::npos) << e.what();
+  }
 }

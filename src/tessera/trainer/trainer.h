@@ -221,6 +221,7 @@ class Trainer {
   std::string find_resumable_checkpoint();
   void load_checkpoint(const std::string& path, bool weights_only);
   void restore_loop(const std::string& path, const fabric::FabricState& st, const state::StateDict& rest);
+  void restore_from_step(const std::string& path, const fabric::FabricState& st);
   void restore_schedulers(const std::string& path, const state::StateDict& rest);
   void restore_callbacks(const state::StateDict& rest);
 

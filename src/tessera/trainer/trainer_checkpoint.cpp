@@ -177,14 +177,53 @@ void Trainer::load_checkpoint(const std::string& path, bool weights_only) {
     f.load(path, st);
     return;
   }
-  fabric::FabricState st = make_state();
+  // Model, optimizers and the step in place; everything else (epoch, sampler, loop,
+  // schedulers, callbacks, RNG states, extra) comes back as plain leftovers.
+  fabric::FabricState st;
+  st.set("model", module_->model_);
+  for (size_t i = 0; i < optimizers_.size(); ++i) st.set("optimizer_" + std::to_string(i), optimizers_[i]);
+  st.set("global_step", global_step_);
   state::StateDict rest = f.load(path, st);
-  restore_loop(path, st, rest);
-  restore_schedulers(path, rest);
-  restore_callbacks(rest);
-  restore_rng_states(f, prefixed_leftovers(rest, "rng"), path);
+  if (prefixed_leftovers(rest, "sampler").empty() && prefixed_leftovers(rest, "loop").empty()) {
+    restore_from_step(path, st);
+  } else {
+    restore_loop(path, st, rest);
+    restore_schedulers(path, rest);
+    restore_callbacks(rest);
+    restore_rng_states(f, prefixed_leftovers(rest, "rng"), path);
+  }
   module_->on_load_checkpoint(prefixed_leftovers(rest, "extra"));
   each_callback([&](Callback& c) { c.on_load_checkpoint(*this, *module_, path); });
+}
+
+// A checkpoint written outside the Trainer (tessera_ckpt.dcp.TrainerState from a PyTorch
+// job, or Fabric::save with model, optimizers and global_step) has no loop state: the
+// position follows from the step as an uninterrupted run of this Trainer would have it
+// (epoch = step / batches per epoch, the batch within it the remainder; the sampler
+// order is this Trainer's, from its seed), the LR schedulers are where that many steps
+// (or epochs) put them, and the random generators keep their seeded state.
+void Trainer::restore_from_step(const std::string& path, const fabric::FabricState& st) {
+  auto& f = *fabric_;
+  TESSERA_CHECK(options_.accumulate_grad_batches == 1, "Trainer: checkpoint '", path, "' has no loop state ",
+                "(no sampler.* or loop.* keys: written outside the Trainer) and TrainerOptions.accumulate_grad_batches ",
+                "is ", options_.accumulate_grad_batches, ": the data position cannot follow from global_step alone");
+  global_step_ = checked_counter(path, st.values(), "global_step", "global_step", 0, kMaxCheckpointCounter);
+  epoch_ = global_step_ / num_training_batches_;
+  const int64_t batch = global_step_ % num_training_batches_;
+  state::StateDict ss = sampler_->state();
+  ss.set("epoch", epoch_);
+  ss.set("position", batch * options_.batch_size);
+  sampler_->load_state(ss);
+  loop_.position = LoopPosition::InEpoch;
+  for (auto& s : schedulers_) {
+    state::StateDict sd = s.scheduler->state_dict();
+    sd.set("count", (s.interval == Interval::Step ? global_step_ : epoch_) / s.frequency);
+    s.scheduler->load_state_dict(sd);
+  }
+  f.print("tessera: checkpoint '", path, "' has no Trainer loop state (written outside the Trainer): resuming at ",
+          "step ", global_step_, " (epoch ", epoch_, ", batch ", batch, " of ", num_training_batches_,
+          ") with its model and optimizer state; the data order and LR schedule follow from the step, the random ",
+          "generators keep their seeded state");
 }
 
 // Step, epoch, the sampler position (translated through global samples when the world
@@ -192,9 +231,9 @@ void Trainer::load_checkpoint(const std::string& path, bool weights_only) {
 void Trainer::restore_loop(const std::string& path, const fabric::FabricState& st, const state::StateDict& rest) {
   auto& f = *fabric_;
   global_step_ = checked_counter(path, st.values(), "global_step", "global_step", 0, kMaxCheckpointCounter);
-  epoch_ = checked_counter(path, st.values(), "epoch", "epoch", 0, kMaxCheckpointCounter);
+  epoch_ = checked_counter(path, rest, "epoch", "epoch", 0, kMaxCheckpointCounter);
 
-  state::StateDict ss = st.values().dict("sampler");
+  state::StateDict ss = prefixed_leftovers(rest, "sampler");
   const state::StateDict loop = prefixed_leftovers(rest, "loop");
   checked_counter(path, ss, "position", "sampler.position", 0, kMaxCheckpointCounter);
   const int64_t saved_w = checked_counter(path, ss, "num_replicas", "sampler.num_replicas", 1,
