@@ -64,7 +64,7 @@ from ._format import (DTYPES, INT64_MAX, INT64_MIN, MAX_HEADER_BYTES, MAX_METADA
                       CheckpointError, Chunk, Entry, check_metadata_checksum, check_tiling, chunk_range,
                       data_file_name, parse_json_strict)
 
-__all__ = ["Reader", "Writer"]
+__all__ = ["Reader", "TrainerState", "Writer"]
 
 CRC_BLOCK = 4194304  # tessera.crc32c_block of every file the Writer writes
 FORMAT_VERSION = 2
@@ -110,6 +110,9 @@ def _encode_value(key, obj):
     leaves = []
 
     def walk(k, v):
+        if isinstance(v, io.BytesIO):
+            leaves.append((k, {"kind": "bytes", "hex": v.getvalue().hex()}))
+            return {"t": "bytesio"}
         j = _scalar_json(v)
         if j is not None:
             leaves.append((k, j))
@@ -137,7 +140,7 @@ def _encode_value(key, obj):
         elif isinstance(v, torch.Tensor):
             what = "tensor inside a non-tensor value"
         raise CheckpointError(f"key '{key}': cannot store a {what} in a Tessera checkpoint (plain values are int, "
-                              "float, bool, str, bytes, None and lists/tuples/dicts of them)")
+                              "float, bool, str, bytes, io.BytesIO, None and lists/tuples/dicts of them)")
 
     shape = walk(key, obj)
     return leaves, (None if shape == {"t": "value"} else shape)
@@ -148,7 +151,7 @@ def _leaf_keys(key, shape, out, where):
     from (its scalars, and its empty containers' {"kind": "dict"} entries)."""
     t = shape.get("t") if isinstance(shape, dict) else None
     items = shape.get("items") if isinstance(shape, dict) else None
-    if t == "value":
+    if t in ("value", "bytesio"):
         out.add(key)
     elif t in ("list", "tuple") and isinstance(items, list):
         if not items:
@@ -173,6 +176,10 @@ def _decode_value(values, key, shape, where):
         if key not in values:
             raise CheckpointError(f"{where}: {DCP_VALUES} key '{key}': the plain value is missing")
         return values[key]
+    if t == "bytesio":
+        if key not in values or not isinstance(values[key], (bytes, bytearray)):
+            raise CheckpointError(f"{where}: {DCP_VALUES} key '{key}': the bytes value is missing")
+        return io.BytesIO(bytes(values[key]))
     items = shape.get("items") if isinstance(shape, dict) else None
     if t in ("list", "tuple") and isinstance(items, list):
         out = [_decode_value(values, f"{key}.{i}", s, where) for i, s in enumerate(items)]
@@ -657,15 +664,19 @@ class Writer(StorageWriter):
         by_fqn = {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                buf = planner.resolve_data(item)
-                if hasattr(buf, "seek"):
-                    buf.seek(0)
-                try:
-                    obj = torch.load(buf, weights_only=True)
-                except Exception as err:  # noqa: BLE001
-                    raise CheckpointError(f"key '{item.index.fqn}': cannot store this value in a Tessera checkpoint "
-                                          f"(plain values are int, float, bool, str, bytes, None and lists/tuples/"
-                                          f"dicts of them): {_unpickling_reason(err)}") from None
+                # An io.BytesIO value (DCP saves its bytes) is looked up as it is: the planner's
+                # resolved form is a pickle of the stream, which the restricted unpickler refuses.
+                obj = planner.lookup_object(item.index) if hasattr(planner, "lookup_object") else None
+                if not isinstance(obj, io.BytesIO):
+                    buf = planner.resolve_data(item)
+                    if hasattr(buf, "seek"):
+                        buf.seek(0)
+                    try:
+                        obj = torch.load(buf, weights_only=True)
+                    except Exception as err:  # noqa: BLE001
+                        raise CheckpointError(f"key '{item.index.fqn}': cannot store this value in a Tessera "
+                                              f"checkpoint (plain values are int, float, bool, str, bytes, io.BytesIO, "
+                                              f"None and lists/tuples/dicts of them): {_unpickling_reason(err)}") from None
                 leaves, shape = _encode_value(item.index.fqn, obj)
                 results.append(WriteResult(index=item.index, size_in_bytes=0,
                                            storage_data={"value": leaves, "shape": shape}))
@@ -822,3 +833,196 @@ def _write_safetensors(path, tensors, planner, sd):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------- Trainer checkpoints
+
+# Tessera's optimizer layout (optimizer_state.cpp) next to torch.optim's state_dict: the
+# kind, each group's hyperparameters (Adam's betas as beta1 / beta2), the per-parameter
+# state by FQN with an integer step.
+_OPTIMIZER_KINDS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adagrad": "adagrad", "RMSprop": "rmsprop"}
+_HYPER = {
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    "adam": ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad"),
+    "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad"),
+    "adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"),
+    "rmsprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered"),
+}
+_BOOL_HYPER = ("nesterov", "amsgrad", "centered")
+_STATE = {
+    "sgd": ("momentum_buffer",),
+    "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "adagrad": ("sum",),
+    "rmsprop": ("square_avg", "momentum_buffer", "grad_avg"),
+}
+
+
+def _optimizer_kind(optimizer):
+    name, module = type(optimizer).__name__, type(optimizer).__module__
+    torch_optim = module.split(".")[:2] == ["torch", "optim"]
+    if not torch_optim or name not in _OPTIMIZER_KINDS:
+        what = f"torch.optim.{name}" if torch_optim else f"{module}.{name}"
+        raise CheckpointError(f"TrainerState: a {what} has no Tessera counterpart "
+                              f"(supported: torch.optim.{', torch.optim.'.join(_OPTIMIZER_KINDS)})")
+    kind = _OPTIMIZER_KINDS[name]
+    for i, g in enumerate(optimizer.param_groups):
+        if kind == "adam" and g.get("decoupled_weight_decay"):
+            kind = "adamw"  # Adam(decoupled_weight_decay=True) is AdamW
+        if g.get("maximize"):
+            raise CheckpointError(f"TrainerState: param group {i} has maximize=True, which libtorch's optimizers "
+                                  "do not have")
+    return kind
+
+
+def _number(v, where):
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise CheckpointError(f"TrainerState: {where} is a tensor of {v.numel()} elements, not a number")
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise CheckpointError(f"TrainerState: {where} is a {type(v).__name__}, not a number")
+    return float(v)
+
+
+def _to_tessera_optimizer(kind, osd):
+    """torch.optim state dict keyed by FQN (get_state_dict's form) -> Tessera's layout."""
+    groups = {}
+    for gi, g in enumerate(osd["param_groups"]):
+        hp = dict(g)
+        if "betas" in hp:
+            hp["beta1"], hp["beta2"] = hp["betas"]
+        out = {}
+        for k in _HYPER[kind]:
+            if k not in hp:
+                raise CheckpointError(f"TrainerState: param group {gi} has no '{k}' (a {kind} optimizer needs it)")
+            out[k] = bool(hp[k]) if k in _BOOL_HYPER else _number(hp[k], f"param group {gi} '{k}'")
+        out["params"] = {str(i): str(fqn) for i, fqn in enumerate(g["params"])}
+        groups[str(gi)] = out
+    state = {}
+    for fqn, s in osd["state"].items():
+        fields = {}
+        for k, v in s.items():
+            if k == "step":
+                fields["step"] = int(_number(v, f"state of '{fqn}' 'step'"))
+            elif k in _STATE[kind]:
+                if v is not None and not (isinstance(v, torch.Tensor) and v.numel() == 0):
+                    fields[k] = v
+            else:
+                raise CheckpointError(f"TrainerState: the state of '{fqn}' has '{k}', which a Tessera {kind} "
+                                      "optimizer does not hold")
+        if kind != "sgd" and "step" not in fields:
+            raise CheckpointError(f"TrainerState: the state of '{fqn}' has no 'step'")
+        state[str(fqn)] = fields
+    return {"optimizer": kind, "state": state, "param_groups": groups}
+
+
+def _from_tessera_optimizer(kind, tsd, osd, where):
+    """Tessera's layout (as dcp.load filled it) -> a torch.optim state dict like ``osd``
+    (the optimizer's own, giving the fields Tessera does not keep, e.g. foreach)."""
+    if tsd.get("optimizer") != kind:
+        raise CheckpointError(f"{where}: optimizer_0 is a {tsd.get('optimizer')!r} optimizer's state, this one is {kind}")
+    groups = []
+    for gi, g in enumerate(osd["param_groups"]):
+        t = tsd["param_groups"][str(gi)]
+        mine = [str(p) for p in g["params"]]
+        saved = [t["params"][str(i)] for i in range(len(mine))]
+        if saved != mine:
+            bad = next(i for i in range(len(mine)) if saved[i] != mine[i])
+            raise CheckpointError(f"{where}: param group {gi} parameter {bad} is '{saved[bad]}' in the checkpoint but "
+                                  f"'{mine[bad]}' in the optimizer")
+        ng = dict(g)
+        for k in _HYPER[kind]:
+            ng[k] = bool(t[k]) if k in _BOOL_HYPER else float(t[k])
+        if "beta1" in ng:
+            ng["betas"] = (ng.pop("beta1"), ng.pop("beta2"))
+        for k, old in g.items():  # the optimizer's own types: an int default stays an int, a tensor lr a tensor
+            new = ng[k]
+            if isinstance(old, torch.Tensor) and isinstance(new, float):
+                ng[k] = torch.tensor(new, dtype=old.dtype, device=old.device)
+            elif isinstance(old, int) and not isinstance(old, bool) and isinstance(new, float) and new.is_integer():
+                ng[k] = int(new)
+        groups.append(ng)
+    state = {}
+    for fqn, s in osd["state"].items():
+        t = tsd["state"].get(fqn)
+        if t is None:
+            continue
+        ns = dict(s)
+        for k, v in t.items():
+            if k == "step":
+                old = s.get("step")
+                ns["step"] = (torch.tensor(float(v), dtype=old.dtype, device=old.device)
+                              if isinstance(old, torch.Tensor) else v)
+            else:
+                ns[k] = v
+        state[fqn] = ns
+    return {"state": state, "param_groups": groups}
+
+
+def _hparam_text(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:f}"
+    return str(v)
+
+
+class TrainerState:
+    """A Tessera Trainer checkpoint (what ``gpt train --resume`` and ``Trainer::fit(...,
+    ckpt_path)`` continue from) of a PyTorch model and optimizer, plain or FSDP2 / DTensor::
+
+        state = tessera_ckpt.dcp.TrainerState(model, optimizer, global_step=step,
+                                              hparams={"n_layer": 4, "n_head": 4, ...})
+        state.save(path)   # dcp.save through Writer: model.*, optimizer_0.*, global_step, hparams.*
+        state.load(path)   # dcp.load through Reader, e.g. a checkpoint gpt train wrote;
+                           # then state.global_step, state.hparams
+
+    The model's weights go under ``model.<fqn>``; the optimizer's state (torch.optim SGD, Adam,
+    AdamW, Adagrad or RMSprop, through ``get_state_dict`` so FSDP2 state stays sharded) under
+    ``optimizer_0`` in Tessera's layout: the per-parameter state by FQN with an integer
+    ``step``, each group's hyperparameters (Adam's betas as ``beta1`` / ``beta2``) and its
+    parameters' FQNs in order. There is no loop state: the Trainer resumes such a checkpoint
+    at ``global_step`` with its own data order and LR schedule at that step (and says so).
+    ``hparams`` values are stored as text, as the Trainer writes them. Collective, like
+    dcp.save / dcp.load."""
+
+    def __init__(self, model, optimizer, *, global_step=0, hparams=None):
+        self.model, self.optimizer = model, optimizer
+        self.kind = _optimizer_kind(optimizer)
+        self.global_step = int(global_step)
+        self.hparams = dict(hparams or {})
+
+    def _torch_state(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(self.model, self.optimizer)
+
+    def state_dict(self):
+        msd, osd = self._torch_state()
+        sd = {"model": msd, "optimizer_0": _to_tessera_optimizer(self.kind, osd), "global_step": self.global_step}
+        if self.hparams:
+            sd["hparams"] = {str(k): _hparam_text(v) for k, v in self.hparams.items()}
+        return sd
+
+    def load_state_dict(self, sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        _, osd = self._torch_state()
+        where = "TrainerState.load_state_dict"
+        optim = _from_tessera_optimizer(self.kind, sd["optimizer_0"], osd, where)
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=optim)
+        self.global_step = int(sd["global_step"])
+        if "hparams" in sd:
+            self.hparams = dict(sd["hparams"])
+
+    def save(self, path):
+        _dcp.save(self.state_dict(), storage_writer=Writer(path))
+
+    def load(self, path, *, verify=True):
+        sd = self.state_dict()
+        sd.pop("hparams", None)
+        _dcp.load(sd, storage_reader=Reader(path, verify=verify))
+        with Checkpoint(path) as ck:
+            sd["hparams"] = {k[len("hparams."):]: ck.get(k) for k in ck.keys() if k.startswith("hparams.")}
+        self.load_state_dict(sd)

@@ -30,6 +30,35 @@ TEST(DcpBackend, DcpSavesAndLoadsTesseraCheckpointsAtOneTwoAndThreeRanks) {
   EXPECT_NE(out.find("ok dcp_backend_check:"), std::string::npos) << out;
 }
 
+namespace {
+
+// metrics.csv's train_loss (step,epoch,lr,train_loss,...) of `step`.
+double csv_loss(const std::string& csv, int step) {
+  const size_t row = csv.find("\n" + std::to_string(step) + ",");
+  if (row == std::string::npos) return std::nan("");
+  size_t at = row + 1;
+  for (int comma = 0; comma < 3; ++comma) at = csv.find(',', at) + 1;
+  return std::stod(csv.substr(at));
+}
+
+// The number after "\"KEY\": " in the peer's one-line JSON.
+double json_number(const std::string& json, const std::string& key) {
+  const size_t at = json.find("\"" + key + "\": ");
+  if (at == std::string::npos) return std::nan("");
+  return std::stod(json.substr(at + key.size() + 4));
+}
+
+// DIR/text.txt: one 17-byte pattern (= --seq-len) repeated, so every training window of gpt
+// is the same window and the data order does not matter. Returns its path.
+std::string repeated_window_text(const std::string& dir) {
+  std::string pattern;
+  for (int i = 0; i < 800; ++i) pattern += "shard tensor ok!\n";
+  write_bytes(dir + "/text.txt", pattern);
+  return dir + "/text.txt";
+}
+
+}  // namespace
+
 // The GPT of examples/gpt in PyTorch (tests/python/gpt_dcp_peer.py: the same architecture
 // and parameter names, random weights), sharded by FSDP2 over 2 ranks and saved with
 // dcp.save through tessera_ckpt.dcp.Writer, is a Tessera checkpoint as it is: `tessera ckpt
@@ -39,10 +68,7 @@ TEST(DcpBackend, GptStartsFromAnFsdp2ModelSavedThroughTheWriter) {
   const std::string gpt = std::string(TESSERA_BINARY_DIR) + "/bin/gpt";
   if (!std::filesystem::exists(gpt)) GTEST_SKIP() << gpt << " not built (examples disabled)";
   const std::string dir = temp_dir("tessera-dcp-writer-gpt");
-  const std::string text = dir + "/text.txt";
-  std::string pattern;
-  for (int i = 0; i < 800; ++i) pattern += "shard tensor ok!\n";  // 17 bytes = --seq-len: every window alike
-  write_bytes(text, pattern);
+  const std::string text = repeated_window_text(dir);
   const std::string peer = std::string(TESSERA_SOURCE_DIR) + "/tests/python/gpt_dcp_peer.py";
   auto [rc, out] = run_command(kNoLauncherEnv + std::string(TESSERA_CLI) + " run -n 2 -- " + TESSERA_PYTHON + " " +
                                peer + " " + text + " " + dir + " 2 2 32 17 tessera");
@@ -56,15 +82,65 @@ TEST(DcpBackend, GptStartsFromAnFsdp2ModelSavedThroughTheWriter) {
                                 text + " --out " + dir + "/run");
   ASSERT_EQ(rcg, 0) << run;
   EXPECT_NE(run.find("initial weights from"), std::string::npos) << run;
-  // metrics.csv: step,epoch,lr,train_loss,...; the row of step 1.
   const std::string csv = read_bytes(dir + "/run/metrics.csv");
-  const size_t row = csv.find("\n1,");
-  ASSERT_NE(row, std::string::npos) << csv;
-  size_t at = row + 1;
-  for (int comma = 0; comma < 3; ++comma) at = csv.find(',', at) + 1;
-  const double got = std::stod(csv.substr(at));
+  const double got = csv_loss(csv, 1);
   EXPECT_LE(std::abs(got - want), 1e-5 * std::abs(want)) << "gpt's first loss " << got << ", Python's " << want
                                                           << "\n" << csv;
+}
+
+
+// Both ways with the optimizer (tests/python/gpt_trainer_state_peer.py): the GPT trained by
+// FSDP2 + torch.optim.AdamW on 2 ranks for 3 steps, saved by tessera_ckpt.dcp.TrainerState
+// (through the Writer), is resumed by `gpt train --resume` (FSDP, 2 ranks; the Trainer says
+// it has no loop state) with the losses Python computed for steps 4 and 5; gpt's own
+// checkpoint at step 5 is then loaded by TrainerState.load into an FSDP2 model on 3 ranks
+// (through the Reader: weights and AdamW state bit-exact against tessera_ckpt's reader, the
+// state the one Python reached after the same steps), whose steps 6 and 7 are the losses
+// `gpt train --resume last` logs.
+TEST(DcpBackend, GptAndFsdp2ResumeEachOthersTrainingWithTheOptimizerState) {
+  const std::string gpt = std::string(TESSERA_BINARY_DIR) + "/bin/gpt";
+  if (!std::filesystem::exists(gpt)) GTEST_SKIP() << gpt << " not built (examples disabled)";
+  const std::string dir = temp_dir("tessera-dcp-trainer-state");
+  const std::string text = repeated_window_text(dir);
+  const std::string peer = std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR +
+                           "/tests/python/gpt_trainer_state_peer.py ";
+  const std::string shape = " 2 2 32 17 0.002 2 20 ";  // n_layer n_head d_model seq_len lr warmup decay
+  const std::string flags = " train --strategy fsdp --devices 2 --batch-size 8 --lr 0.002 --warmup-steps 2 "
+                            "--lr-decay-steps 20 --grad-clip 0 --log-every 1 --val-every 0 --limit-val-batches 0 "
+                            "--threads 1 --no-progress-bar --data " + text + " --out " + dir + "/run";
+  auto [rc, out] = run_command(kNoLauncherEnv + std::string(TESSERA_CLI) + " run -n 2 -- " + peer + "save " + text +
+                               " " + dir + shape + "3");
+  ASSERT_EQ(rc, 0) << out;
+  auto [rcv, verify] = run_command(std::string(TESSERA_CLI) + " ckpt verify " + dir + "/ckpt");
+  ASSERT_EQ(rcv, 0) << verify;
+
+  auto [rcg, run] = run_command(kNoLauncherEnv + gpt + flags + " --resume " + dir + "/ckpt --max-steps 5");
+  ASSERT_EQ(rcg, 0) << run;
+  EXPECT_NE(run.find("has no Trainer loop state"), std::string::npos) << run;
+  EXPECT_NE(run.find("resuming at step 3 (epoch 0, batch 3 of"), std::string::npos) << run;
+  const std::string saved = read_bytes(dir + "/save.json");
+  std::string csv = read_bytes(dir + "/run/metrics.csv");
+  for (int step : {4, 5}) {
+    const double want = json_number(saved, std::to_string(step)), got = csv_loss(csv, step);
+    EXPECT_LE(std::abs(got - want), 1e-5 * std::abs(want)) << "step " << step << ": gpt " << got << ", Python " << want
+                                                            << "\n" << csv;
+  }
+  EXPECT_EQ(csv.find("\n3,"), std::string::npos) << "gpt re-ran a step before the checkpoint\n" << csv;
+
+  auto [rcl, loaded] = run_command(kNoLauncherEnv + std::string(TESSERA_CLI) + " run -n 3 -- " + peer + "load " + text +
+                                   " " + dir + shape + dir + "/run/checkpoints/last.ckpt");
+  ASSERT_EQ(rcl, 0) << loaded;
+  const std::string load = read_bytes(dir + "/load.json");
+  EXPECT_GE(json_number(load, "checked"), 17 * 3) << load;  // 17 weights, each with exp_avg and exp_avg_sq
+  auto [rcg2, run2] = run_command(kNoLauncherEnv + gpt + flags + " --resume last --max-steps 7");
+  ASSERT_EQ(rcg2, 0) << run2;
+  EXPECT_EQ(run2.find("has no Trainer loop state"), std::string::npos) << run2;  // gpt's own checkpoint
+  csv = read_bytes(dir + "/run/metrics.csv");
+  for (int step : {6, 7}) {
+    const double want = json_number(load, std::to_string(step)), got = csv_loss(csv, step);
+    EXPECT_LE(std::abs(got - want), 1e-5 * std::abs(want)) << "step " << step << ": gpt " << got << ", Python " << want
+                                                            << "\n" << csv;
+  }
 }
 
 #endif  // TESSERA_PYTHON_HAS_DCP

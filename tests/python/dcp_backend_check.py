@@ -6,7 +6,7 @@
     every safetensors dtype sharded on dim 0, dim 1 or replicated, a plain tensor, a 12 MiB
     tensor of three checksum blocks, a ShardedTensor of irregular boxes (a `list` layout, two
     pieces in one data file: FQN@k) and plain values (NaN, -0.0, int64 max, bytes, a tuple,
-    None), is saved with dcp.save(storage_writer=Writer) at N = 1, 2, 3 ranks and loaded with
+    None, an io.BytesIO), is saved with dcp.save(storage_writer=Writer) at N = 1, 2, 3 ranks and loaded with
     dcp.load(storage_reader=Reader) at M = 1, 2, 3 ranks into DTensors of other placements;
     model, optimizer state (through set_state_dict) and values must be bit-exact. A rank
     loading some rows of the 12 MiB tensor must read less than the whole of it.
@@ -24,6 +24,7 @@ Ranks are separate processes (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, a free po
 Prints "ok dcp_backend_check: ..." at the end.
 """
 import datetime
+import io
 import math
 import os
 import shutil
@@ -75,6 +76,8 @@ def same_value(a, b, what):
         return same_bits(a, b, what)
     if type(a) is not type(b):
         fail(f"{what}: {a!r} ({type(a).__name__}) != {b!r} ({type(b).__name__})")
+    if isinstance(a, io.BytesIO):
+        a, b = a.getvalue(), b.getvalue()
     if isinstance(a, float):
         if struct.pack(">d", a) != struct.pack(">d", b):
             fail(f"{what}: {a!r} != {b!r}")
@@ -105,6 +108,8 @@ def flatten(obj, prefix="", out=None):
             out[prefix[:-1]] = {}
         for i, v in enumerate(obj):
             flatten(v, f"{prefix}{i}.", out)
+    elif isinstance(obj, io.BytesIO):
+        out[prefix[:-1]] = obj.getvalue()  # a Tessera bytes value
     elif obj is not None:
         out[prefix[:-1]] = obj
     return out
@@ -217,13 +222,13 @@ def dtensor(full, mesh, code):
 def values():
     return {"step": 3, "name": "dcp \u00e9", "blob": b"\x00\xff\x10", "nan": float("nan"), "negzero": -0.0,
             "inf": float("inf"), "flag": False, "big_int": 2**63 - 1, "pair": (1, "two", 3.5), "nothing": None,
-            "nested": [(1, 2), [], {"a": 1.5}]}
+            "nested": [(1, 2), [], {"a": 1.5}], "stream": io.BytesIO(b"\x00dcp\xffstream")}
 
 
 def dummy_values():
     # the same structure (DCP plans the load from the target's keys), other contents
     return {"step": 0, "name": "", "blob": b"", "nan": 0.0, "negzero": 0.0, "inf": 0.0, "flag": True, "big_int": 0,
-            "pair": (), "nothing": 1, "nested": [(0,), [7], {"a": 0.0}]}
+            "pair": (), "nothing": 1, "nested": [(0,), [7], {"a": 0.0}], "stream": io.BytesIO()}
 
 
 # ---------------------------------------------------------------- workers (one process per rank)
@@ -501,6 +506,73 @@ def check_written(d, world, tessera):
     return len(want)
 
 
+def check_trainer_state(work):
+    """TrainerState's optimizer mapping for every kind Tessera has (torch.optim SGD with
+    momentum, Adam with amsgrad, AdamW, Adagrad, RMSprop centered with momentum), one process:
+    saved after two steps, loaded into a fresh model and optimizer of other values, the state
+    dicts equal bit for bit, the layout the C++ optimizer reads (optimizer_0.optimizer, integer
+    steps, beta1/beta2); an optimizer without a Tessera counterpart, or maximize=True, refused."""
+    import torch
+    import torch.distributed.checkpoint as dcp  # noqa: F401 (TrainerState.save/load)
+
+    import tessera_ckpt
+    import tessera_ckpt.dcp
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+    kinds = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.9), amsgrad=True),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.5),
+        "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True),
+    }
+    n = 0
+    x = torch.randn(5, 4)
+    for kind, make in kinds.items():
+        m = model(1)
+        o = make(m.parameters())
+        for _ in range(2):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+        p = os.path.join(work, f"trainer-state-{kind}")
+        tessera_ckpt.dcp.TrainerState(m, o, global_step=2, hparams={"width": 3, "tied": True}).save(p)
+        with tessera_ckpt.Checkpoint(p) as ck:
+            if ck.get("optimizer_0.optimizer") != kind or ck.get("global_step") != 2:
+                fail(f"{p}: optimizer_0.optimizer {ck.get('optimizer_0.optimizer')!r}, global_step {ck.get('global_step')}")
+            if ck.get("hparams.width") != "3" or ck.get("hparams.tied") != "true":
+                fail(f"{p}: hparams {ck.get('hparams.width')!r} {ck.get('hparams.tied')!r}")
+            if kind != "sgd" and ck.get("optimizer_0.state.0.weight.step") != 2:
+                fail(f"{p}: step {ck.get('optimizer_0.state.0.weight.step')!r}, not the integer 2")
+            if kind.startswith("adam") and ck.get("optimizer_0.param_groups.0.beta2") != o.param_groups[0]["betas"][1]:
+                fail(f"{p}: beta2 {ck.get('optimizer_0.param_groups.0.beta2')!r}")
+            if ck.get("optimizer_0.param_groups.0.params.3") != "2.bias":
+                fail(f"{p}: params.3 is {ck.get('optimizer_0.param_groups.0.params.3')!r}")
+        m2 = model(2)
+        o2 = make(m2.parameters())
+        ts = tessera_ckpt.dcp.TrainerState(m2, o2)
+        ts.load(p)
+        if ts.global_step != 2 or ts.hparams != {"width": "3", "tied": "true"}:
+            fail(f"{p}: loaded global_step {ts.global_step}, hparams {ts.hparams}")
+        for k, v in m.state_dict().items():
+            same_bits(m2.state_dict()[k], v, f"{p} model {k}")
+        a, b = o.state_dict(), o2.state_dict()
+        same_value(b["param_groups"], a["param_groups"], f"{p} param_groups")
+        for i, st in a["state"].items():
+            for k, v in st.items():
+                same_value(b["state"][i][k], v, f"{p} state {i}.{k}")
+        n += 1
+    m = model(1)
+    expect_error(lambda: tessera_ckpt.dcp.TrainerState(m, torch.optim.LBFGS(m.parameters())), "torch.optim.LBFGS",
+                 "no Tessera counterpart")
+    expect_error(lambda: tessera_ckpt.dcp.TrainerState(m, torch.optim.SGD(m.parameters(), lr=0.1, maximize=True)),
+                 "maximize")
+    return n + 2
+
+
 def check_refusals(work):
     """Refusals and replacement, in one process (dcp.save / dcp.load without a process group)."""
     import torch
@@ -607,13 +679,15 @@ def main():
             launch(m, ["load", v2] + dirs)
         fixture = check_fixture_plain(v2)
         refusals = check_refusals(work)
+        kinds = check_trainer_state(work)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     print(f"ok dcp_backend_check: torch {torch.__version__}, saved at {list(WORLDS)} rank(s) and each loaded at "
           f"{list(WORLDS)} (FSDP2 model + AdamW state, every dtype, DTensor/ShardedTensor/plain, values), "
           f"{written} keys checked in the written checkpoints{' (and tessera ckpt verify)' if tessera else ''}, "
-          f"{fixture} keys of the v1 fixtures and a v2 checkpoint of every rule without a process group, {refusals} refusals, {time.time() - t0:.0f} s")
+          f"{fixture} keys of the v1 fixtures and a v2 checkpoint of every rule without a process group, {refusals} refusals, "
+          f"TrainerState for {kinds - 2} optimizer kinds and 2 refusals, {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":
