@@ -15,6 +15,7 @@ other than the tensors' bytes is a note (Layout.notes), not an error. Files the 
 name are read only when they belong to the series of its shards (model-<i>-of-<n>.safetensors):
 config.json, tokenizer files or a consolidated.safetensors beside the shards are not.
 """
+import json
 import os
 import re
 import stat
@@ -165,16 +166,19 @@ def _read_index(d):
     j = parse_json_strict(text, where)
     if not isinstance(j, dict):
         fail(where, " is not a JSON object")
-    total_size = None
+    total_size = bad_total = None
     md = j.get("metadata")
     if md is not None:
         if not isinstance(md, dict):
             fail(where, ": metadata is not an object")
         ts = md.get("total_size")
+        if isinstance(ts, float) and ts.is_integer() and 0 <= ts < 2.0**64:
+            ts = int(ts)  # some writers store the byte count as a JSON float (1234.0)
         if ts is not None:
             if not isinstance(ts, int) or isinstance(ts, bool) or not 0 <= ts < 1 << 64:
-                fail(where, ": metadata.total_size is not a non-negative integer")
-            total_size = ts
+                bad_total = json.dumps(ts)  # informational only: a note, as a count that is off
+            else:
+                total_size = ts
     wm = j.get("weight_map")
     if not isinstance(wm, dict):
         fail(where, ": no weight_map object")
@@ -183,7 +187,7 @@ def _read_index(d):
             fail(where, ": the weight_map value of '", t, "' is not a string")
     if not wm:
         fail(where, ": the weight map names no tensor")
-    return dict(sorted(wm.items())), total_size
+    return dict(sorted(wm.items())), total_size, bad_total
 
 
 def open_hf_directory(d):
@@ -192,11 +196,11 @@ def open_hf_directory(d):
     index_path = join(d, INDEX_FILE)
     iq = f"'{index_path}'"
     has_index = os.path.lexists(index_path)
-    weight_map, total_size = {}, None
+    weight_map, total_size, bad_total = {}, None, None
     by_file = {}  # file -> the tensors mapped there, sorted
     problems = []
     if has_index:
-        weight_map, total_size = _read_index(d)
+        weight_map, total_size, bad_total = _read_index(d)
         for t, f in weight_map.items():
             if _plain_name(f):
                 by_file.setdefault(f, []).append(t)
@@ -287,5 +291,8 @@ def open_hf_directory(d):
     if total_size is not None and total_size != tensor_bytes:
         m.notes.append(f"{iq}: metadata.total_size is {total_size} but the tensors hold {tensor_bytes} bytes "
                        "(not an error: Hugging Face's readers do not check it either)")
+    if bad_total is not None:
+        m.notes.append(f"{iq}: metadata.total_size is {bad_total}, not a byte count: ignored "
+                       "(not an error: Hugging Face's readers do not use it)")
     return m
 

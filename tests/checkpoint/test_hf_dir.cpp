@@ -166,6 +166,17 @@ TEST(HfDir, CliInspectsVerifiesConsolidatesReshardsAndExports) {
   size_t notes = 0;
   for (size_t at = otext.find("note: "); at != std::string::npos; at = otext.find("note: ", at + 1)) ++notes;
   EXPECT_EQ(notes, 2u) << "one note from verify, one from inspect:\n" << otext;
+  // Every directory with a note (a total_size off, or no byte count at all: -5, 12.5, "1 GB")
+  // verifies, saying it; the count written as a JSON float is taken as the count (no note).
+  for (const auto& [d, want] : man["notes"].items()) {
+    auto [nrc, ntext] = run_command(kCli + " ckpt verify " + d);
+    EXPECT_EQ(nrc, 0) << ntext;
+    EXPECT_CONTAINS(ntext, "note: " + want[0].get<std::string>());
+  }
+  EXPECT_EQ(man["notes"].size(), 4u);
+  auto [fzrc, fztext] = run_command(kCli + " ckpt verify " + root + "/ok/total-size-float");
+  EXPECT_EQ(fzrc, 0) << fztext;
+  EXPECT_EQ(fztext.find("note: "), std::string::npos) << fztext;
 
   // consolidate: a Tessera consolidated file of the same tensors, with checksums.
   const std::string cons = root + "/hub.safetensors";

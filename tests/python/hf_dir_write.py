@@ -11,6 +11,8 @@ OUT/ok/hub                  save_torch_state_dict, several shards and the index
 OUT/ok/hub-single           save_torch_state_dict, everything in model.safetensors (no index)
 OUT/ok/symlink-in           hub with one shard a symbolic link to a file inside the directory
 OUT/ok/total-size-off       hub with the index's total_size one more than the tensors' bytes
+OUT/ok/total-size-*         hub with a total_size that is no byte count (-5, 12.5, "1 GB": a note)
+                            or the right count as a JSON float (no note)
 OUT/ok/dcp, OUT/ok/dcp-single  (--dcp) HuggingFaceStorageWriter: 3 files, and its default (one)
 OUT/rows                    an 8 MiB tensor 'big.weight' [2048, 1024] F32 in a shard with others
 OUT/bad/<name>              copies of hub, each broken in one way (the index edited, a shard
@@ -101,6 +103,19 @@ write_index(d, j)
 ok.append(d)
 notes[d] = [f"'{d}/{INDEX}': metadata.total_size is {j['metadata']['total_size']} but the tensors hold "
             f"{j['metadata']['total_size'] - 1} bytes (not an error"]
+
+# total_size is informational: one that is no byte count is a note and ignored; a whole
+# number written as a JSON float is the count.
+for name, value, note in (("total-size-negative", -5, "-5"), ("total-size-fraction", 12.5, "12.5"),
+                          ("total-size-text", "1 GB", '"1 GB"'), ("total-size-float", None, None)):
+    d = os.path.join(out, "ok", name)
+    shutil.copytree(hub_dir, d)
+    j = index_of(d)
+    j["metadata"]["total_size"] = float(j["metadata"]["total_size"]) if value is None else value
+    write_index(d, j)
+    ok.append(d)
+    if note is not None:
+        notes[d] = [f"'{d}/{INDEX}': metadata.total_size is {note}, not a byte count: ignored (not an error"]
 
 if use_dcp:
     import torch.distributed.checkpoint as dcp
@@ -196,10 +211,6 @@ write_index(d, {"metadata": j["metadata"]})
 
 d, j = broken("value-not-string", [f"'DIR/{INDEX}': the weight_map value of '{T}' is not a string"])
 j["weight_map"][T] = 3
-write_index(d, j)
-
-d, j = broken("total-size-negative", [f"'DIR/{INDEX}': metadata.total_size is not a non-negative integer"])
-j["metadata"]["total_size"] = -5
 write_index(d, j)
 
 d, j = broken("empty-map", [f"'DIR/{INDEX}': the weight map names no tensor"])

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -102,6 +103,7 @@ std::vector<const TensorEntry*> in_data_order(const SafetensorsReader& r) {
 struct Index {
   std::map<std::string, std::string> weight_map;  // tensor -> file, sorted by tensor
   std::optional<uint64_t> total_size;
+  std::string bad_total_size;  // a total_size that is no byte count, as JSON text (a note)
 };
 
 Index read_index(const std::string& dir) {
@@ -116,8 +118,15 @@ Index read_index(const std::string& dir) {
     const json& md = j["metadata"];
     TESSERA_CHECK(md.is_object(), where, ": metadata is not an object");
     if (md.contains("total_size") && !md["total_size"].is_null()) {
-      TESSERA_CHECK(md["total_size"].is_number_unsigned(), where, ": metadata.total_size is not a non-negative integer");
-      ix.total_size = md["total_size"].get<uint64_t>();
+      const json& ts = md["total_size"];
+      if (ts.is_number_unsigned()) {
+        ix.total_size = ts.get<uint64_t>();
+      } else if (ts.is_number_float() && ts.get<double>() >= 0 && ts.get<double>() < 18446744073709551616.0 &&
+                 std::floor(ts.get<double>()) == ts.get<double>()) {
+        ix.total_size = static_cast<uint64_t>(ts.get<double>());  // some writers store the count as a float (1234.0)
+      } else {
+        ix.bad_total_size = ts.dump();  // informational only: a note, as a count that is off
+      }
     }
   }
   TESSERA_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), where, ": no weight_map object");
@@ -147,6 +156,9 @@ HfDirectory read_hf_directory(const std::string& dir) {
   if (out.has_index) {
     ix = read_index(dir);
     out.total_size = ix.total_size;
+    if (!ix.bad_total_size.empty())
+      out.notes.push_back(concat(iq, ": metadata.total_size is ", ix.bad_total_size, ", not a byte count: ignored ",
+                                 "(not an error: Hugging Face's readers do not use it)"));
     for (const auto& [t, f] : ix.weight_map) {
       if (plain_name(f)) by_file[f].push_back(t);
       else problems.push_back(concat(iq, ": tensor '", t, "' is mapped to '", escape_path(f),
