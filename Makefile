@@ -68,15 +68,16 @@ bench: build bench-torch2
 fuzz:
 	bash fuzz/run.sh
 
-# The unit suite under ASan+UBSan in its own build folder.
-test-asan:
+# The unit suite under ASan+UBSan in its own build folder (the Python environment first,
+# as for `make test`: configuring detects what the tests' Python can do).
+test-asan: python-base
 	@bash scripts/setup.sh
 	cmake -S . -B build-asan -G Ninja -DTESSERA_SANITIZE=ON -DTESSERA_BUILD_BENCH=OFF
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -j $(JOBS) --timeout 900
 
 # The reliability suite at soak scale (TESSERA_SOAK=1): long kill/corruption loops.
-soak: build
+soak: python-base build
 	bash scripts/soak.sh $(BUILD)
 
 # Async saves, the launcher and a dead rank under ThreadSanitizer (build-tsan): the
