@@ -42,20 +42,31 @@ void expect_same(const std::map<std::string, at::Tensor>& got, const std::map<st
 
 }  // namespace
 
+// Under AddressSanitizer (make test-asan) a rank process holds about 450 MB (shadow memory
+// over libtorch), so 96 of them do not fit this machine's 24 GiB (the 64-rank save was
+// OOM-killed there); the sanitized suite runs the same path at a quarter of the ranks.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int kSaveRanks = 16, kLoadRanks[] = {12, 24};
+#else
+constexpr int kSaveRanks = 64, kLoadRanks[] = {48, 96};
+#endif
+
 TEST(CheckpointScale, SixtyFourRanksSaveLoadAt48And96AndReshardTo1024AndBack) {
   const std::string d = temp_dir("tessera-scale");
-  auto s = run_ranks(64, {"ckpt_scale", "save", d + "/ck", d + "/ref.safetensors"}, 900);
+  auto s = run_ranks(kSaveRanks, {"ckpt_scale", "save", d + "/ck", d + "/ref.safetensors"}, 900);
   ASSERT_EQ(s.launch.exit_code, 0) << s.all_output();
-  EXPECT_NE(s.all_output().find("[rank 63] saved rank 63 rule-only"), std::string::npos) << s.all_output();
+  const std::string last = std::to_string(kSaveRanks - 1);
+  EXPECT_NE(s.all_output().find("[rank " + last + "] saved rank " + last + " rule-only"), std::string::npos)
+      << s.all_output();
   const auto ref = tensors_of(d + "/ref.safetensors");
   ASSERT_GT(ref.size(), 20u);
   const auto m = ck::open_checkpoint(d + "/ck");
-  EXPECT_EQ(m.world_size, 64);
+  EXPECT_EQ(m.world_size, kSaveRanks);
   int flat = 0;
   for (const auto& [k, e] : m.entries) flat += e.layout && e.layout->rule_name() == "flat";
   EXPECT_GT(flat, 20) << "FSDP's parameters and Adam state are recorded by its rule";
-  expect_same(tensors_of(d + "/ck"), ref, "the 64-rank save");
-  for (int n : {48, 96}) {
+  expect_same(tensors_of(d + "/ck"), ref, "the " + std::to_string(kSaveRanks) + "-rank save");
+  for (int n : kLoadRanks) {
     const std::string out = d + "/at" + std::to_string(n) + ".safetensors";
     auto l = run_ranks(n, {"ckpt_scale", "load", d + "/ck", out}, 900);
     ASSERT_EQ(l.launch.exit_code, 0) << n << " ranks\n" << l.all_output();
