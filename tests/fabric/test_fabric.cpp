@@ -302,6 +302,12 @@ TEST(FabricDist, DeferredInitNeverHoldsTheWholeModel) {
     ASSERT_TRUE(got) << r.all_output();
     EXPECT_EQ(whole, 8 * unit);
     EXPECT_LE(shard, whole / 4 + unit / 4);  // about a quarter of every unit
+#if defined(__SANITIZE_ADDRESS__)
+    // ASan keeps freed blocks in its quarantine (256 MB by default) instead of reusing
+    // them, so the peak RSS counts memory already freed: the bound is checked in the
+    // normal builds only.
+    continue;
+#endif
     EXPECT_LE(peak - before, shard + unit + 24 * 1024)
         << "rank " << rank << ": peak rose by " << (peak - before) / 1024 << " MiB; shards " << shard / 1024
         << " MiB, largest unit " << unit / 1024 << " MiB, whole model " << whole / 1024 << " MiB";
