@@ -11,21 +11,22 @@
 
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 
+#include "support/proc_memory.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/interop/torch_file.h"
-#include "tessera/core/cpu_allocator.h"
 #include "tessera/checkpoint/interop/xla_import.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/writer.h"
+#include "tessera/core/cpu_allocator.h"
 
 namespace fs = std::filesystem;
 namespace ck = tessera::checkpoint;
+using tessera::testing::proc_status_kib;
 using tessera::testing::read_bytes;
+using tessera::testing::reset_peak_rss;
 using tessera::testing::run_command;
 using tessera::testing::temp_dir;
 using tessera::testing::write_bytes;
@@ -372,25 +373,6 @@ TEST(XlaImport, ThePythonReaderLoadsTheImportBitExact) {
   }
 }
 
-namespace {
-
-// Writes `text` to `path`; false if it cannot be opened or written.
-bool write_file_ok(const std::string& path, const std::string& text) {
-  std::ofstream f(path);
-  return static_cast<bool>(f << text << std::flush);
-}
-
-// This process's /proc/self/status field (VmRSS, VmHWM) in KiB; -1 if absent.
-long status_kb(const std::string& field) {
-  std::istringstream in(read_bytes("/proc/self/status"));
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind(field + ":", 0) == 0) return std::stol(line.substr(field.size() + 1));
-  return -1;
-}
-
-}  // namespace
-
 // Streaming: the import holds the parsed pickles and a piece of one tensor, never the model.
 // The input is the params-w2 fixture (real torch_xla files) grown by tests/python/xla_grow.py to
 // 7 parameters of 4M float32 elements (16 MiB each) with their AdamW moments: 336 MiB of tensors
@@ -410,17 +392,20 @@ TEST(XlaImport, PeakMemoryFollowsTheLargestTensorNotTheModel) {
                                   std::to_string(n));
   ASSERT_EQ(grc, 0) << gtext;
 
-  tessera::core::install_cpu_allocator();  // as the tessera program does
+  // The tessera program's CPU allocator; c10's own again afterwards (the binary may run on).
+  const auto prior = tessera::core::cpu_allocator_policy();
+  tessera::core::install_cpu_allocator();
   // The fixture's own import first: the code, threads and allocator pools any import touches.
   ck::import_xla(fx("params-w2"), dir + "/small", false);
-  const bool reset = write_file_ok("/proc/self/clear_refs", "5");  // VmHWM := VmRSS (Linux >= 4.0)
-  const long before_kb = status_kb("VmRSS");
+  const bool reset = reset_peak_rss();
+  const long long before_kb = proc_status_kib("VmRSS");
   const ck::XlaImportResult res = ck::import_xla(dir + "/in", dir + "/big", false);
-  const long peak_kb = status_kb("VmHWM");
+  const long long peak_kb = proc_status_kib("VmHWM");
+  tessera::core::install_cpu_allocator(prior);
   // 21 tensors of n floats; buffers bf16 [5], f16 [5], i64 []; seven float steps
   EXPECT_EQ(res.bytes, 21u * static_cast<uint64_t>(n) * 4u + 10u + 10u + 8u + 7u * 4u);
-  const long largest_kb = n * 4 / 1024;
-  std::printf("import-xla of a 336 MiB model: RSS %ld KiB before, peak %ld KiB (+%ld KiB; largest tensor %ld KiB)\n",
+  const long long largest_kb = n * 4 / 1024;
+  std::printf("import-xla of a 336 MiB model: RSS %lld KiB before, peak %lld KiB (+%lld KiB; largest tensor %lld KiB)\n",
               before_kb, peak_kb, peak_kb - before_kb, largest_kb);
 #if !defined(__SANITIZE_ADDRESS__)
   if (!reset) {

@@ -15,6 +15,7 @@
 #include <iostream>
 #include <thread>
 
+#include "support/proc_memory.h"
 #include "support/scenario.h"
 #include "tessera/checkpoint/save_steps.h"  // set_async_save_hook_for_tests
 #include "tessera/core/env.h"
@@ -195,23 +196,15 @@ SCENARIO("fabric_deferred_init") {
   fabric::Fabric f(o);
   f.launch();
   const int64_t units = args.int_arg(0, 8), width = args.int_arg(1, 2048);
-  auto kib = [](const char* field) {
-    // VmRSS / VmHWM from /proc/self/status, in KiB.
-    std::ifstream in("/proc/self/status");
-    std::string line;
-    while (std::getline(in, line))
-      if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::string(field).size()));
-    return -1LL;
-  };
   at::manual_seed(3);
   at::ones({1}).sum();  // the runtime's first-op allocations happen before the baseline
   f.barrier();
-  const long long before = kib("VmRSS:");
+  const long long before = tessera::testing::proc_status_kib("VmRSS");
   torch::nn::Sequential net;
   for (int64_t i = 0; i < units; ++i)
     net->push_back(f.init_module([&] { return torch::nn::AnyModule(torch::nn::Linear(width, width)); }));
   auto model = f.setup_module(net);
-  const long long peak = kib("VmHWM:");
+  const long long peak = tessera::testing::proc_status_kib("VmHWM");
   int64_t shard_bytes = 0;
   for (auto& p : net->parameters()) shard_bytes += p.numel() * 4;
   const int64_t unit_bytes = (width * width + width) * 4;
