@@ -5,6 +5,7 @@
 // what is not a checkpoint; the Trainer's ckpt_path "auto" starts fresh when there is
 // none and resumes otherwise, at 1 and 2 ranks.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/offline/offline.h"
+#include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/resume.h"
 #include "tessera/trainer/callbacks.h"
 #include "tessera/trainer/trainer.h"
@@ -165,21 +167,46 @@ TEST(ResumeAuto, NewestThatVerifiesWinsAndBadOnesAreSkippedAndKept) {
     EXPECT_CONTAINS(error_of([&] { checkpoint::verify(last, 2, 2); }), "part 2 of 2 is out of range");
 
     // SetAside (the Trainer's and gpt's choice): each damaged candidate is renamed
-    // X.unverified-<time>, bytes unchanged, and is no candidate afterwards; a file that is
-    // no training checkpoint stays. Nothing verifies here, so every checkpoint goes aside.
+    // X.unverified-<time>, bytes unchanged, and is no candidate afterwards. Only what is a
+    // Tessera checkpoint, or was one, goes aside: a file that is no training checkpoint, a
+    // user's *.ckpt file or directory that Tessera did not write (broken.ckpt, mydata.ckpt/)
+    // stays where it is, and the report says so. A torn save's directory (data files, no
+    // metadata) and a consolidated file with a damaged header were Tessera's: aside.
+    // Nothing verifies here, so every checkpoint goes aside.
+    fs::create_directory(dir + "/mydata.ckpt");
+    write_bytes(dir + "/mydata.ckpt/rows.csv", "1,2,3\n");
+    fs::copy(sharded ? last + "/data-rank00000.safetensors" : last, tmp.path + "/donor");
+    fs::create_directory(dir + "/torn.ckpt");
+    fs::copy(tmp.path + "/donor", dir + "/torn.ckpt/data-rank00000.safetensors");
+    {
+      // A consolidated (or data) file whose header has one damaged byte: its header checksum fails.
+      std::string b = read_bytes(tmp.path + "/donor");
+      ASSERT_GT(b.size(), 40u);
+      b[20] = static_cast<char>(b[20] ^ 0x01);
+      write_bytes(dir + "/damaged-header.ckpt", b);
+    }
     const auto s2_before = files_of(s2);
     lines.clear();
     c = checkpoint::find_resumable({dir}, collect, checkpoint::Skipped::SetAside);
     EXPECT_EQ(c.path, "");
-    ASSERT_EQ(c.skipped.size(), 4u);
+    ASSERT_EQ(c.skipped.size(), 7u) << ::testing::PrintToString(c.skipped);
     std::map<std::string, std::string> aside;  // original name -> set-aside name
     for (const auto& e : fs::directory_iterator(dir)) {
       const std::string n = e.path().filename().string();
       const size_t at = n.find(".unverified-");
       if (at != std::string::npos) aside[n.substr(0, at)] = n;
     }
-    ASSERT_EQ(aside.size(), 4u) << ::testing::PrintToString(entries(dir));
-    for (const std::string n : {"broken.ckpt", "last.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=2.ckpt"}) {
+    ASSERT_EQ(aside.size(), 5u) << ::testing::PrintToString(entries(dir));
+    for (const std::string n : {"broken.ckpt", "mydata.ckpt"}) {
+      EXPECT_FALSE(aside.count(n)) << n;
+      EXPECT_TRUE(fs::exists(dir + "/" + n)) << n;
+      bool said = false;
+      for (const auto& s : c.skipped)
+        said |= s.rfind(dir + "/" + n + ": ", 0) == 0 && s.find("(not a Tessera checkpoint: left as it is)") != std::string::npos;
+      EXPECT_TRUE(said) << n << ": " << ::testing::PrintToString(c.skipped);
+    }
+    EXPECT_EQ(read_bytes(dir + "/mydata.ckpt/rows.csv"), "1,2,3\n");
+    for (const std::string n : {"torn.ckpt", "damaged-header.ckpt", "last.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=2.ckpt"}) {
       ASSERT_TRUE(aside.count(n)) << n;
       EXPECT_FALSE(fs::exists(dir + "/" + n)) << n;
       bool reported = false;
@@ -192,9 +219,10 @@ TEST(ResumeAuto, NewestThatVerifiesWinsAndBadOnesAreSkippedAndKept) {
     EXPECT_TRUE(fs::exists(dir + "/notes.txt"));
     lines.clear();
     c = checkpoint::find_resumable({dir}, collect, checkpoint::Skipped::SetAside);
-    EXPECT_TRUE(c.skipped.empty()) << ::testing::PrintToString(c.skipped);
-    ASSERT_EQ(lines.size(), 1u);
-    EXPECT_EQ(lines[0], "no checkpoint that verifies in " + dir + ": starting fresh");
+    // The user's files are still there, still no candidates, and still said so.
+    ASSERT_EQ(c.skipped.size(), 2u) << ::testing::PrintToString(c.skipped);
+    ASSERT_EQ(lines.size(), 3u);
+    EXPECT_EQ(lines[2], "no checkpoint that verifies in " + dir + ": starting fresh");
   }
 }
 
@@ -267,4 +295,45 @@ TEST(ResumeAuto, TrainerAtOneAndTwoRanks) {
     if (n == 2) EXPECT_FALSE(any_line_has(third.out[1], "skipping") || any_line_has(third.out[1], "resuming from"))
         << "only rank 0 reports:\n" << third.all_output();
   }
+}
+
+// Issue 44 item 1: rank 0 sends the other ranks the candidates typed (lengths, not lines),
+// each a plain name inside a directory searched. A checkpoint directory whose name holds a
+// newline ("zz\n30 <name>") once split into two candidates, the second a path relative to
+// the working directory (a step-3 checkpoint placed there loaded as "step 30"). Now such a
+// name is no candidate, is reported escaped and left as it is, and nothing outside the
+// directory is ever loaded.
+TEST(ResumeAuto, CandidateNamesNeverLeadOutOfTheDirectory) {
+  TempDir tmp;
+  const std::string root = tmp.path + "/run", dir = root + "/checkpoints";
+  auto first = run_ranks(2, {"trainer_fit", "fsdp-sharded", root, "3", "auto"}, 60);
+  EXPECT_RANKS_OK(first);
+  ASSERT_TRUE(fs::exists(dir + "/last.ckpt"));
+  // In the ranks' working directory (this test's): what the injected line names.
+  const std::string evil = "tessera-evil-" + std::to_string(::getpid()) + ".ckpt";
+  struct Remove {
+    std::string p;
+    ~Remove() { fs::remove_all(p); }
+  } remove_evil{fs::absolute(evil).string()};
+  fs::copy(dir + "/last.ckpt", evil, fs::copy_options::recursive);
+  const std::string odd = "zz\n30 " + evil;
+  fs::copy(dir + "/last.ckpt", dir + "/" + odd, fs::copy_options::recursive);
+  fs::copy(dir + "/last.ckpt", dir + "/step3.ckpt", fs::copy_options::recursive);
+  corrupt(dir + "/last.ckpt");
+  const auto odd_before = files_of(dir + "/" + odd);
+
+  auto again = run_ranks(2, {"trainer_fit", "fsdp-sharded", root, "4", "auto"}, 60);
+  EXPECT_RANKS_OK(again);
+  EXPECT_FALSE(any_line_has(again.out[0], evil + " (step")) << again.all_output();
+  EXPECT_TRUE(any_line_has(again.out[0], "tessera: resuming from " + dir + "/step3.ckpt (step 3)")) << again.all_output();
+  EXPECT_TRUE(any_line_has(again.out[0], "tessera: skipping " + dir + "/zz\\n30 " + evil +
+                                             ": its name holds a control character: not a candidate (left as it is"))
+      << again.all_output();
+  // Left exactly as it was, under its own name; the evil copy was not touched either.
+  EXPECT_TRUE(files_of(dir + "/" + odd) == odd_before);
+  EXPECT_TRUE(fs::exists(evil));
+
+  // Every reader refuses such a path itself (docs/checkpoint-format.md §4).
+  EXPECT_CONTAINS(error_of([&] { checkpoint::open_checkpoint(dir + "/" + odd); }),
+                  "it contains a control character ('\\n' at byte");
 }

@@ -8,13 +8,14 @@
 #include <ctime>
 #include <filesystem>
 #include <iostream>
-#include <sstream>
 #include <variant>
 
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
 
@@ -25,16 +26,35 @@ namespace tessera::checkpoint {
 namespace {
 
 struct Candidate {
-  std::string path;
+  size_t dir = 0;    // index into the directories searched
+  std::string name;  // a plain name inside that directory
+  std::string path;  // dirs[dir] + "/" + name
   int64_t step = 0;
   fs::file_time_type mtime{};
 };
 
+// Whether `name` holds a control character (a byte below 0x20, or 0x7f).
+bool has_control_chars(const std::string& name) {
+  return std::any_of(name.begin(), name.end(), [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return c < 0x20 || c == 0x7f;
+  });
+}
+
+// Whether `name` may name a candidate inside its directory: not empty, not "." or "..",
+// no '/' and no control character. Every rank checks what rank 0 sends against this.
+bool plain_candidate_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         !has_control_chars(name);
+}
+
 // What a report line writes when the caller gives no report.
 void default_report(const std::string& line) { std::cerr << "tessera: " << line << std::endl; }
 
-// The paths in `dir` that may be checkpoints (see find_resumable).
-std::vector<std::string> list_candidates(const std::string& dir) {
+// The names in `dir` that may be checkpoints (see find_resumable); names holding a control
+// character go to `odd` instead (never candidates: such a name cannot be shown or passed on
+// safely).
+std::vector<std::string> list_candidates(const std::string& dir, std::vector<std::string>& odd) {
   std::vector<std::string> out;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return out;
@@ -48,18 +68,62 @@ std::vector<std::string> list_candidates(const std::string& dir) {
       // candidate under its own name, which the loaders open like any checkpoint.
       const size_t old = name.find(".tessera-old-");
       if (old == std::string::npos || old <= 1) continue;
+      if (has_control_chars(name)) {
+        odd.push_back(name);
+        continue;
+      }
       std::error_code e2;
       if (fs::symlink_status(fs::path(dir) / name.substr(1, old - 1), e2).type() == fs::file_type::not_found)
-        out.push_back(p.string());
+        out.push_back(name);
       continue;
     }
     std::error_code e2;
     const bool is_dir = fs::is_directory(p, e2);
     if (is_dir ? fs::is_regular_file(p / kMetadataFile, e2) || core::ends_with(name, ".ckpt")
-               : core::ends_with(name, ".ckpt") || (fs::is_regular_file(p, e2) && is_tessera_checkpoint(p.string())))
-      out.push_back(p.string());
+               : core::ends_with(name, ".ckpt") ||
+                     (!has_control_chars(name) && fs::is_regular_file(p, e2) && is_tessera_checkpoint(p.string()))) {
+      if (has_control_chars(name))
+        odd.push_back(name);
+      else
+        out.push_back(name);
+    }
   }
   return out;
+}
+
+// Whether `path`, which cannot be read as a checkpoint, is a damaged Tessera checkpoint
+// (or was one): a directory holding Tessera's metadata or data files, or a file whose
+// safetensors header names a Tessera format. Anything else (a user's notes.ckpt, a
+// directory of their own data) is not Tessera's to set aside.
+bool was_tessera_checkpoint(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string n = it->path().filename().string();
+      if (n == kMetadataFile || (n.rfind("data-rank", 0) == 0 && core::ends_with(n, ".safetensors"))) return true;
+    }
+    return false;
+  }
+  if (!fs::is_regular_file(path, ec)) return false;
+  if (is_tessera_checkpoint(path)) return true;
+  // A damaged header: its 8 length bytes and a bounded header that still names a Tessera key.
+  try {
+    File f = open_for_reading(path);
+    const uint64_t size = f.size();
+    if (size < 8) return false;
+    unsigned char len[8];
+    f.pread_exact(0, reinterpret_cast<char*>(len), 8);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+    n = std::min({n, size - 8, kMaxHeaderBytes});
+    std::string header(static_cast<size_t>(n), '\0');
+    f.pread_exact(8, header.data(), n);
+    return header.find("\"tessera.") != std::string::npos;
+  } catch (const ResourceError&) {
+    throw;
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 // The modification time that orders equal steps: the metadata file's for a directory.
@@ -80,16 +144,19 @@ std::string problems_of(const VerifyReport& r) {
 }
 
 // The candidates of `dirs`, newest first; those whose metadata cannot be read (or that hold
-// no global_step) go to `unread` as (path, problem, torn), sorted.
+// no global_step) go to `unread` as (path, problem, damaged), sorted; a damaged one is a
+// Tessera checkpoint (or was one), the others are someone else's files.
 struct Unread {
   std::string path, problem;
-  bool torn = false;  // a checkpoint whose metadata is damaged (not someone else's file)
+  bool damaged = false;
   bool operator<(const Unread& o) const { return path < o.path; }
 };
 std::vector<Candidate> ordered_candidates(const std::vector<std::string>& dirs, std::vector<Unread>& unread) {
   std::vector<Candidate> candidates;
-  for (const auto& dir : dirs) {
-    for (const std::string& path : list_candidates(dir)) {
+  for (size_t d = 0; d < dirs.size(); ++d) {
+    std::vector<std::string> odd;
+    for (const std::string& name : list_candidates(dirs[d], odd)) {
+      const std::string path = (fs::path(dirs[d]) / name).string();
       try {
         const CheckpointMetadata meta = open_checkpoint(path);
         auto it = meta.entries.find("global_step");
@@ -98,13 +165,22 @@ std::vector<Candidate> ordered_candidates(const std::vector<std::string>& dirs, 
           unread.push_back({path, "no integer global_step (not a training checkpoint)", false});
           continue;
         }
-        candidates.push_back({path, *step, modified(path)});
+        candidates.push_back({d, name, path, *step, modified(path)});
       } catch (const ResourceError&) {
         throw;
       } catch (const std::exception& e) {
-        unread.push_back({path, std::string("cannot read its metadata: ") + e.what(), true});
+        const bool damaged = was_tessera_checkpoint(path);
+        unread.push_back({path,
+                          std::string("cannot read its metadata: ") + e.what() +
+                              (damaged ? "" : " (not a Tessera checkpoint: left as it is)"),
+                          damaged});
       }
     }
+    for (const std::string& name : odd)
+      unread.push_back({escape_path((fs::path(dirs[d]) / name).string()),
+                        "its name holds a control character: not a candidate (left as it is; rename it to resume "
+                        "from it)",
+                        false});
   }
   std::sort(unread.begin(), unread.end());
   std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
@@ -186,7 +262,7 @@ ResumeChoice find_resumable(const std::vector<std::string>& dirs, const ResumeRe
   Chooser chooser(report, skipped, true);
   std::vector<Unread> unread;
   const std::vector<Candidate> candidates = ordered_candidates(dirs, unread);
-  for (const auto& u : unread) chooser.skip(u.path, u.problem, u.torn);
+  for (const auto& u : unread) chooser.skip(u.path, u.problem, u.damaged);
   for (const Candidate& c : candidates) {
     const VerifyReport r = verify(c.path);  // throws only ResourceError
     if (r.ok && r.problems.empty()) return chooser.take(c);
@@ -200,28 +276,41 @@ ResumeChoice find_resumable(const std::vector<std::string>& dirs, distributed::C
   const int rank = comm.rank(), size = comm.size();
   Chooser chooser(report, skipped, rank == 0);
   // Rank 0 lists and orders the candidates (their metadata only) and sends every rank the
-  // list: "ok\n" then "<step> <path>\n" per candidate, or "error\n<message>".
-  std::string msg;
+  // list, typed (Packer: lengths, never separators inside the data): an error, or per
+  // candidate its step, the index of its directory and its plain name there. Every rank
+  // rebuilds the path from its own `dirs` and refuses a name that is not a plain one, so
+  // nothing rank 0 sends can point outside the directories searched.
+  std::string error, payload;
   if (rank == 0) {
     try {
       std::vector<Unread> unread;
       const std::vector<Candidate> candidates = ordered_candidates(dirs, unread);
-      for (const auto& u : unread) chooser.skip(u.path, u.problem, u.torn);
-      msg = "ok\n";
-      for (const auto& c : candidates) msg += std::to_string(c.step) + " " + c.path + "\n";
+      for (const auto& u : unread) chooser.skip(u.path, u.problem, u.damaged);
+      Packer p;
+      p.u64(candidates.size());
+      for (const auto& c : candidates) p.u64(static_cast<uint64_t>(c.step)).u64(c.dir).str(c.name);
+      payload = p.bytes();
     } catch (const std::exception& e) {
-      msg = std::string("error\n") + e.what();
+      error = e.what();
     }
   }
-  msg = comm.broadcast_bytes(msg, 0);
-  TESSERA_CHECK(msg.compare(0, 6, "error\n") != 0, "find_resumable on rank 0: ", msg.substr(6));
-  TESSERA_CHECK(msg.compare(0, 3, "ok\n") == 0, "find_resumable: malformed candidate list from rank 0");
+  payload = broadcast_or_throw(comm, error, payload, "find_resumable on rank 0");
   std::vector<Candidate> candidates;
-  std::istringstream lines(msg.substr(3));
-  for (std::string line; std::getline(lines, line);) {
-    const size_t sp = line.find(' ');
-    TESSERA_CHECK(sp != std::string::npos, "find_resumable: malformed candidate line from rank 0");
-    candidates.push_back({line.substr(sp + 1), std::stoll(line.substr(0, sp)), {}});
+  {
+    Unpacker u(payload, "find_resumable's candidate list from rank 0");
+    const uint64_t n = u.u64();
+    for (uint64_t i = 0; i < n; ++i) {
+      Candidate c;
+      c.step = static_cast<int64_t>(u.u64());
+      c.dir = static_cast<size_t>(u.u64());
+      c.name = u.str();
+      TESSERA_CHECK(c.dir < dirs.size() && plain_candidate_name(c.name), "find_resumable: rank 0 sent candidate '",
+                    escape_path(c.name), "' in directory ", c.dir, " of ", dirs.size(),
+                    ", not a plain name in one of the directories searched");
+      c.path = (fs::path(dirs[c.dir]) / c.name).string();
+      candidates.push_back(std::move(c));
+    }
+    TESSERA_CHECK(u.done(), "find_resumable: trailing bytes in the candidate list from rank 0");
   }
   // Every rank verifies its part of each candidate, newest first (verify(path, rank, size):
   // each reads about 1/size of it, so that no rank waits in a collective while another
