@@ -220,6 +220,19 @@ class Checkpoint:
             self._headers[name] = h
         return h
 
+    def check_structure(self):
+        """What verify checks of the structure, before a tensor byte is read (a version-2
+        sharded checkpoint: every data file present, this save's file of its rank, holding
+        exactly the pieces the layouts place there, each at its recorded offsets). load() calls
+        it, so that a checkpoint verify refuses never loads. The C++ readers do the same."""
+        lay = self._layout
+        if lay.kind != "sharded" or lay.version < 2:
+            return  # version 1: every listed file was checked (present, its size) when it was opened
+        for rank in range(lay.world_size):
+            name = data_file_name(rank)
+            self._header(name, rank)
+            self._drop(name)  # the header is checked; a read opens what it needs again
+
     def _piece(self, key, e, i):
         """Piece i of version-2 entry ``e``, located in its data file's header."""
         rank = e.layout.file_of(i)
@@ -389,6 +402,7 @@ def _strip(ck, prefix):
 
 
 def _load(ck, prefix, verify):
+    ck.check_structure()
     return {short: ck.get(k, verify) for k, short in _strip(ck, prefix)}
 
 

@@ -558,6 +558,30 @@ class PieceLayout:
         b, e = flat_rows(self.numel, self.offset, shape, self.pieces, i)
         return [b] + [0] * (len(shape) - 1), [e - b] + list(shape[1:])
 
+    def pieces_in_file(self, f):
+        """The pieces (empty ones included) that data file ``f`` stores, ascending: the inverse
+        of file_of, O(1) for the rules (a valid layout: with replicas > 1, replica_step >=
+        pieces*step, so the replica groups' files do not interleave), one pass for a list."""
+        if self.rule == "whole":
+            return [0] if self.file == f else []
+        if self.rule == "list":
+            return [i for i, b in enumerate(self.boxes) if b[0] == f]
+        fm = self.files
+        rel, group = f - fm.first, 0
+        if rel < 0 or fm.step < 1:
+            return []
+        if fm.replicas > 1:
+            if fm.replica_step < 1:
+                return [i for i in range(self.pieces) if fm.file(i) == f]
+            group = rel // fm.replica_step
+            if group >= fm.replicas:
+                return []
+            rel -= group * fm.replica_step
+        if rel % fm.step:
+            return []
+        i = rel // fm.step
+        return [i] if i < self.pieces and fm.file(i) == f else []
+
     def name(self, fqn, i):
         """The tensor name of (non-empty) piece i in its data file: FQN when it is the entry's
         only piece there (always, for the rules), else FQN@k."""
@@ -876,6 +900,61 @@ def check_data_file(st, m, rank):
         fail("'", path, "': no tessera.crc32c block checksums")
     if st.crc_block != m.crc_block:
         fail("'", path, "': checksum blocks of ", st.crc_block, " bytes, the metadata says ", m.crc_block)
+    check_data_file_contents(st, m, rank)
+
+
+PIECE_OFFSETS_KEY = "tessera.offsets"
+
+
+def check_data_file_contents(st, m, rank):
+    """A version-2 data file holds exactly the pieces the layouts place in it: each with the
+    entry's dtype and the piece's shape, at the offsets the file records for it
+    (tessera.offsets, written since 2026-12-06; an older file has none), and no other tensor.
+    The C++ reader's ChunkReader::data_file makes the same checks with the same words."""
+    path = st.path
+    offsets = None
+    if PIECE_OFFSETS_KEY in st.metadata:
+        offsets = parse_json_strict(st.metadata[PIECE_OFFSETS_KEY], f"'{path}': {PIECE_OFFSETS_KEY}")
+        if not isinstance(offsets, dict):
+            fail("'", path, "': ", PIECE_OFFSETS_KEY, " is not a JSON object")
+        for name, v in offsets.items():
+            if not isinstance(v, list) or not all(_is_int(x) for x in v):
+                fail("'", path, "': ", PIECE_OFFSETS_KEY, " of tensor '", name, "' is not an array of integers")
+    want = set()
+    for k in m.keys:
+        e = m.entries[k]
+        if not e.is_tensor or e.layout is None:
+            continue
+        for i in e.layout.pieces_in_file(rank):
+            box_offsets, sizes = e.layout.box(i)
+            if any(s == 0 for s in sizes):
+                continue
+            name = e.layout.name(k, i)
+            want.add(name)
+            t = st.tensors.get(name)
+            if t is None:
+                label = Chunk(box_offsets, sizes, None, name, 0, 0, [], i).label()
+                fail("'", path, "' key '", k, "': ", label, " (tensor '", name,
+                     "') is not in the data file (incomplete or mixed-up checkpoint)")
+            if t[0] != e.dtype or t[1] != sizes:
+                fail("'", path, "' key '", k, "': tensor '", name, "' has dtype ", t[0], " and shape ",
+                     shape_string(t[1]), ", the layout says ", e.dtype, " ", shape_string(sizes))
+            if offsets is None:
+                continue
+            if name not in offsets:
+                fail("'", path, "' key '", k, "': tensor '", name, "' has no entry in ", PIECE_OFFSETS_KEY)
+            if offsets[name] != box_offsets:
+                fail("'", path, "' key '", k, "': tensor '", name, "' holds the piece at offsets ",
+                     shape_string(offsets[name]), ", the layout places the piece at ", shape_string(box_offsets),
+                     " in this file (pieces swapped or mixed up)")
+    for name in st.order:
+        if name not in want:
+            fail("'", path, "': tensor '", name, "' is no piece of any layout in the metadata (a foreign or mixed-up "
+                 "data file)")
+    for name in offsets or {}:
+        if name not in want:
+            fail("'", path, "': ", PIECE_OFFSETS_KEY, " names tensor '", name,
+                 "', which is no piece of any layout in the metadata")
 
 
 def piece_chunk(m, st, fqn, e, i):

@@ -71,26 +71,6 @@ void tamper_metadata(const std::string& dir, const std::function<void(json&)>& e
   ASSERT_NO_THROW(ck::check_metadata_checksum(text, dir + kMeta));  // only validation can refuse it now
 }
 
-// A safetensors file's header edited through `edit`, the header checksum recomputed.
-void tamper_header(const std::string& file, const std::function<void(nlohmann::ordered_json&)>& edit) {
-  const std::string bytes = read_bytes(file);
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
-  auto h = nlohmann::ordered_json::parse(bytes.substr(8, n));
-  edit(h);
-  h["__metadata__"]["tessera.header_crc32c"] = "00000000";
-  std::string text = h.dump();
-  while (text.size() % 8) text.push_back(' ');
-  std::string len(8, '\0');
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
-  const std::string marker = "\"tessera.header_crc32c\":\"";
-  const size_t at = text.find(marker);
-  ASSERT_NE(at, std::string::npos);
-  const uint32_t crc = ck::crc32c_extend(ck::crc32c(len.data(), 8), text.data(), text.size());
-  text.replace(at + marker.size(), 8, ck::crc_hex(crc));
-  write_bytes(file, len + text + bytes.substr(8 + n));
-}
-
 // The block checksums of chunk `c` (sharded checkpoint `dir`) for another block size.
 json crcs_for_block(const std::string& dir, const json& c, uint64_t block) {
   const std::string data = read_bytes(dir + "/" + c["file"].get<std::string>());

@@ -693,13 +693,14 @@ def check_damaged(src, tmp, items):
     rewrite_file(d, 2, edit_tensors=lambda ts: [t for t in ts if t[0] != "model.emb"])
     refused(d, [_format.data_file_name(2), "key 'model.emb'", "tensor 'model.emb' is not in the data file"], "missing piece", True)
 
-    # extra tensors: loads, verify refuses
+    # extra tensors: refused by load as by verify (issue 44 item 2: what verify refuses never loads)
     for name, t in (("model.extra", torch.zeros(2)), ("model.empty", torch.zeros(0, 4)), ("model.emb@1", torch.zeros(3, 6))):
         d = copy(src, tmp, "extra_" + name)
         rewrite_file(d, 2, edit_tensors=lambda ts: ts + [(name, t)])
-        tessera_ckpt.load(d)
+        expect_error(lambda: tessera_ckpt.load(d), [_format.data_file_name(2), f"tensor '{name}'",
+                                                    "is no piece of any layout in the metadata"], "extra piece (load)")
         msg = expect_error(lambda: tessera_ckpt.verify(d), ["CORRUPT", _format.data_file_name(2), f"tensor '{name}'",
-                                                            "extra tensor"], "extra piece " + name)
+                                                            "is no piece of any layout in the metadata"], "extra piece " + name)
         check("1 problem(s)" in msg, msg)
         p = subprocess.run([sys.executable, "-m", "tessera_ckpt", "verify", d], env=dict(os.environ, PYTHONPATH=PKG),
                            capture_output=True, text=True)

@@ -170,6 +170,35 @@ TEST(Layout, HybridFileMapSpreadsPiecesOverTheReplicaGroups) {
   EXPECT_EQ(f.file(3), 3);
 }
 
+// pieces_in_file inverts file_of (what every reader uses to list the pieces a data file must
+// hold): for every rule, random valid file maps (hybrid ones included) and every file of the
+// world, exactly the pieces a scan of file_of finds.
+TEST(Layout, PiecesInFileInvertsFileOfForEveryRule) {
+  std::mt19937 rng(44);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int round = 0; round < 400; ++round) {
+    const int64_t P = pick(1, 9), step = pick(1, 3), R = pick(1, 4), first = pick(0, 3);
+    const int64_t G = R > 1 ? P * step + pick(0, 3) : 0, shift = pick(0, 7);
+    const FileMap fm{first, step, R, G, shift};
+    const int64_t world = first + (P - 1) * step + (R - 1) * G + 1 + pick(0, 2);
+    std::vector<Layout> layouts = {Layout::chunk(0, P, fm), Layout::flat(100, 0, P, fm), Layout::whole(pick(0, world - 1))};
+    Layout list;
+    list.rule = Layout::Rule::List;
+    for (int64_t i = 0; i < P; ++i) list.list.push_back({pick(0, world - 1), Box{{i}, {1}}});
+    layouts.push_back(list);
+    for (const Layout& L : layouts) {
+      const std::vector<int64_t> shape = L.rule == Layout::Rule::List ? std::vector<int64_t>{P} : std::vector<int64_t>{10, 10};
+      ASSERT_NO_THROW(L.validate(shape, world, "layout")) << round;
+      for (int64_t f = -1; f <= world; ++f) {
+        std::vector<int64_t> want;
+        for (int64_t i = 0; i < L.count(); ++i)
+          if (L.file_of(i) == f) want.push_back(i);
+        EXPECT_EQ(L.pieces_in_file(f), want) << "round " << round << " rule " << L.rule_name() << " file " << f;
+      }
+    }
+  }
+}
+
 namespace {
 
 std::string validate_error(const Layout& L, const std::vector<int64_t>& shape, int64_t world, const std::string& what) {

@@ -9,7 +9,10 @@
 //  load(target, path, comm, {strict}): the target's entries say what is wanted and how
 //    it is sharded; each rank reads only the byte ranges covering its pieces, from a
 //    sharded directory saved at any world size, a consolidated or foreign safetensors
-//    file, or a torch.save'd dict of tensors.
+//    file, or a torch.save'd dict of tensors. Before anything is read, the ranks check
+//    what `tessera ckpt verify` checks of the structure, each every size-th data file
+//    (present, of this save and rank, holding exactly the pieces the layouts place there),
+//    and a checkpoint that fails is refused by every rank with the target untouched.
 // save and load are collective over `comm` (every rank calls them with the same keys in
 // the same order); an error on any rank is raised on every rank.
 #pragma once
@@ -50,8 +53,8 @@ void save(const state::StateDict& sd, const std::string& path, distributed::Comm
           const SaveOptions& options = {});
 LoadResult load(state::StateDict& target, const std::string& path, distributed::Communicator& comm,
                 const LoadOptions& options = {});
-// The same load without a process group (one process, or tools): reads only what the
-// target's local pieces need.
+// The same load without a process group (one process, or tools): checks the structure of
+// every data file, then reads only what the target's local pieces need.
 LoadResult load_local(state::StateDict& target, const std::string& path, const LoadOptions& options = {});
 
 // A save running in the background. wait() blocks until it is committed and rethrows

@@ -32,9 +32,11 @@ bool same_plain_kind(const Value& target, const Value& saved) {
 
 }  // namespace
 
-LoadResult load_local(state::StateDict& target, const std::string& path, const LoadOptions& options) {
-  check_path_chars(path);  // file_io.h (issue 35 item 4)
-  CheckpointMetadata meta = open_checkpoint(path);
+namespace {
+
+// Loads from `meta` (opened from `path`, its structure checked) into `target`.
+LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, const std::string& path,
+                     const LoadOptions& options) {
   auto wanted = target.flatten();
   LoadResult res;
   std::set<std::string> wanted_keys;
@@ -176,12 +178,38 @@ LoadResult load_local(state::StateDict& target, const std::string& path, const L
   return res;
 }
 
+}  // namespace
+
+LoadResult load_local(state::StateDict& target, const std::string& path, const LoadOptions& options) {
+  check_path_chars(path);  // storage/file.h (issue 35 item 4)
+  CheckpointMetadata meta = open_checkpoint(path);
+  // What verify checks of the structure, every data file, before anything is read.
+  ChunkReader(meta).check_structure();
+  return load_from(meta, target, path, options);
+}
+
 LoadResult load(state::StateDict& target, const std::string& path, distributed::Communicator& comm, const LoadOptions& options) {
   finish_pending_save();  // an async save of this process may be writing this path
-  LoadResult res;
+  // What verify checks of the structure, shared out: each rank checks every size-th data
+  // file (present, of this save and rank, exactly its pieces), and every rank learns the
+  // outcome before anything is read, so that a checkpoint verify refuses is refused by
+  // every rank alike and no target is touched (O(files / ranks) headers a rank).
+  CheckpointMetadata meta;
   std::string err;
   try {
-    res = load_local(target, path, options);
+    check_path_chars(path);
+    meta = open_checkpoint(path);
+    ChunkReader(meta).check_structure(comm.rank(), comm.size());
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  const Agreement checked = agree(comm, err);
+  if (!err.empty()) throw Error(err);
+  TESSERA_CHECK(checked.ok(), "loading '", path, "' failed on rank ", checked.failed_rank, ": ", checked.error,
+                " (nothing was loaded)");
+  LoadResult res;
+  try {
+    res = load_from(meta, target, path, options);
   } catch (const std::exception& e) {
     err = e.what();
   }

@@ -152,6 +152,7 @@ std::string not_a_checkpoint_reason(const std::string& path) {
 }
 
 CheckpointMetadata open_checkpoint(const std::string& path) {
+  check_path_chars(path);  // a name no line-based tool can pass on safely (docs/checkpoint-format.md §4)
   std::string p = path;
   if (!path_exists(p)) {
     const std::string aside = aside_sibling(p);
@@ -277,8 +278,86 @@ const SafetensorsReader& ChunkReader::data_file(int64_t rank) {
                 "': renamed or mixed up");
   TESSERA_CHECK(r.crc_block() == meta_.crc_block, where, " has checksum blocks of ", r.crc_block(),
                 " bytes, the metadata says ", meta_.crc_block);
+  check_contents(rank, r, where);
   identified_.insert(rank);
   return r;
+}
+
+void ChunkReader::check_contents(int64_t rank, const SafetensorsReader& r, const std::string& where) const {
+  // The identity of each piece, where the writer recorded it (tessera.offsets: tensor name ->
+  // the piece's offsets in its tensor): a piece stored under the right name in the wrong
+  // file (two equal-shaped pieces swapped between files) is refused.
+  std::map<std::string, std::vector<int64_t>> offsets;
+  const bool has_offsets = !r.meta(kPieceOffsetsKey).empty();
+  if (has_offsets) {
+    const nlohmann::json j = parse_json_strict(r.meta(kPieceOffsetsKey), concat(where, ": ", kPieceOffsetsKey));
+    TESSERA_CHECK(j.is_object(), where, ": ", kPieceOffsetsKey, " is not a JSON object");
+    for (const auto& [name, v] : j.items()) {
+      TESSERA_CHECK(v.is_array(), where, ": ", kPieceOffsetsKey, " of tensor '", name, "' is not an array");
+      std::vector<int64_t> o;
+      for (const auto& x : v) {
+        TESSERA_CHECK(x.is_number_integer(), where, ": ", kPieceOffsetsKey, " of tensor '", name,
+                      "' holds a value that is not an integer");
+        o.push_back(x.get<int64_t>());
+      }
+      offsets.emplace(name, std::move(o));
+    }
+  }
+  // Every piece the layouts place in this file is there (dtype, shape, place), and nothing else.
+  size_t expected = 0;
+  for (const auto& k : meta_.keys) {
+    const EntryInfo& e = meta_.entries.at(k);
+    if (!e.layout) continue;
+    const sharding::Layout& L = *e.layout;
+    for (int64_t i : L.pieces_in_file(rank)) {
+      const sharding::Box box = L.box(e.shape, i);
+      if (box.empty()) continue;
+      ++expected;
+      const std::string name = piece_name(k, L, e.shape, i);
+      const TensorEntry* t = r.find(name);
+      TESSERA_CHECK(t != nullptr, "'", r.path(), "' key '", k, "': piece ", i, " ", box.to_string(), " (tensor '",
+                    name, "') is not in the data file (incomplete or mixed-up checkpoint)");
+      TESSERA_CHECK(t->dtype == e.dtype && t->shape == box.sizes, "'", r.path(), "' key '", k, "': tensor '", name,
+                    "' has dtype ", dtype_name(t->dtype), " and shape ", core::shape_string(t->shape),
+                    ", the layout says ", dtype_name(e.dtype), " ", core::shape_string(box.sizes));
+      if (!has_offsets) continue;
+      auto o = offsets.find(name);
+      TESSERA_CHECK(o != offsets.end(), "'", r.path(), "' key '", k, "': tensor '", name, "' has no entry in ",
+                    kPieceOffsetsKey);
+      TESSERA_CHECK(o->second == box.offsets, "'", r.path(), "' key '", k, "': tensor '", name,
+                    "' holds the piece at offsets ", core::shape_string(o->second), ", the layout places the piece at ",
+                    core::shape_string(box.offsets), " in this file (pieces swapped or mixed up)");
+    }
+  }
+  if (r.entries().size() == expected && (!has_offsets || offsets.size() == expected)) return;
+  // Something more than the layouts place here: name it.
+  std::set<std::string> want;
+  for (const auto& k : meta_.keys) {
+    const EntryInfo& e = meta_.entries.at(k);
+    if (!e.layout) continue;
+    for (int64_t i : e.layout->pieces_in_file(rank))
+      if (!e.layout->box(e.shape, i).empty()) want.insert(piece_name(k, *e.layout, e.shape, i));
+  }
+  for (const auto& t : r.entries())
+    TESSERA_CHECK(want.count(t.name), "'", r.path(), "': tensor '", t.name,
+                  "' is no piece of any layout in the metadata (a foreign or mixed-up data file)");
+  for (const auto& [name, o] : offsets)
+    TESSERA_CHECK(want.count(name), "'", r.path(), "': ", kPieceOffsetsKey, " names tensor '", name,
+                  "', which is no piece of any layout in the metadata");
+  throw Error(concat("'", r.path(), "': its tensors are not the pieces the metadata places there"));
+}
+
+void ChunkReader::check_structure(int part, int parts) {
+  TESSERA_CHECK(parts >= 1 && part >= 0 && part < parts, "check_structure: part ", part, " of ", parts,
+                " is out of range");
+  if (meta_.source_kind != "sharded") return;  // one file, validated when it was opened
+  if (meta_.version >= 2) {
+    for (int64_t r = part; r < meta_.world_size; r += parts) data_file(r);
+    return;
+  }
+  int64_t index = 0;
+  for (const auto& f : meta_.files)
+    if (index++ % parts == part) reader(f.first);
 }
 
 std::vector<ChunkInfo> ChunkReader::chunks(const std::string& fqn, const EntryInfo& e, const sharding::Box& box) {
@@ -308,18 +387,6 @@ std::vector<ChunkInfo> ChunkReader::chunks(const std::string& fqn, const EntryIn
     c.end = t->end;
     c.crcs = *crcs;
     out.push_back(std::move(c));
-  }
-  return out;
-}
-
-std::vector<std::vector<std::string>> ChunkReader::expected_names() const {
-  std::vector<std::vector<std::string>> out(static_cast<size_t>(meta_.world_size));
-  for (const auto& k : meta_.keys) {
-    const EntryInfo& e = meta_.entries.at(k);
-    if (!e.layout) continue;
-    const sharding::Layout& L = *e.layout;
-    for (int64_t i = 0; i < L.count(); ++i)
-      if (!L.box(e.shape, i).empty()) out[static_cast<size_t>(L.file_of(i))].push_back(piece_name(k, L, e.shape, i));
   }
   return out;
 }

@@ -58,11 +58,18 @@ class ChunkReader {
   // checked there (present, dtype, shape) and each file checked to belong to this save
   // and rank (tessera.save_id, tessera.rank).
   std::vector<ChunkInfo> chunks(const std::string& fqn, const EntryInfo& e, const sharding::Box& box);
-  // Version 2: for every data file (by rank), the names of the pieces the layouts place
-  // there (for verify: a file must hold exactly these). O(every piece of every entry).
-  std::vector<std::vector<std::string>> expected_names() const;
-  // Version 2: opens data file `rank` and checks that it belongs to this save and rank.
+  // Version 2: opens data file `rank` and checks, the first time, that it belongs to this
+  // save and rank and holds exactly the pieces the layouts place there: each present with
+  // the entry's dtype and the piece's shape, at the piece's offsets where the file records
+  // them (tessera.offsets), and no other tensor. O(entries) per file.
   const SafetensorsReader& data_file(int64_t rank);
+  // What `tessera ckpt verify` checks of the structure before it reads a tensor byte, for
+  // the data files part, part + parts, ... (a share for each of `parts` ranks): version 2,
+  // every data file present and passing data_file()'s checks; version 1, every listed file
+  // present and valid. Throws naming the first problem. Every reader of a whole checkpoint
+  // (consolidate, reshard, export, load) calls it first, so that a checkpoint verify refuses
+  // never comes out of them as a clean one.
+  void check_structure(int part = 0, int parts = 1);
   // Copies the overlap of chunk `c` (of entry `fqn`) with `dst_box` into `dst`, which
   // holds the elements of `dst_box`. Reads only the checksum blocks that cover the
   // overlap, and checks them; blocks this reader already checked are not read again
@@ -93,6 +100,7 @@ class ChunkReader {
 
  private:
   void check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
+  void check_contents(int64_t rank, const SafetensorsReader& r, const std::string& where) const;
   // Checks the checksum blocks of chunk `c` (of data file `path`) that `data` holds: the
   // n bytes from byte `base` of the chunk (block-aligned; the last block may be the
   // chunk's short one). Runs on DirectReader's workers: touches no member but meta_.

@@ -41,6 +41,10 @@ DataFileResult write_data_file(const std::string& dir, const std::string& name, 
   const std::string path = join_path(dir, name);
   std::map<std::string, std::string> meta = identity;
   meta["tessera.format"] = "tessera-data";
+  // Each piece's place in its tensor (its identity beside its name and shape).
+  json offsets = json::object();
+  for (size_t i = 0; i < pieces.size(); ++i) offsets[names[i]] = pieces[i].box.offsets;
+  meta[kPieceOffsetsKey] = offsets.dump();
   SafetensorsWriter w(path, specs, std::move(meta));
   for (size_t i = 0; i < pieces.size(); ++i) {
     at::Tensor t = pieces[i].data();

@@ -104,6 +104,39 @@ int64_t Layout::file_of(int64_t i) const {
   }
 }
 
+std::vector<int64_t> Layout::pieces_in_file(int64_t f) const {
+  std::vector<int64_t> out;
+  switch (rule) {
+    case Rule::Whole:
+      if (file == f) out.push_back(0);
+      return out;
+    case Rule::List:
+      for (size_t i = 0; i < list.size(); ++i)
+        if (list[i].file == f) out.push_back(static_cast<int64_t>(i));
+      return out;
+    default: break;
+  }
+  // files.file(i) = first + i·step + group(i)·replica_step, with replica_step >= pieces·step
+  // when replicas > 1 (validate): the replica groups' files do not interleave, so the group
+  // of file f is (f - first) / replica_step, and within it the piece is the step's quotient.
+  if (f < files.first || files.step < 1) return out;
+  int64_t rel = f - files.first, group = 0;
+  if (files.replicas > 1) {
+    if (files.replica_step < 1) {
+      for (int64_t i = 0; i < pieces; ++i)  // not a valid layout: the plain inverse
+        if (files.file(i) == f) out.push_back(i);
+      return out;
+    }
+    group = rel / files.replica_step;
+    if (group >= files.replicas) return out;
+    rel -= group * files.replica_step;
+  }
+  if (rel % files.step != 0) return out;
+  const int64_t i = rel / files.step;
+  if (i < pieces && files.file(i) == f) out.push_back(i);
+  return out;
+}
+
 Box Layout::box(const std::vector<int64_t>& shape, int64_t i) const {
   switch (rule) {
     case Rule::Whole: return full_box(shape);

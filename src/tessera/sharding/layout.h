@@ -57,6 +57,10 @@ struct Layout {
   // The box of piece i of a tensor of `shape` (valid layouts only: validate first).
   Box box(const std::vector<int64_t>& shape, int64_t i) const;
   int64_t file_of(int64_t i) const;
+  // The pieces (empty ones included) that file `f` stores, ascending: the inverse of
+  // file_of, in O(1) for Whole, Chunk and Flat (valid layouts: validate first) and one pass
+  // over the list for List.
+  std::vector<int64_t> pieces_in_file(int64_t f) const;
   // The non-empty pieces that overlap `region` (a box inside `shape`), ascending. Chunk
   // and Flat find them by binary search: O(log P + k), not O(P).
   std::vector<int64_t> overlapping(const std::vector<int64_t>& shape, const Box& region) const;

@@ -25,6 +25,10 @@ namespace tessera::checkpoint {
 constexpr int kFormatVersion = 2;
 constexpr const char* kMetadataFile = "tessera-checkpoint.json";
 constexpr uint64_t kMaxMetadataBytes = 256ull << 20;
+// Version 2 data files: the key of __metadata__ that records each stored piece's offsets in
+// its tensor (JSON object: tensor name -> [offsets]), checked by every reader that opens the
+// file: a piece's identity, not only its size (docs/checkpoint-format.md §3).
+constexpr const char* kPieceOffsetsKey = "tessera.offsets";
 // The largest world size a checkpoint may record (the launcher's limit on ranks).
 constexpr int64_t kMaxWorldSize = 1 << 20;
 

@@ -185,6 +185,7 @@ HfExportResult export_hf(const std::string& src, const std::string& out_arg, con
   while (out.size() > 1 && out.back() == '/') out.pop_back();
   TESSERA_CHECK(options.max_shard_size >= 1, "the max shard size must be at least 1 byte");
   CheckpointMetadata m = open_checkpoint(src);
+  ChunkReader(m).check_structure();  // what verify checks of the structure, before anything is read
   offline_check_not_source(src, m, out);
 
   // Which tensors, under which names.
