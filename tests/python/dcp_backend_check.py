@@ -15,7 +15,8 @@
     M ranks, equal tessera_ckpt.load bit for bit, plain values included.
 (c) Every Writer checkpoint passes tessera_ckpt.verify() and `tessera ckpt verify` (when the
     binary exists), and tessera_ckpt.load gives the saved tensors; the layouts are the rules
-    expected (`chunk` for FSDP's dim-0 shards, `chunk` dim 1, `whole`, `list`).
+    expected (`chunk` for FSDP's dim-0 shards, `chunk` dim 1, `whole`, `list`);
+    _load_state_dict_from_keys of some keys gives them nested as they were saved.
 (d) DCP's storage contract through its own entry points (format_utils.dcp_to_torch_save,
     _load_state_dict_from_keys, dcp.save / dcp.load with checkpoint_id), one process, against
     DCP's own FileSystemWriter / FileSystemReader on the same nested state: the nesting
@@ -511,6 +512,15 @@ def check_written(d, world, tessera):
         r = subprocess.run([tessera, "ckpt", "verify", d], capture_output=True, text=True)
         if r.returncode != 0 or not r.stdout.startswith("OK"):
             fail(f"`{tessera} ckpt verify {d}` exit {r.returncode}: {r.stdout}{r.stderr}")
+    # the nesting every rank's plan contributed (DCP merges the ranks' flatten mappings)
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    import tessera_ckpt.dcp
+
+    nested = _load_state_dict_from_keys({"values", "extra.st", "model.1.weight"},
+                                        storage_reader=tessera_ckpt.dcp.Reader(d))
+    same_value(nested, {"model": {"1.weight": ref["model"]["1.weight"]}, "extra": {"st": extra_full()["st"]},
+                        "values": values()}, f"{d} loaded by keys into an empty state dict", ordered=False)
     return len(want)
 
 
