@@ -874,7 +874,9 @@ def _write_safetensors(path, tensors, planner, sd):
     nblocks = sum(-(-info["nbytes"] // CRC_BLOCK) for _, info in tensors)
     md = {"format": "pt", "tessera.format": "tessera-data", "tessera.version": str(FORMAT_VERSION),
           "tessera.rank": str(sd["rank"]), "tessera.save_id": sd["save_id"], "tessera.crc32c_block": str(CRC_BLOCK),
-          "tessera.crc32c": "0" * (8 * nblocks), "tessera.header_crc32c": "00000000"}
+          "tessera.crc32c": "0" * (8 * nblocks), "tessera.header_crc32c": "00000000",
+          # each piece's place in its tensor, which every reader checks (docs/checkpoint-format.md §3)
+          "tessera.offsets": _compact({info["name"]: info["offsets"] for _, info in tensors})}
     header = _header_text(tensors, md)
     if len(header) > MAX_HEADER_BYTES:
         raise CheckpointError(f"'{path}': the safetensors header would be {len(header)} bytes, over the readers' "
