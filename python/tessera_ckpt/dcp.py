@@ -11,7 +11,13 @@
     dcp.save({"model": model.state_dict(), "optimizer": optim_sd}, storage_writer=tessera_ckpt.dcp.Writer(path))
 
 Keys: DCP flattens nested dicts with "." exactly as Tessera does, so ``{"model": {...}}``
-meets the checkpoint's ``model.<name>`` keys.
+meets the checkpoint's ``model.<name>`` keys. The Writer also stores DCP's flatten mapping
+(each key's path of dict keys and list indices) in the metadata's ``dcp_nesting`` member, so
+that a load into an empty state dict (``format_utils.dcp_to_torch_save``,
+``_load_state_dict_from_keys``) gets the nested dict back and can pick keys like ``"model"``;
+a checkpoint without it (Tessera's own saves, other writers) comes back with flat keys, as
+``tessera_ckpt.load`` gives them. ``Writer(path, overwrite=False)`` refuses a checkpoint
+already at ``path``, as DCP's FileSystemWriter does.
 
 Reader: each rank reads only the byte ranges of the pieces its ReadItems need (rounded out
 to the 4 MiB checksum blocks that cover them) and verifies those blocks' CRC32C; plain values
@@ -69,6 +75,7 @@ __all__ = ["Reader", "TrainerState", "Writer"]
 CRC_BLOCK = 4194304  # tessera.crc32c_block of every file the Writer writes
 FORMAT_VERSION = 2
 DCP_VALUES = "dcp_values"  # metadata member: the shape of non-scalar DCP values (see module doc)
+DCP_NESTING = "dcp_nesting"  # metadata member: DCP's flatten mapping, where a key is not top-level
 
 _TORCH_TO_ST = {getattr(torch, name): st for st, (name, _) in DTYPES.items()}
 
@@ -189,6 +196,57 @@ def _decode_value(values, key, shape, where):
     raise CheckpointError(f"{where}: {DCP_VALUES} key '{key}': malformed shape {json.dumps(shape)}")
 
 
+# ---------------------------------------------------------------- DCP's nesting of the keys
+
+
+def _is_path_part(p):
+    return isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and p >= 0)
+
+
+def _nesting_of(planner_data, keys):
+    """What the Writer stores of DCP's flatten mapping (``Metadata.planner_data``: flat key ->
+    path of dict keys and list indices): {key: [path]} for the ``keys`` that are not
+    top-level. None when ``planner_data`` is not such a mapping (a custom planner's own data),
+    so that nothing is stored and the Reader answers every key as top-level."""
+    if not hasattr(planner_data, "items"):
+        return None
+    out = {}
+    for k, path in planner_data.items():
+        if k not in keys:
+            continue
+        if not (isinstance(path, (tuple, list)) and path and all(_is_path_part(p) for p in path)
+                and ".".join(map(str, path)) == k):
+            return None
+        if len(path) > 1:
+            out[k] = list(path)
+    return out
+
+
+def _check_nesting(nesting, keys, where):
+    """The stored ``dcp_nesting`` as DCP's planner_data entries ({key: path tuple}), checked:
+    every key one the Reader offers, each path its dict keys (strings) and list indices
+    (integers) joined by "." to the key, and the paths one tree (no path is another's
+    prefix, no container both a dict and a list)."""
+    out, kinds = {}, {}
+    for k, path in nesting.items():
+        if k not in keys:
+            raise CheckpointError(f"{where}: {DCP_NESTING} names '{k}', which is no key of the checkpoint")
+        if not (isinstance(path, list) and path and all(_is_path_part(p) for p in path)
+                and ".".join(map(str, path)) == k):
+            raise CheckpointError(f"{where}: {DCP_NESTING} key '{k}': {json.dumps(path)} is not a path of dict keys "
+                                  f"and list indices that joins to the key")
+        out[k] = tuple(path)
+    for k in keys:
+        path = out.get(k, (k,))
+        for i in range(len(path)):
+            kind = "leaf" if i == len(path) - 1 else ("list" if isinstance(path[i + 1], int) else "dict")
+            prev = kinds.setdefault(path[:i + 1], kind)
+            if prev != kind:
+                raise CheckpointError(f"{where}: {DCP_NESTING}: {json.dumps(list(path[:i + 1]))} is both a {prev} and a "
+                                      f"{kind} (key '{k}')")
+    return out
+
+
 # ---------------------------------------------------------------- Reader
 
 
@@ -219,7 +277,7 @@ class Reader(StorageReader):
         ck = Checkpoint(self.path)
         self._ck = ck
         lay = ck._layout
-        shapes = self._read_dcp_values(ck) if lay.kind == "sharded" and lay.version >= 2 else {}
+        shapes, nesting = self._read_dcp_members(ck) if lay.kind == "sharded" and lay.version >= 2 else ({}, {})
         self._shapes = shapes
         claimed = set()  # the plain values the dcp_values shapes are rebuilt from: not offered on their own
         for root, shape in shapes.items():
@@ -251,10 +309,14 @@ class Reader(StorageReader):
             if key in md:
                 raise CheckpointError(f"'{lay.path}': {DCP_VALUES} key '{key}' is also a tensor or plain value")
             md[key] = BytesStorageMetadata()
+        nesting = _check_nesting(nesting, md, f"'{os.path.join(lay.location, METADATA_FILE)}'")
         meta = Metadata(state_dict_metadata=md)
-        # Loading into an empty state dict (_EmptyStateDictLoadPlanner, dcp_to_torch_save):
-        # every key at the top level, as tessera_ckpt.load returns them.
-        meta.planner_data = {k: (k,) for k in md}
+        # DCP's flatten mapping (key -> path in the nested state dict), which loading into an
+        # empty state dict (_EmptyStateDictLoadPlanner: dcp_to_torch_save,
+        # _load_state_dict_from_keys) rebuilds the nesting from: the Writer's, stored in the
+        # metadata; a key it does not list (every key of a checkpoint other writers made) is
+        # top-level, as tessera_ckpt.load returns it.
+        meta.planner_data = {k: nesting.get(k, (k,)) for k in md}
         return meta
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
@@ -312,9 +374,10 @@ class Reader(StorageReader):
         self._ck = None
         self._pieces, self._by_offset, self._values, self._shapes = {}, {}, {}, {}
 
-    def _read_dcp_values(self, ck):
-        """The Writer's ``dcp_values`` member (absent in checkpoints other writers made),
-        from the same metadata text the layout was parsed from (same checksum and save id)."""
+    def _read_dcp_members(self, ck):
+        """The Writer's ``dcp_values`` and ``dcp_nesting`` members (absent in checkpoints other
+        writers made), from the same metadata text the layout was parsed from (same checksum
+        and save id)."""
         lay = ck._layout
         mf = os.path.join(lay.location, METADATA_FILE)
         with open(mf, "rb") as f:
@@ -326,7 +389,10 @@ class Reader(StorageReader):
         shapes = j.get(DCP_VALUES, {})
         if not isinstance(shapes, dict):
             raise CheckpointError(f"'{mf}': {DCP_VALUES} is not an object")
-        return shapes
+        nesting = j.get(DCP_NESTING, {})
+        if not isinstance(nesting, dict):
+            raise CheckpointError(f"'{mf}': {DCP_NESTING} is not an object")
+        return shapes, nesting
 
     def _value(self, fqn):
         if fqn in self._shapes:
@@ -459,10 +525,20 @@ def _exchange(a, b):
     raise OSError(err, f"renameat2(RENAME_EXCHANGE) of '{a}' and '{b}' failed: {os.strerror(err)}")
 
 
-def _publish(tmp, dest):
+def _refuse_existing(dest):
+    """``overwrite=False`` (DCP's FileSystemWriter's meaning): a checkpoint at ``dest`` stays."""
+    if os.path.isfile(os.path.join(dest, METADATA_FILE)):
+        raise CheckpointError(f"'{dest}' already holds a Tessera checkpoint and the Writer has overwrite=False: "
+                              "refusing to replace it (nothing was written)")
+
+
+def _publish(tmp, dest, overwrite=True):
     """Puts the finished temporary directory at ``dest`` (§4): rename when nothing (or an
-    empty directory) is there, else swap with the Tessera checkpoint there and remove it."""
+    empty directory) is there, else swap with the Tessera checkpoint there and remove it
+    (unless ``overwrite`` is False)."""
     _check_destination(dest)
+    if not overwrite:
+        _refuse_existing(dest)
     parent = os.path.dirname(dest) or "."
     if not os.path.lexists(dest) or not os.listdir(dest):
         os.rename(tmp, dest)  # rename(2) replaces an empty directory
@@ -536,11 +612,14 @@ def _compact(obj):
 class Writer(StorageWriter):
     """``torch.distributed.checkpoint.save(state_dict, storage_writer=Writer(path))``: writes a
     Tessera format-2 sharded checkpoint directory at ``path`` (one data file per rank of the
-    process group, the metadata by the coordinator), published atomically at the end."""
+    process group, the metadata by the coordinator), published atomically at the end.
+    A checkpoint already at ``path`` is replaced, or with ``overwrite=False`` (as for DCP's
+    FileSystemWriter) refused before anything is written."""
 
-    def __init__(self, path):
+    def __init__(self, path, *, overwrite=True):
         super().__init__()
         self.path = os.path.abspath(os.fspath(path))
+        self.overwrite = bool(overwrite)
         self.is_coordinator = False
         self.rank = None
         self._order = []
@@ -574,6 +653,8 @@ class Writer(StorageWriter):
         dest = self.path
         _check_path(dest)
         _check_destination(dest)
+        if not self.overwrite:
+            _refuse_existing(dest)
         parent = os.path.dirname(dest)
         os.makedirs(parent, exist_ok=True)
         _remove_stale_temps(dest)
@@ -633,7 +714,7 @@ class Writer(StorageWriter):
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
-            _publish(tmp, self.path)
+            _publish(tmp, self.path, self.overwrite)
             _own_temps.get(self.path, set()).discard(tmp)
         except BaseException:
             if tmp is not None:
@@ -763,6 +844,9 @@ class Writer(StorageWriter):
              "crc32c_block": CRC_BLOCK, "save_id": self._plan["save_id"], "keys": keys, "entries": entries}
         if shapes:
             j[DCP_VALUES] = shapes
+        nesting = _nesting_of(getattr(metadata, "planner_data", None), set(order))
+        if nesting:
+            j[DCP_NESTING] = {k: nesting[k] for k in order if k in nesting}
         body = _compact(j).encode("utf-8")
         text = body[:-1] + b',"metadata_crc32c":"00000000"}'
         crc = _crc32c.crc32c(text)
@@ -790,7 +874,9 @@ def _write_safetensors(path, tensors, planner, sd):
     nblocks = sum(-(-info["nbytes"] // CRC_BLOCK) for _, info in tensors)
     md = {"format": "pt", "tessera.format": "tessera-data", "tessera.version": str(FORMAT_VERSION),
           "tessera.rank": str(sd["rank"]), "tessera.save_id": sd["save_id"], "tessera.crc32c_block": str(CRC_BLOCK),
-          "tessera.crc32c": "0" * (8 * nblocks), "tessera.header_crc32c": "00000000"}
+          "tessera.crc32c": "0" * (8 * nblocks), "tessera.header_crc32c": "00000000",
+          # each piece's place in its tensor, which every reader checks (docs/checkpoint-format.md §3)
+          "tessera.offsets": _compact({info["name"]: info["offsets"] for _, info in tensors})}
     header = _header_text(tensors, md)
     if len(header) > MAX_HEADER_BYTES:
         raise CheckpointError(f"'{path}': the safetensors header would be {len(header)} bytes, over the readers' "

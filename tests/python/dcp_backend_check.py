@@ -15,7 +15,15 @@
     M ranks, equal tessera_ckpt.load bit for bit, plain values included.
 (c) Every Writer checkpoint passes tessera_ckpt.verify() and `tessera ckpt verify` (when the
     binary exists), and tessera_ckpt.load gives the saved tensors; the layouts are the rules
-    expected (`chunk` for FSDP's dim-0 shards, `chunk` dim 1, `whole`, `list`).
+    expected (`chunk` for FSDP's dim-0 shards, `chunk` dim 1, `whole`, `list`);
+    _load_state_dict_from_keys of some keys gives them nested as they were saved.
+(d) DCP's storage contract through its own entry points (format_utils.dcp_to_torch_save,
+    _load_state_dict_from_keys, dcp.save / dcp.load with checkpoint_id), one process, against
+    DCP's own FileSystemWriter / FileSystemReader on the same nested state: the nesting
+    survives the round trip, partial loads by key give what DCP's backend gives, checkpoints
+    without the Writer's mapping come back flat (tessera_ckpt.load's keys), a malformed
+    stored mapping is refused, and overwrite=False refuses an existing checkpoint where DCP's
+    does (run first: it takes seconds).
 Refusals: a value Tessera cannot hold and an unsupported dtype (naming the key, nothing left
 at the path or beside it), a non-empty directory that is no checkpoint (untouched), a flipped
 data byte (checksum mismatch naming the key); an existing checkpoint is replaced atomically.
@@ -67,9 +75,10 @@ def same_bits(a, b, what):
         fail(f"{what}: tensors differ")
 
 
-def same_value(a, b, what):
+def same_value(a, b, what, ordered=True):
     """Plain values, bit for bit (floats by their bits, so NaN and -0.0 count); containers
-    must keep their type (a tuple stays a tuple)."""
+    must keep their type (a tuple stays a tuple); dicts their key order unless ``ordered``
+    is False."""
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -82,15 +91,15 @@ def same_value(a, b, what):
         if struct.pack(">d", a) != struct.pack(">d", b):
             fail(f"{what}: {a!r} != {b!r}")
     elif isinstance(a, dict):
-        if list(a) != list(b):
+        if (list(a) != list(b)) if ordered else (sorted(a) != sorted(b)):
             fail(f"{what}: keys {list(a)} != {list(b)}")
         for k in a:
-            same_value(a[k], b[k], f"{what}.{k}")
+            same_value(a[k], b[k], f"{what}.{k}", ordered)
     elif isinstance(a, (list, tuple)):
         if len(a) != len(b):
             fail(f"{what}: {len(a)} items != {len(b)}")
         for i, (x, y) in enumerate(zip(a, b)):
-            same_value(x, y, f"{what}.{i}")
+            same_value(x, y, f"{what}.{i}", ordered)
     elif a != b:
         fail(f"{what}: {a!r} != {b!r}")
 
@@ -503,6 +512,15 @@ def check_written(d, world, tessera):
         r = subprocess.run([tessera, "ckpt", "verify", d], capture_output=True, text=True)
         if r.returncode != 0 or not r.stdout.startswith("OK"):
             fail(f"`{tessera} ckpt verify {d}` exit {r.returncode}: {r.stdout}{r.stderr}")
+    # the nesting every rank's plan contributed (DCP merges the ranks' flatten mappings)
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    import tessera_ckpt.dcp
+
+    nested = _load_state_dict_from_keys({"values", "extra.st", "model.1.weight"},
+                                        storage_reader=tessera_ckpt.dcp.Reader(d))
+    same_value(nested, {"model": {"1.weight": ref["model"]["1.weight"]}, "extra": {"st": extra_full()["st"]},
+                        "values": values()}, f"{d} loaded by keys into an empty state dict", ordered=False)
     return len(want)
 
 
@@ -633,6 +651,155 @@ def check_refusals(work):
     return n
 
 
+def contract_state():
+    """A nested state dict as a training job hands DCP: module state dicts (dotted names),
+    an optimizer's (a list of param groups with a tuple, a list of names, None), a list of
+    tensors (list indices in DCP's paths), top-level values."""
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    return {"model": {"0.weight": torch.randn(3, 2, generator=g), "0.bias": torch.randn(3, generator=g),
+                      "head": {"w": torch.randn(2, 3, generator=g).to(torch.bfloat16)}},
+            "optimizer": {"state": {"0.weight": {"exp_avg": torch.randn(3, 2, generator=g), "step": torch.tensor(2.0)}},
+                          "param_groups": [{"lr": 0.01, "betas": (0.9, 0.95), "params": ["0.weight", "0.bias"],
+                                            "foreach": None}]},
+            "buffers": [torch.arange(3), torch.ones(2, dtype=torch.float16)],
+            "step": 3, "values": values()}
+
+
+def rewrite_metadata(d, change):
+    """Applies ``change`` to the parsed metadata of checkpoint ``d`` and writes it back with a
+    fresh metadata_crc32c (a writer that stored what ``change`` makes)."""
+    import json
+
+    from tessera_ckpt import _crc32c
+
+    mf = os.path.join(d, "tessera-checkpoint.json")
+    with open(mf, "rb") as f:
+        j = json.loads(f.read())
+    del j["metadata_crc32c"]
+    change(j)
+    text = json.dumps(j, separators=(",", ":")).encode()[:-1] + b',"metadata_crc32c":"00000000"}'
+    text = text[:-10] + f"{_crc32c.crc32c(text):08x}".encode() + b'"}'
+    with open(mf, "wb") as f:
+        f.write(text)
+
+
+def check_dcp_contract(work, v2):
+    """DCP's storage contract through DCP's own entry points, in one process, Writer / Reader
+    against DCP's own FileSystemWriter / FileSystemReader (the peer) on the same state:
+    - the nesting survives the round trip: format_utils.dcp_to_torch_save (its reader swapped
+      for Reader) and _load_state_dict_from_keys() give the nested state dict the peer gives;
+    - partial loads by key (_load_state_dict_from_keys of top-level, nested and flat keys) give
+      what the peer gives, and dcp.load of part of the keys loads those;
+    - a checkpoint without the Writer's mapping (the v2 checkpoint of every rule, the v1
+      fixture) comes back flat, with tessera_ckpt.load's keys, and loads by those keys;
+    - a malformed stored mapping is refused naming it;
+    - checkpoint_id given to dcp.save / _load_state_dict_from_keys goes through reset;
+    - overwrite=False refuses an existing checkpoint where the peer does (the checkpoint
+      stays, nothing is left beside it), and writes a new one where the peer does."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, format_utils
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    import tessera_ckpt
+    import tessera_ckpt.dcp
+
+    n = 0
+    state = contract_state()
+    mine, peer = os.path.join(work, "contract-tessera"), os.path.join(work, "contract-fs")
+    dcp.save(state, storage_writer=tessera_ckpt.dcp.Writer(mine), no_dist=True)
+    dcp.save(state, storage_writer=FileSystemWriter(peer), no_dist=True)
+
+    # the whole checkpoint into an empty state dict: the peer's nesting
+    out_mine, out_peer = os.path.join(work, "contract-tessera.pt"), os.path.join(work, "contract-fs.pt")
+    with mock.patch.object(format_utils, "FileSystemReader", tessera_ckpt.dcp.Reader):
+        format_utils.dcp_to_torch_save(mine, out_mine)
+    format_utils.dcp_to_torch_save(peer, out_peer)
+    want = torch.load(out_peer, weights_only=False)
+    if sorted(want) != ["buffers", "model", "optimizer", "step", "values"]:
+        fail(f"the peer's dcp_to_torch_save gives {sorted(want)}")
+    same_value(torch.load(out_mine, weights_only=False), want, f"dcp_to_torch_save of {mine}", ordered=False)
+    same_value(_load_state_dict_from_keys(storage_reader=tessera_ckpt.dcp.Reader(mine)), want,
+               f"_load_state_dict_from_keys() of {mine}", ordered=False)
+    n += 2
+
+    # partial loads by key
+    for keys in ("model", "optimizer", "model.head", "optimizer.param_groups", "optimizer.state.0.weight", "buffers",
+                 "values.nested", {"model.0.weight", "step"}, {"values.pair", "optimizer.param_groups.0.betas"}):
+        want = _load_state_dict_from_keys(keys, storage_reader=FileSystemReader(peer))
+        if not want:
+            fail(f"the peer loads nothing for the keys {keys!r}")
+        same_value(_load_state_dict_from_keys(keys, storage_reader=tessera_ckpt.dcp.Reader(mine)), want,
+                   f"{mine} keys {keys!r}", ordered=False)
+        n += 1
+    part = {"model": {"head": {"w": torch.zeros(2, 3, dtype=torch.bfloat16)}}, "step": 0}
+    dcp.load(part, storage_reader=tessera_ckpt.dcp.Reader(mine), no_dist=True)
+    same_value(part, {"model": {"head": state["model"]["head"]}, "step": 3}, f"{mine} partial dcp.load")
+    n += 1
+
+    # without the Writer's mapping: flat, tessera_ckpt.load's keys
+    for path in (v2, FIXTURE):
+        want = tessera_ckpt.load(path)
+        same_value(_load_state_dict_from_keys(storage_reader=tessera_ckpt.dcp.Reader(path)), want,
+                   f"_load_state_dict_from_keys() of {path}", ordered=False)
+        k = next(k for k in want if "." in k)
+        same_value(_load_state_dict_from_keys({k}, storage_reader=tessera_ckpt.dcp.Reader(path)), {k: want[k]},
+                   f"{path} key {k!r}")
+        n += 2
+
+    # a malformed mapping (a writer's bug: the metadata checksum holds) is refused, naming it
+    bad = os.path.join(work, "contract-bad-nesting")
+    for change, needles in (
+            (lambda j: j["dcp_nesting"].__setitem__("model.0.weight", ["model", "weight"]), ("'model.0.weight'",)),
+            (lambda j: j["dcp_nesting"].__setitem__("buffers.0", ["buffers", "0"]), ("buffers", "both a")),
+            (lambda j: j["dcp_nesting"].__setitem__("no.such.key", ["no", "such.key"]), ("'no.such.key'",))):
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(mine, bad)
+        rewrite_metadata(bad, change)
+        expect_error(lambda: _load_state_dict_from_keys(storage_reader=tessera_ckpt.dcp.Reader(bad)), "dcp_nesting",
+                     *needles)
+        n += 1
+
+    # checkpoint_id: DCP resets the storage to it
+    by_id, elsewhere = os.path.join(work, "contract-by-id"), os.path.join(work, "contract-elsewhere")
+    dcp.save({"model": state["model"]}, checkpoint_id=by_id, storage_writer=tessera_ckpt.dcp.Writer(elsewhere),
+             no_dist=True)
+    if os.path.exists(elsewhere):
+        fail(f"dcp.save(checkpoint_id={by_id!r}) wrote to the Writer's first path {elsewhere}")
+    same_value(_load_state_dict_from_keys("model", checkpoint_id=by_id,
+                                          storage_reader=tessera_ckpt.dcp.Reader(elsewhere)),
+               {"model": state["model"]}, f"{by_id} loaded by checkpoint_id", ordered=False)
+    n += 1
+
+    # overwrite=False: the peer refuses an existing checkpoint, and so must the Writer
+    other = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items() if k != "head"}, "step": 4}
+    before = _load_state_dict_from_keys(storage_reader=FileSystemReader(peer))
+    expect_error(lambda: dcp.save(other, storage_writer=FileSystemWriter(peer, overwrite=False), no_dist=True))
+    same_value(_load_state_dict_from_keys(storage_reader=FileSystemReader(peer)), before, f"{peer} after overwrite=False")
+    before = _load_state_dict_from_keys(storage_reader=tessera_ckpt.dcp.Reader(mine))
+    expect_error(lambda: dcp.save(other, storage_writer=tessera_ckpt.dcp.Writer(mine, overwrite=False), no_dist=True),
+                 mine, "overwrite=False")
+    same_value(_load_state_dict_from_keys(storage_reader=tessera_ckpt.dcp.Reader(mine)), before,
+               f"{mine} after overwrite=False")
+    if siblings(mine):
+        fail(f"a refused save left {siblings(mine)} beside {mine}")
+    n += 1
+    # ... a new path is written (by both), and overwrite=True (the default) replaces
+    for kind, writer, reader in (("fs", FileSystemWriter, FileSystemReader),
+                                 ("tessera", tessera_ckpt.dcp.Writer, tessera_ckpt.dcp.Reader)):
+        fresh = os.path.join(work, f"contract-fresh-{kind}")
+        dcp.save(other, storage_writer=writer(fresh, overwrite=False), no_dist=True)
+        dcp.save(state, storage_writer=writer(fresh, overwrite=True), no_dist=True)
+        same_value(_load_state_dict_from_keys("model", storage_reader=reader(fresh)), {"model": state["model"]},
+                   f"{fresh} replaced", ordered=False)
+    n += 1
+    return n
+
+
 def main():
     args = sys.argv[1:]
     if args and args[0] == "--worker":
@@ -669,6 +836,8 @@ def main():
 
         v2 = os.path.join(work, "v2-independent")
         tessera_ckpt_v2_check.build_main(v2)
+        contract = check_dcp_contract(work, v2)
+        print(f"  DCP's storage contract against FileSystemWriter/Reader: {contract} checks", flush=True)
         dirs = []
         for n in WORLDS:
             d = os.path.join(work, f"saved-at-{n}")
@@ -687,6 +856,8 @@ def main():
           f"{list(WORLDS)} (FSDP2 model + AdamW state, every dtype, DTensor/ShardedTensor/plain, values), "
           f"{written} keys checked in the written checkpoints{' (and tessera ckpt verify)' if tessera else ''}, "
           f"{fixture} keys of the v1 fixtures and a v2 checkpoint of every rule without a process group, {refusals} refusals, "
+          f"{contract} checks of DCP's storage contract (nesting, loads by key, overwrite=False) against its "
+          "FileSystemWriter/Reader, "
           f"TrainerState for {kinds - 2} optimizer kinds and 2 refusals, {time.time() - t0:.0f} s")
 
 
