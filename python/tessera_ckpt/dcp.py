@@ -276,6 +276,9 @@ class Reader(StorageReader):
         self._close()
         ck = Checkpoint(self.path)
         self._ck = ck
+        # What verify checks of the structure (every data file present, holding exactly its
+        # pieces), before DCP plans a read: a checkpoint verify refuses never loads.
+        ck.check_structure()
         lay = ck._layout
         shapes, nesting = self._read_dcp_members(ck) if lay.kind == "sharded" and lay.version >= 2 else ({}, {})
         self._shapes = shapes
