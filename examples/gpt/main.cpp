@@ -119,7 +119,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"sharded", "full"}));
   train->add_option("--resume", ta.resume, "'last' (OUT/checkpoints/last.ckpt), 'auto' (the newest checkpoint in "
                     "OUT/checkpoints that verifies, skipping a torn or corrupted one with a message; none: start fresh, "
-                    "so a restarted job reruns the same command line) or a checkpoint path; model-shape flags left out "
+                    "keeping an earlier OUT/metrics.csv as OUT/metrics.earlier-<UTC time>.csv; so a restarted job "
+                    "reruns the same command line) or a checkpoint path; model-shape flags left out "
                     "take the checkpoint's values, ones given must match it");
   train->add_option("--init-from", ta.init_from,
                     "start at step 0 from the model weights of a checkpoint (a sharded directory, a consolidated, "

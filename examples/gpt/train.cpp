@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -204,6 +205,44 @@ void lock_run_dir(gpt::RunDirLock& lock, const TrainArgs& a, fabric::Fabric& f) 
     if (!e.empty()) throw std::runtime_error(e);
 }
 
+// --resume auto found no checkpoint to continue from: this run starts at step 0 and
+// writes a new OUT/metrics.csv. The earlier attempt's file (rows up to a checkpoint that
+// did not verify and was set aside, or of a job that failed before its first checkpoint)
+// is not replaced: rank 0, which holds run.lock, renames it
+// OUT/metrics.earlier-<UTC time>.csv (a free name) and says so. Keeping its rows in the new
+// file instead would mix two runs' values for the same steps. Every rank raises rank 0's
+// error (a failed rename stops the run before anything is written).
+void keep_earlier_metrics(const std::string& out, fabric::Fabric& f) {
+  std::string err, kept;
+  if (f.is_global_zero()) {
+    const fs::path from = fs::path(out) / "metrics.csv";
+    std::error_code ec;
+    if (fs::symlink_status(from, ec).type() != fs::file_type::not_found) {
+      const std::time_t now = std::time(nullptr);
+      std::tm tm{};
+      ::gmtime_r(&now, &tm);
+      char stamp[32];
+      std::strftime(stamp, sizeof stamp, "%Y%m%dT%H%M%SZ", &tm);
+      err = "cannot keep the earlier attempt's '" + from.string() + "': no free name metrics.earlier-" + stamp +
+            "[-N].csv; nothing was changed";
+      for (int n = 0; n < 1000; ++n) {
+        const fs::path to = fs::path(out) / ("metrics.earlier-" + std::string(stamp) +
+                                             (n ? "-" + std::to_string(n) : std::string()) + ".csv");
+        if (fs::symlink_status(to, ec).type() != fs::file_type::not_found) continue;
+        fs::rename(from, to, ec);
+        err = ec ? "cannot keep the earlier attempt's '" + from.string() + "' as '" + to.string() + "': " +
+                       ec.message() + "; nothing was changed (move it away yourself and restart)"
+                 : "";
+        kept = to.string();
+        break;
+      }
+    }
+  }
+  for (const auto& e : f.comm()->all_gather_bytes(err))
+    if (!e.empty()) throw std::runtime_error(e);
+  if (!kept.empty()) f.print("gpt: starting fresh: the earlier attempt's metrics.csv is kept as ", kept);
+}
+
 // The checkpoint --resume names: 'last' is OUT/checkpoints/last.ckpt (where the
 // Trainer's ModelCheckpoint writes it). Not for 'auto' (checkpoint::find_resumable).
 std::string resume_path(const TrainArgs& a) {
@@ -316,8 +355,8 @@ int run_train(TrainArgs a) {
   std::string resume;
   if (a.resume == "auto") {
     // The newest checkpoint in OUT/checkpoints that verifies, chosen on rank 0 (every rank
-    // gets its path), or a fresh start: then the run replaces an earlier run's metrics.csv
-    // and hparams.yaml (a job that failed before its first checkpoint starts over).
+    // gets its path), or a fresh start: then the earlier attempt's metrics.csv is kept
+    // aside (keep_earlier_metrics) and hparams.yaml is written again.
     const std::string dir = (fs::path(a.out) / "checkpoints").string();
     // A damaged checkpoint is set aside (renamed X.unverified-<time>), never replaced by this
     // run's next save of the same name.
@@ -325,6 +364,7 @@ int run_train(TrainArgs a) {
                                         checkpoint::Skipped::SetAside)
                  .path;
     csv->keep_existing(!resume.empty());
+    if (resume.empty()) keep_earlier_metrics(a.out, f);
   } else if (!a.resume.empty()) {
     resume = resume_path(a);
   }

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "support/proc_memory.h"
 #include "support/test_util.h"
@@ -298,6 +299,54 @@ TEST(XlaImport, TamperedShardSizeIsRefused) {
                         "SEPARATOR__fpw_module_FSDP_SHARD_SEPARATOR_fc_FSDP_SHARD_SEPARATOR_weight': [0:127] Float");
   EXPECT_CONTAINS(text, "(mismatched shard sizes)");
   EXPECT_TRUE(nothing_at(dir + "/out"));
+}
+
+// issue 44, item 11: an _orig_size smaller than the shards hold (torch_xla pads a flat
+// parameter only up to the next multiple of world size x 128 elements) was imported by
+// taking its first elements and dropping the rest, as torch_xla's own consolidation does.
+// Refused, naming the parameter, the rank file and the sizes; nothing written. The sets are
+// params-w2 (real torch_xla files) with one recorded size changed on both ranks.
+TEST(XlaImport, OrigSizeSmallerThanTheShardsIsRefused) {
+  const std::string dir = temp_dir("tessera-xla");
+  struct Case {
+    std::string name, dims, param, says;
+  };
+  const std::vector<Case> cases = {
+      // block.fc.weight [5, 13]: shards of 128 each at 2 ranks; as [0, 13] it would be empty.
+      {"_fsdp_wrapped_module._fpw_module.fc.weight", "0 13", "block.fc.weight",
+       "its shards hold 128 elements each, but shard_metadata.shard_info['_fsdp_wrapped_module.block']['_fsdp_shard"
+       "_FSDP_SHARD_SEPARATOR__fsdp_wrapped_module_FSDP_SHARD_SEPARATOR__fpw_module_FSDP_SHARD_SEPARATOR_fc_FSDP_"
+       "SHARD_SEPARATOR_weight']._orig_size [0, 13] (0 elements) padded as torch_xla pads (to a multiple of 2 ranks x "
+       "128 elements) gives shards of 0"},
+      // embed.weight [37, 13] (481 elements, shards of 256): as [10, 13] 351 elements would be dropped.
+      {"_fsdp_wrapped_module._fpw_module.embed.weight", "10 13", "embed.weight",
+       "its shards hold 256 elements each, but shard_metadata.shard_info['']['_fsdp_shard_FSDP_SHARD_SEPARATOR__fsdp_"
+       "wrapped_module_FSDP_SHARD_SEPARATOR__fpw_module_FSDP_SHARD_SEPARATOR_embed_FSDP_SHARD_SEPARATOR_weight']."
+       "_orig_size [10, 13] (130 elements) padded as torch_xla pads (to a multiple of 2 ranks x 128 elements) gives "
+       "shards of 128"},
+  };
+  int n = 0;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.param);
+    const std::string in = dir + "/in" + std::to_string(n++);
+    auto [grc, gtext] = run_command(std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR +
+                                    "/tests/python/xla_set_orig_size.py " + fx("params-w2") + " " + in + " " +
+                                    c.name + " " + c.dims + " 2>&1");
+    ASSERT_EQ(grc, 0) << gtext;
+    auto [rc, text] = import(in, dir + "/out");
+    EXPECT_EQ(rc, 2) << text;
+    EXPECT_CONTAINS(text, "'" + in + "/final_ckpt_rank-00000000-of-00000002.pth' key 'model.");
+    EXPECT_CONTAINS(text, ": parameter '" + c.param + "': " + c.says);
+    EXPECT_CONTAINS(text, "importing it would drop elements");
+    EXPECT_TRUE(nothing_at(dir + "/out"));
+  }
+  // The sizes as torch_xla wrote them import (the same script, the recorded size unchanged).
+  auto [grc, gtext] = run_command(std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR +
+                                  "/tests/python/xla_set_orig_size.py " + fx("params-w2") + " " + dir + "/same " +
+                                  "_fsdp_wrapped_module._fpw_module.fc.weight 5 13 2>&1");
+  ASSERT_EQ(grc, 0) << gtext;
+  auto [rc, text] = import(dir + "/same", dir + "/out");
+  EXPECT_EQ(rc, 0) << text;
 }
 
 TEST(XlaImport, FilesThatAreNoTorchXlaCheckpointAreRefused) {

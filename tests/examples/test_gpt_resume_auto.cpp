@@ -2,13 +2,16 @@
 // continues from the newest checkpoint in OUT/checkpoints that verifies, or starts fresh
 // when there is none (also over an earlier run's metrics.csv and hparams.yaml, left by a
 // job that failed before its first checkpoint); a corrupted newest checkpoint is skipped
-// with a message naming it, not loaded and not changed.
+// with a message naming it, not loaded and not changed. A fresh start keeps the earlier
+// attempt's metrics.csv as OUT/metrics.earlier-<time>.csv (issue 44, item 8: it was
+// replaced, and the rows of the steps before the damaged checkpoint were lost).
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "examples/gpt_test_util.h"
 #include "support/test_util.h"
@@ -59,6 +62,17 @@ std::map<std::string, std::string> files_of(const std::string& path) {
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+// The files OUT/metrics.earlier-*.csv.
+std::vector<std::string> earlier_metrics(const std::string& out) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("metrics.earlier-", 0) == 0 && n.size() > 4 && n.compare(n.size() - 4, 4, ".csv") == 0)
+      v.push_back(e.path().string());
+  }
+  return v;
+}
+
 }  // namespace
 
 class GptResumeAuto : public ::testing::Test {
@@ -82,7 +96,12 @@ TEST_F(GptResumeAuto, FreshThenResumesThenSkipsACorruptedNewest) {
   const auto first = train_losses(r.out + "/metrics.csv");
   ASSERT_EQ(first.size(), 2u) << read_bytes(r.out + "/metrics.csv");
   EXPECT_EQ(first.begin()->first, 1);
-  EXPECT_NE(first.at(1), 5.5);  // the earlier attempt's row is gone
+  EXPECT_NE(first.at(1), 5.5);  // the earlier attempt's row is not in this run's file,
+  // but kept beside it, byte for byte, and named.
+  const auto kept = earlier_metrics(r.out);
+  ASSERT_EQ(kept.size(), 1u) << o1;
+  EXPECT_EQ(read_bytes(kept[0]), "step,epoch,train_loss\n1,0,5.5\n");
+  EXPECT_TRUE(has(o1, "gpt: starting fresh: the earlier attempt's metrics.csv is kept as " + kept[0])) << o1;
   ASSERT_TRUE(fs::exists(r.ckpts + "/last.ckpt"));
 
   // The same command again: the checkpoint is at --max-steps, nothing to do (exit 0).
@@ -144,4 +163,56 @@ TEST_F(GptResumeAuto, FreshThenResumesThenSkipsACorruptedNewest) {
   const auto again = train_losses(r.out + "/metrics.csv");
   ASSERT_EQ(again.size(), 3u) << read_bytes(r.out + "/metrics.csv");
   EXPECT_EQ(again.at(3), resumed.at(3));
+}
+
+// The issue's case: the only checkpoint (step 4) is damaged, so the restarted job starts
+// fresh; the earlier attempt's rows (steps 1-4) used to be lost with its metrics.csv. Now
+// that file is kept as OUT/metrics.earlier-<time>.csv byte for byte, the new metrics.csv
+// holds this run's steps once each (no row of the earlier attempt mixed in), and a second
+// fresh start keeps both earlier files under free names.
+TEST_F(GptResumeAuto, FreshStartKeepsTheEarlierAttemptsMetrics) {
+  AutoRun r;
+  auto [rc1, o1] = r.train(4);
+  ASSERT_EQ(rc1, 0) << o1;
+  const std::string metrics = r.out + "/metrics.csv";
+  const std::string earlier = read_bytes(metrics);
+  ASSERT_EQ(train_losses(metrics).size(), 4u) << earlier;
+  EXPECT_TRUE(earlier_metrics(r.out).empty());  // nothing to keep at the first start
+
+  auto corrupt_last = [&] {
+    const std::string last = r.ckpts + "/last.ckpt";
+    std::string file = last;
+    if (fs::is_directory(last))
+      for (const auto& e : fs::directory_iterator(last))
+        if (e.path().extension() == ".safetensors") file = e.path().string();
+    std::string bytes = read_bytes(file);
+    ASSERT_GT(bytes.size(), 100u);
+    bytes[bytes.size() - 9] = static_cast<char>(bytes[bytes.size() - 9] ^ 0x5a);
+    write_bytes(file, bytes);
+  };
+  corrupt_last();
+  auto [rc2, o2] = r.train(2);
+  ASSERT_EQ(rc2, 0) << o2;
+  EXPECT_TRUE(has(o2, "; set aside as " + r.ckpts + "/last.ckpt.unverified-")) << o2;
+  EXPECT_TRUE(has(o2, "starting fresh")) << o2;
+  EXPECT_TRUE(has(o2, "gpt: done step=2 steps_this_run=2")) << o2;
+  const auto kept = earlier_metrics(r.out);
+  ASSERT_EQ(kept.size(), 1u) << o2;
+  EXPECT_EQ(read_bytes(kept[0]), earlier);  // steps 1-4 of the earlier attempt, as written
+  EXPECT_TRUE(has(o2, "gpt: starting fresh: the earlier attempt's metrics.csv is kept as " + kept[0])) << o2;
+  const auto fresh = train_losses(metrics);
+  ASSERT_EQ(fresh.size(), 2u) << read_bytes(metrics);  // this run's steps 1 and 2, once each
+  EXPECT_EQ(fresh.begin()->first, 1);
+  EXPECT_EQ(fresh.rbegin()->first, 2);
+
+  // Again: the second attempt's file is kept too, under another name; the first stays.
+  corrupt_last();
+  auto [rc3, o3] = r.train(2);
+  ASSERT_EQ(rc3, 0) << o3;
+  const auto kept2 = earlier_metrics(r.out);
+  ASSERT_EQ(kept2.size(), 2u) << o3;
+  std::vector<std::string> contents;
+  for (const auto& k : kept2) contents.push_back(read_bytes(k));
+  EXPECT_TRUE((contents[0] == earlier) != (contents[1] == earlier)) << "the first kept file changed or was copied";
+  EXPECT_EQ(train_losses(metrics).size(), 2u) << read_bytes(metrics);
 }

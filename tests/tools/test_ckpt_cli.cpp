@@ -7,6 +7,7 @@
 // path matrix goes through the library functions the tool calls, and the tool itself
 // runs the issue's own command lines.)
 #include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/interop/torch_file.h"
 #include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/distributed/communicator.h"
@@ -164,6 +166,80 @@ TEST(CkptSafety, ToolRefusesToOverwriteItsSource) {
   expect_holds(sharded, 16, 5);
   expect_holds(file, 16, 5);
   EXPECT_EQ(run_command(cli("ckpt verify " + sharded)).first, 0);
+}
+
+// --force replaces an existing output only when Tessera wrote it (writer.h,
+// is_replaceable_output): the same rule for export --format torch as for the other
+// writers. A text file, a foreign zip (a torch.save archive Tessera did not write) and a
+// foreign safetensors file are refused by every file writer, byte for byte intact; a
+// Tessera torch export and a Tessera safetensors file are replaced, by either format.
+TEST(CkptSafety, ForceReplacesOnlyWhatTesseraWrote) {
+  const std::string dir = temp_dir("tessera-ckpt-force");
+  const std::string src = dir + "/ck", src2 = dir + "/ck2";
+  ck::save(state_of(16, 5), src, *solo());
+  ck::save(state_of(16, 6), src2, *solo());
+
+  const std::string text = dir + "/notes.pt";
+  write_bytes(text, "keep me\n");
+  const std::string zip = dir + "/theirs.pt";  // a zip archive with a data.pkl, not Tessera's
+  {
+    caffe2::serialize::PyTorchStreamWriter w(zip);
+    const std::string pkl = "\x80\x02}q\x00.";
+    w.writeRecord("data.pkl", pkl.data(), pkl.size());
+    w.writeEndOfFile();
+  }
+  const std::string foreign = dir + "/theirs.safetensors";
+  {  // a safetensors file as another program writes it: no Tessera header entries
+    const std::string header = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+    std::string bytes(8, '\0');
+    for (int k = 0; k < 8; ++k) bytes[k] = static_cast<char>((header.size() >> (8 * k)) & 0xff);
+    write_bytes(foreign, bytes + header + std::string(8, '\0'));
+  }
+  EXPECT_EQ(ck::open_checkpoint(foreign).source_kind, "safetensors");
+  EXPECT_FALSE(ck::is_tessera_torch_export(zip));
+  EXPECT_FALSE(ck::is_tessera_torch_export(text));
+  for (const std::string& out : {text, zip, foreign}) {
+    const std::string before = read_bytes(out);
+    const std::vector<std::pair<std::string, std::function<void()>>> ops = {
+        {"export torch", [&] { ck::export_checkpoint(src, ck::ExportFormat::Torch, out, true); }},
+        {"export safetensors", [&] { ck::export_checkpoint(src, ck::ExportFormat::Safetensors, out, true); }},
+        {"consolidate", [&] { ck::consolidate(src, out, true); }},
+    };
+    for (const auto& [name, op] : ops) {
+      SCOPED_TRACE(name + " -o " + out + " --force");
+      EXPECT_CONTAINS(error_of(op), "refusing to replace '" + out + "': not a file Tessera wrote");
+      EXPECT_EQ(read_bytes(out), before);
+    }
+  }
+  // The issue's command line through the tool: exit 2, the file named and intact.
+  auto [rc, out] = run_command(cli("ckpt export " + src + " --format torch -o " + text + " --force"));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_CONTAINS(out, "refusing to replace '" + text + "': not a file Tessera wrote");
+  EXPECT_EQ(read_bytes(text), "keep me\n");
+  EXPECT_TRUE(temporaries_in(dir).empty());
+
+  // A Tessera torch export carries its marker and is replaced with --force (not without).
+  const std::string pt = dir + "/m.pt";
+  ck::export_checkpoint(src, ck::ExportFormat::Torch, pt, false);
+  EXPECT_TRUE(ck::is_tessera_torch_export(pt));
+  EXPECT_CONTAINS(error_of([&] { ck::export_checkpoint(src2, ck::ExportFormat::Torch, pt, false); }),
+                  "pass --force");
+  auto [rc2, out2] = run_command(cli("ckpt export " + src2 + " --format torch -o " + pt + " --force"));
+  EXPECT_EQ(rc2, 0) << out2;
+  auto w_of = [](const std::string& path) {
+    const ck::CheckpointMetadata m = ck::open_checkpoint(path);
+    return m.entries.at("w").chunks.at(0).memory;
+  };
+  EXPECT_TRUE(at::equal(w_of(pt), at::full({16}, 6.0, at::kFloat)));
+  // Either Tessera file output replaces the other.
+  ck::consolidate(src, pt, true);
+  expect_holds(pt, 16, 5);
+  ck::export_checkpoint(src2, ck::ExportFormat::Torch, pt, true);
+  EXPECT_TRUE(ck::is_tessera_torch_export(pt));
+  EXPECT_TRUE(at::equal(w_of(pt), at::full({16}, 6.0, at::kFloat)));
+  // A directory writer replaces the export as well (it is Tessera's).
+  ck::reshard(src, 2, pt, true);
+  expect_holds(pt, 16, 5);
 }
 
 // SIGINT or SIGTERM while a write is in progress: the temporary output is removed, the

@@ -100,14 +100,14 @@ Runner add_ckpt_command(CLI::App& app) {
       "consolidate", "Write one consolidated safetensors file (streaming; memory bounded by the largest tensor)");
   consolidate->add_option("DIR", a->path, "checkpoint to read")->required();
   consolidate->add_option("-o,--output", a->out, "safetensors file to write")->required();
-  consolidate->add_flag("-f,--force", a->force, "replace an existing output");
+  consolidate->add_flag("-f,--force", a->force, "replace an existing output, only one that Tessera wrote (see docs/cli.md)");
 
   CLI::App* reshard = sub->add_subcommand("reshard", "Rewrite a checkpoint as a sharded checkpoint for M ranks");
   reshard->add_option("DIR", a->path, "checkpoint to read")->required();
   reshard->add_option("--world-size", a->world_size, "number of ranks of the new checkpoint")
       ->required()->check(int_range(1, checkpoint::kMaxReshardWorldSize));
   reshard->add_option("-o,--output", a->out, "directory to write")->required();
-  reshard->add_flag("-f,--force", a->force, "replace an existing output");
+  reshard->add_flag("-f,--force", a->force, "replace an existing output, only one that Tessera wrote (see docs/cli.md)");
 
   CLI::App* exp = sub->add_subcommand(
       "export", "Export the tensors for Python: torch (a dict torch.load reads), safetensors, or hf (a Hugging Face model directory)");
@@ -115,7 +115,7 @@ Runner add_ckpt_command(CLI::App& app) {
   exp->add_option("--format", a->format, "torch, safetensors or hf (a Hugging Face style directory of a model's weights)")
       ->default_val("torch")->check(CLI::IsMember({"torch", "safetensors", "hf"}));
   exp->add_option("-o,--output", a->out, "file to write (a directory for --format hf)")->required();
-  exp->add_flag("-f,--force", a->force, "replace an existing output");
+  exp->add_flag("-f,--force", a->force, "replace an existing output, only one that Tessera wrote (see docs/cli.md)");
   // --format hf only (checkpoint/interop/hf_export.h).
   exp->add_option("--max-shard-size", a->max_shard_size,
                   "hf: the most bytes per file, e.g. 5GB (the default), 500MB, 2GiB or plain bytes; "
@@ -145,7 +145,7 @@ Runner add_ckpt_command(CLI::App& app) {
       "import-dcp", "Import a PyTorch Distributed Checkpoint directory (torch 2.x dcp.save) as a sharded checkpoint");
   import_dcp->add_option("DIR", a->path, "DCP directory: .metadata and __<rank>_<n>.distcp files")->required();
   import_dcp->add_option("-o,--output", a->out, "directory to write")->required();
-  import_dcp->add_flag("-f,--force", a->force, "replace an existing output");
+  import_dcp->add_flag("-f,--force", a->force, "replace an existing output, only one that Tessera wrote (see docs/cli.md)");
   import_dcp->add_flag("--skip-non-tensors", a->skip_non_tensors,
                        "leave out values that are not plain Python data (objects of other classes) instead of failing");
   import_dcp->footer("Nothing in DIR runs: .metadata and every item are read by a restricted unpickler that refuses "
@@ -161,7 +161,7 @@ Runner add_ckpt_command(CLI::App& app) {
                          "the rank files, or one file (world size 1)")
       ->required();
   import_xla->add_option("-o,--output", a->out, "directory to write")->required();
-  import_xla->add_flag("-f,--force", a->force, "replace an existing output");
+  import_xla->add_flag("-f,--force", a->force, "replace an existing output, only one that Tessera wrote (see docs/cli.md)");
   import_xla->add_flag("--skip-non-tensors", a->skip_non_tensors,
                        "leave out values that are not plain Python data (objects of other classes) instead of failing");
   import_xla->footer(

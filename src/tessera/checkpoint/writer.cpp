@@ -9,6 +9,7 @@
 
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/interop/torch_file.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
@@ -118,12 +119,16 @@ std::map<std::string, std::string> consolidated_header(const CheckpointMetadata&
           {"tessera.world_size", std::to_string(m.world_size)}};
 }
 
+bool is_replaceable_output(const std::string& path) {
+  if (is_directory(path)) return list_dir(path).empty() || is_tessera_checkpoint(path);
+  return is_tessera_checkpoint(path) || is_tessera_torch_export(path);
+}
+
 void check_replaceable(const std::string& path) {
   if (!path_exists(path)) return;
-  if (is_directory(path) && list_dir(path).empty()) return;
-  TESSERA_CHECK(is_tessera_checkpoint(path), "refusing to save to '", path, "': it exists and is not a Tessera ",
+  TESSERA_CHECK(is_replaceable_output(path), "refusing to save to '", path, "': it exists and is not a Tessera ",
                 "checkpoint (", is_directory(path) ? "a non-empty directory without " + std::string(kMetadataFile)
-                                                  : std::string("a file that is not a Tessera safetensors file"),
+                                                  : std::string("a file that is neither a Tessera safetensors file nor a Tessera torch export"),
                 "); nothing was touched");
 }
 

@@ -55,8 +55,16 @@ void write_metadata_text(const std::string& dir, const std::string& text);
 // values, key order, world size).
 std::map<std::string, std::string> consolidated_header(const CheckpointMetadata& m);
 
+// The one rule for every writer (a save, consolidate, reshard, export, import-dcp,
+// import-xla; `export --format hf` is stricter, hf_export.cpp): an existing `path` may be
+// replaced only when Tessera wrote it, or it holds nothing. That is an empty directory, a
+// Tessera checkpoint directory (with its metadata file), a Tessera safetensors file
+// (consolidate, export --format safetensors) or a Tessera torch export (export --format
+// torch, recognised by its marker record). Anything else is the user's, `--force` or not.
+bool is_replaceable_output(const std::string& path);
+
 // Refuses (tessera::Error naming the path) when `path` exists and is not something
-// a save may replace: a Tessera checkpoint or an empty directory.
+// a save may replace (is_replaceable_output).
 void check_replaceable(const std::string& path);
 
 // What an offline command writes at its output path.

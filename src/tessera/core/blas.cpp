@@ -1,6 +1,7 @@
 #include "tessera/core/blas.h"
 
 #include <dlfcn.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -27,8 +28,9 @@ const char* openblas_coretype_for_this_cpu() {
 // The C library's own initialiser, which runs after the executable's .preinit_array,
 // resets the environment to the one the process started with, so a setenv() here would
 // be lost before OpenBLAS reads it. Instead the process starts itself again, once, with
-// the two variables added (execve keeps the pid, the open files and the arguments); the
-// second start finds OPENBLAS_CORETYPE set and goes on. No allocation: static buffers.
+// the two variables added (execve keeps the pid, the open files, the arguments and, with
+// the path chosen below, the program's name); the second start finds OPENBLAS_CORETYPE set
+// and goes on. No allocation: static buffers.
 void blas_preinit(int, char** argv, char** envp) {
   if (argv == nullptr || envp == nullptr) return;
   // The C library's getenv() cannot be used yet (its environment pointer is set by the
@@ -61,6 +63,22 @@ void blas_preinit(int, char** argv, char** envp) {
   env[n++] = coretype;
   env[n++] = marker;
   env[n] = nullptr;
+  // The kernel names the new image (/proc/PID/comm: what ps, top and pgrep show) after
+  // the last part of the path given to execve, so "/proc/self/exe" would rename every
+  // program "exe". The path the program was started by, when argv[0] is one and is still
+  // this very file (a symlink named otherwise keeps its name, as it had); else the
+  // executable's real path; "/proc/self/exe" only when neither can be run (a file deleted
+  // or replaced since it started). argv itself is passed on unchanged.
+  struct stat self {}, named {};
+  if (argv[0] != nullptr && std::strchr(argv[0], '/') != nullptr && ::stat("/proc/self/exe", &self) == 0 &&
+      ::stat(argv[0], &named) == 0 && named.st_dev == self.st_dev && named.st_ino == self.st_ino)
+    ::execve(argv[0], argv, env);  // returns only on failure: try the next
+  static char real[4096];
+  const ssize_t len = ::readlink("/proc/self/exe", real, sizeof real - 1);
+  if (len > 0) {
+    real[len] = '\0';
+    ::execve(real, argv, env);
+  }
   ::execve("/proc/self/exe", argv, env);  // returns only on failure: go on as we are
 }
 

@@ -26,8 +26,10 @@ const char* openblas_coretype_for_this_cpu();
 
 // Runs before the shared libraries initialise (see TESSERA_TUNE_BLAS_AT_STARTUP): when
 // OPENBLAS_CORETYPE should be set, the process starts itself again at once with it set
-// (execve of /proc/self/exe with the same arguments; the C library would otherwise reset
-// the environment before OpenBLAS reads it). Costs one more load of the libraries.
+// (execve of the program's own path with the same arguments, so that ps, top and pgrep
+// still show its name: argv[0] when it names this executable, else the executable's real
+// path; the C library would otherwise reset the environment before OpenBLAS reads it).
+// Costs one more load of the libraries.
 void blas_preinit(int argc, char** argv, char** envp);
 
 // One line for logs: the BLAS kernels in use and why, e.g. "OpenBLAS Cooperlake kernels

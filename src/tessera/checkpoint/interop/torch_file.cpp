@@ -7,7 +7,9 @@
 #include <map>
 #include <variant>
 
+#include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/interop/pickle_reader.h"
+#include "tessera/checkpoint/interop/zip_index.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 
@@ -107,6 +109,24 @@ CheckpointMetadata import_torch_file(const std::string& path) {
   return m;
 }
 
+bool is_tessera_torch_export(const std::string& path) {
+  if (!is_regular_file(path)) return false;
+  try {
+    File f(path, "r");
+    const ZipIndex zip(f, concat("'", path, "'"));
+    // torch.save names every record "<archive>/<name>"; the archive folder is the writer's choice.
+    for (const auto& [name, r] : zip.records()) {
+      const size_t slash = name.find('/');
+      if (slash == std::string::npos || name.compare(slash + 1, std::string::npos, kTorchExportRecord) != 0) continue;
+      return zip.read(name, 64) == kTorchExportMarker;
+    }
+  } catch (const ResourceError&) {
+    throw;  // out of descriptors: not an answer about the file
+  } catch (const Error&) {
+  }
+  return false;
+}
+
 TorchExportWriter::TorchExportWriter(const std::string& path) {
   try {
     zip_ = std::make_unique<caffe2::serialize::PyTorchStreamWriter>(path);
@@ -157,6 +177,7 @@ void TorchExportWriter::finish() {
   p += "u.";
   zip_->writeRecord("data.pkl", p.data(), p.size());
   zip_->writeRecord("byteorder", "little", 6);
+  zip_->writeRecord(kTorchExportRecord, kTorchExportMarker, std::strlen(kTorchExportMarker));
   zip_->writeEndOfFile();
   zip_.reset();
   finished_ = true;

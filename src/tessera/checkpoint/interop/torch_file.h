@@ -5,7 +5,10 @@
 //    OrderedDict, _rebuild_parameter) and refuses every other global, so loading never
 //    runs code. Nested dicts and lists flatten to "a.b" / "a.0" FQNs; None is skipped.
 //  - TorchExportWriter: writes a file that torch.load (also with weights_only=True)
-//    reads as a plain dict {name: tensor}, one tensor at a time.
+//    reads as a plain dict {name: tensor}, one tensor at a time, plus a record
+//    "<archive>/tessera-export" (torch.load does not read it) that marks the file as
+//    Tessera's: is_tessera_torch_export() tells such a file from any other, so that
+//    `--force` replaces only outputs Tessera wrote.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -23,6 +26,14 @@ namespace tessera::checkpoint {
 
 // The whole file's tensors are held in memory (chunks with `memory` set).
 CheckpointMetadata import_torch_file(const std::string& path);
+
+// The name of the marker record (under the archive's folder) and what it holds.
+inline constexpr const char* kTorchExportRecord = "tessera-export";
+inline constexpr const char* kTorchExportMarker = "tessera-torch-export 1\n";
+
+// Whether `path` is a regular file that TorchExportWriter wrote (a zip archive whose
+// marker record holds kTorchExportMarker). False for anything else, unreadable included.
+bool is_tessera_torch_export(const std::string& path);
 
 class TorchExportWriter {
  public:

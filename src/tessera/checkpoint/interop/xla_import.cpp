@@ -41,6 +41,11 @@ using xla::RankName;
 using xla::RankFile;
 using xla::TensorRef;
 
+// torch_xla's XlaFullyShardedDataParallel(_shard_size_multiple=128): a flattened
+// parameter is padded to a multiple of world_size times this many elements (its own
+// consolidation assumes the same).
+constexpr int64_t kXlaShardSizeMultiple = 128;
+
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   size_t b = 0;
@@ -270,12 +275,26 @@ class Planner {
                       where, ": a dim-0 shard of ", sharding::full_box(ref.sizes).to_string(),
                       " does not fit _orig_size ", sharding::full_box(info->orig_size).to_string(), " over ", W_,
                       " ranks");
-      } else {
+      }
+      const std::string raw = prefix.empty() ? info->orig_name : prefix + "." + info->orig_name;
+      if (!base.dim0) {
         TESSERA_CHECK(base.per * W_ >= orig, where, ": ", W_, " shards of ", base.per, " elements hold fewer than the ",
                       orig, " elements of _orig_size ", sharding::full_box(info->orig_size).to_string(),
                       " (mismatched shard sizes)");
+        // torch_xla pads the flattened parameter with zeros to the next multiple of
+        // world_size * 128 elements, so the shards are exactly that size. Larger shards mean
+        // an _orig_size smaller than the parameter was: taking its first elements would drop
+        // the rest without a word (torch_xla's own consolidation does).
+        const int64_t unit = W_ * kXlaShardSizeMultiple;
+        const int64_t want = (orig / unit + (orig % unit != 0 ? 1 : 0)) * kXlaShardSizeMultiple;
+        std::string dims;
+        for (int64_t d : info->orig_size) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+        TESSERA_CHECK(base.per == want, where, ": parameter '", plain_name(raw), "': its shards hold ", base.per,
+                      " elements each, but shard_metadata.shard_info['", prefix, "']['", suffix, "']._orig_size [",
+                      dims, "] (", orig, " elements) padded as torch_xla pads (to a multiple of ", W_, " ranks x ",
+                      kXlaShardSizeMultiple, " elements) gives shards of ", want,
+                      ": _orig_size does not match the shards, and importing it would drop elements");
       }
-      const std::string raw = prefix.empty() ? info->orig_name : prefix + "." + info->orig_name;
       const std::vector<std::string> rp = split(raw);
       Param p;
       p.key = j;

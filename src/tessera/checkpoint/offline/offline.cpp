@@ -93,16 +93,17 @@ void check_not_source(const std::string& src, const CheckpointMetadata& m, const
 }
 
 // An output path may be written (check_output_path); with --force an existing one may be
-// replaced when it is an empty directory or a Tessera checkpoint, or (`any_file`) any file.
-void check_output(const std::string& out, bool force, OutputKind kind, const std::string& command, bool any_file) {
+// replaced only when Tessera wrote it or it is an empty directory (is_replaceable_output,
+// the rule of every writer).
+void check_output(const std::string& out, bool force, OutputKind kind, const std::string& command) {
   if (!check_output_path(out, force, kind, command)) return;
-  if (is_directory(out)) {
-    TESSERA_CHECK(list_dir(out).empty() || is_tessera_checkpoint(out), "refusing to replace '", out,
-                  "': a non-empty directory that is not a Tessera checkpoint");
-  } else {
-    TESSERA_CHECK(any_file || is_tessera_checkpoint(out), "refusing to replace '", out,
-                  "': not a Tessera checkpoint");
-  }
+  if (is_replaceable_output(out)) return;
+  if (is_directory(out))
+    throw Error(concat("refusing to replace '", out, "': a non-empty directory that is not a Tessera checkpoint (",
+                       "--force replaces only what Tessera wrote); nothing was touched"));
+  throw Error(concat("refusing to replace '", out, "': not a file Tessera wrote (neither a Tessera safetensors file ",
+                     "nor a Tessera torch export; --force replaces only those); nothing was touched. Remove it ",
+                     "yourself or choose another output"));
 }
 
 // The dimension a saved tensor was split along (where its chunks start at different
@@ -418,7 +419,7 @@ CheckpointMetadata open_whole(const std::string& src) {
 void consolidate(const std::string& src, const std::string& out, bool force) {
   CheckpointMetadata m = open_whole(src);
   check_not_source(src, m, out);
-  check_output(out, force, OutputKind::File, "consolidate", false);
+  check_output(out, force, OutputKind::File, "consolidate");
   publish_via_temp(out, false, [&](const std::string& tmp) { write_consolidated(m, tmp); });
 }
 
@@ -427,7 +428,7 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
                 kMaxReshardWorldSize, ", got ", world_size);
   CheckpointMetadata m = open_whole(src);
   check_not_source(src, m, out);
-  check_output(out, force, OutputKind::Directory, "reshard", false);
+  check_output(out, force, OutputKind::Directory, "reshard");
   ChunkReader reader(m);
   publish_via_temp(out, true, [&](const std::string& tmp) {
     CheckpointMetadata o;
@@ -479,13 +480,13 @@ void export_checkpoint(const std::string& src, ExportFormat format, const std::s
   if (format == ExportFormat::Safetensors) {
     CheckpointMetadata m = open_whole(src);
     check_not_source(src, m, out);
-    check_output(out, force, OutputKind::File, "export", true);
+    check_output(out, force, OutputKind::File, "export");
     publish_via_temp(out, false, [&](const std::string& tmp) { write_consolidated(m, tmp); });
     return;
   }
   CheckpointMetadata m = open_whole(src);
   check_not_source(src, m, out);
-  check_output(out, force, OutputKind::File, "export", true);
+  check_output(out, force, OutputKind::File, "export");
   ChunkReader reader(m);
   publish_via_temp(out, false, [&](const std::string& tmp) {
     {
