@@ -23,8 +23,13 @@ MAX_METADATA_BYTES = 256 << 20
 MAX_HEADER_BYTES = 100 << 20
 MAX_WORLD_SIZE = 1 << 20
 MAX_PIECES = 1 << 20  # a chunk or flat layout's piece count (the launcher's limit on ranks)
-MAX_LIST_PIECES = MAX_PIECES * 64  # a list layout's (as the C++ reader)
+MAX_LIST_PIECES_PER_FILE = 64  # a list layout names at most 64 pieces per data file (64 * world_size in all)
+# JSON values and member names a metadata file may hold (C++ kMaxMetadataItems, metadata.h):
+# bounds what parsing it costs, whatever is in it (issue 44 item 3).
+MAX_METADATA_ITEMS = 1 << 22
+MAX_REPORTED_PROBLEMS = 100  # verify reports this many problems one by one, then "and K more problem(s)"
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
 
 # safetensors dtype -> (torch dtype name, item size)
 DTYPES = {
@@ -69,12 +74,36 @@ class _Duplicate(Exception):
 
 
 def _pairs(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise _Duplicate(k)
-        d[k] = v
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _Duplicate(k)
+            seen.add(k)
     return d
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+
+
+def too_many_json_items(text, bound):
+    """Whether JSON text ``text`` (bytes) holds more than ``bound`` values and member names
+    together (as the C++ reader counts them while parsing), found without parsing it: every
+    value but the outermost is followed by ``,``, ``]`` or ``}``, except that an empty array
+    or object ends with no value; every member name is followed by ``:``. Counted outside
+    strings, and the strings themselves counted only when the quick bounds do not decide."""
+    text = bytes(text)
+    upper = 1 + text.count(b",") + text.count(b"]") + text.count(b"}") + text.count(b":")
+    if upper <= bound:
+        return False
+    if (text.count(b'"') - text.count(b'\\"')) // 2 > bound:  # at least that many strings, each an item
+        return True
+    s = _JSON_STRING.sub(b'""', text)  # compact text: one copy of it (with whitespace: two)
+    if any(c in s for c in (b" ", b"\t", b"\r", b"\n")):
+        s = s.translate(None, b" \t\r\n")
+    n = 1 + s.count(b",") + s.count(b"]") + s.count(b"}") + s.count(b":") - s.count(b"[]") - s.count(b"{}")
+    return n > bound
 
 
 def _no_constant(name):
@@ -95,20 +124,35 @@ def parse_json_strict(text, what):
 
 
 def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
+    """A JSON integer as the C++ reader (nlohmann) sees one: in [-2^63, 2^64 - 1]; a longer
+    run of digits is a floating-point number there."""
+    return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= UINT64_MAX
+
+
+def jdump(v):
+    """``v`` as the C++ reader prints a JSON value in its messages (nlohmann's dump)."""
+    if isinstance(v, int) and not isinstance(v, bool) and not _is_int(v):
+        try:
+            v = float(v)
+        except OverflowError:
+            return "null"  # nlohmann: infinity prints as null
+    try:
+        return json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return "null"
 
 
 def int_in(v, lo, hi, what):
     if not _is_int(v):
-        fail(what, ": expected an integer, got ", json.dumps(v))
+        fail(what, ": expected an integer, got ", jdump(v))
     if not lo <= v <= hi:
         fail(what, " is ", v, ", outside [", lo, ", ", hi, "]")
     return v
 
 
 def _u64(v, what):
-    if not _is_int(v) or v < 0 or v >= 1 << 64:
-        fail(what, ": expected a non-negative integer, got ", json.dumps(v))
+    if not _is_int(v) or v < 0:
+        fail(what, ": expected a non-negative integer, got ", jdump(v))
     return v
 
 
@@ -118,7 +162,7 @@ def _dims(v, what):
         fail(what, ": expected an array of dimensions")
     for d in v:
         if not _is_int(d) or d < 0 or d > INT64_MAX:
-            fail(what, ": bad dimension ", json.dumps(d))
+            fail(what, ": bad dimension ", jdump(d))
     return list(v)
 
 
@@ -163,7 +207,7 @@ def shape_string(shape):
 
 def dtype_of(name, what):
     if not isinstance(name, str) or name not in DTYPES:
-        fail(what, ": unknown dtype ", json.dumps(name), " (known: ", " ".join(DTYPES), ")")
+        fail(what, ": unknown dtype ", jdump(name), " (known: ", " ".join(DTYPES), ")")
     return name
 
 
@@ -635,78 +679,106 @@ RULES = ("whole", "chunk", "flat", "list")
 
 
 def _parse_files(j, pieces, world_size, what):
+    # The C++ reader's files_from_json (metadata.cpp): the same bounds, order and words.
     if not isinstance(j, dict):
-        fail(what, ": files is not an object")
-    last = world_size - 1
-    fm = FileMap(int_in(j.get("first"), 0, last, what + " files.first"),
-                 int_in(j.get("step"), 1, INT64_MAX, what + " files.step"))
-    if "replicas" in j:  # replicas, replica_step and shift come together (the C++ reader's rule)
-        fm.replicas = int_in(j["replicas"], 1, MAX_PIECES, what + " files.replicas")
-        fm.replica_step = int_in(j.get("replica_step"), 0, INT64_MAX, what + " files.replica_step")
-        fm.shift = int_in(j.get("shift"), 0, INT64_MAX, what + " files.shift")
+        fail(what, ": layout.files is not an object")
+    fm = FileMap(int_in(j.get("first"), 0, world_size - 1, what + " layout.files.first"),
+                 int_in(j.get("step"), 1, world_size, what + " layout.files.step"))
+    if "replicas" in j:  # replicas, replica_step and shift come together
+        fm.replicas = int_in(j["replicas"], 1, world_size, what + " layout.files.replicas")
+        fm.replica_step = int_in(j.get("replica_step"), 0, world_size - 1, what + " layout.files.replica_step")
+        fm.shift = int_in(j.get("shift"), 0, INT64_MAX, what + " layout.files.shift")  # any: taken mod replicas
     if fm.replicas > 1 and fm.replica_step < pieces * fm.step:
-        fail(what, ": files.replica_step ", fm.replica_step, " is below pieces * step = ", pieces * fm.step,
-             " (two pieces would share a file)")
-    # The bound of docs/checkpoint-format.md §3 (the C++ reader's): every replica group's
-    # files lie in the world, whether or not a piece reaches the last group.
+        fail(what, ": layout.files.replica_step ", fm.replica_step, " is below layout.pieces * layout.files.step = ",
+             pieces * fm.step, " (two pieces would share a file)")
+    # Every replica group's files lie in the world, whether or not a piece reaches the last group.
     f = fm.first + (pieces - 1) * fm.step + (fm.replicas - 1) * fm.replica_step
-    if f > last:
-        fail(what, ": files reach data file ", f, ", outside [0, ", world_size, ") (world_size ",
-             world_size, ")")
+    if f >= world_size:
+        fail(what, ": layout.files reach data file ", f, ", outside [0, ", world_size - 1, "]")
     return fm
 
 
+def _box_text(offsets, sizes):
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+
+
 def parse_layout(j, e, fqn, world_size, where):
-    """The `layout` of tensor entry ``e`` (dtype, shape set), checked: parameters in range,
-    files in [0, world_size), a list's boxes tiling the shape."""
-    what = f"{where} key '{fqn}' layout"
+    """The `layout` of tensor entry ``e`` (dtype, shape set), checked as the C++ reader checks
+    it (metadata.cpp layout_from_json, sharding::Layout::validate), field by field in the same
+    order and words: parameters in range, files in [0, world_size), a list's pieces (at most
+    64 per data file, each non-empty and inside the shape) tiling the shape."""
+    what = f"{where} key '{fqn}'"
     if not isinstance(j, dict):
-        fail(what, ": not an object")
+        fail(what, ": layout is not an object")
     rule = j.get("rule")
     if rule not in RULES:
-        fail(what, ": unknown rule ", json.dumps(rule), " (known: ", ", ".join(RULES), ")")
+        fail(what, ": unknown layout rule ", jdump(rule), " (known: ", ", ".join(RULES), ")")
     shape = e.shape
     lay = PieceLayout(rule, shape)
     if rule == "whole":
-        lay.file = int_in(j.get("file"), 0, world_size - 1, what + " file")
+        lay.file = int_in(j.get("file"), 0, world_size - 1, what + " layout.file")
     elif rule in ("chunk", "flat") and not shape:
         fail(what, ": a ", rule, " layout needs a tensor of at least one dimension (a 0-dimensional one is whole)")
     elif rule == "chunk":
-        lay.dim = int_in(j.get("dim"), 0, len(shape) - 1, what + " dim")
-        lay.pieces = int_in(j.get("pieces"), 1, MAX_PIECES, what + " pieces")
+        lay.dim = int_in(j.get("dim"), 0, len(shape) - 1, what + " layout.dim")
+        lay.pieces = int_in(j.get("pieces"), 1, world_size, what + " layout.pieces")
         lay.files = _parse_files(j.get("files"), lay.pieces, world_size, what)
     elif rule == "flat":
-        lay.numel = int_in(j.get("numel"), 0, INT64_MAX, what + " numel")
-        lay.offset = int_in(j.get("offset"), 0, INT64_MAX, what + " offset")
-        lay.pieces = int_in(j.get("pieces"), 1, MAX_PIECES, what + " pieces")
+        lay.numel = int_in(j.get("numel"), 0, INT64_MAX, what + " layout.numel")
+        lay.offset = int_in(j.get("offset"), 0, INT64_MAX, what + " layout.offset")
+        lay.pieces = int_in(j.get("pieces"), 1, world_size, what + " layout.pieces")
         n = 1
         for d in shape:
             n *= d
         if lay.offset + n > lay.numel:
-            fail(what, ": offset ", lay.offset, " + the tensor's ", n, " elements exceed numel ", lay.numel)
+            fail(what, ": layout.offset ", lay.offset, " + the tensor's ", n, " elements exceed layout.numel ",
+                 lay.numel)
         lay.files = _parse_files(j.get("files"), lay.pieces, world_size, what)
     else:
         jp = j.get("pieces")
         if not isinstance(jp, list):
-            fail(what, ": pieces is not an array")
-        if len(jp) > MAX_LIST_PIECES:
-            fail(what, ": ", len(jp), " pieces, more than ", MAX_LIST_PIECES)
-        boxes, chunks = [], []
-        for p in jp:
+            fail(what, ": layout.pieces is not an array")
+        most = MAX_LIST_PIECES_PER_FILE * world_size
+        if len(jp) > most:
+            fail(what, ": layout.pieces lists ", len(jp), " pieces, more than ", MAX_LIST_PIECES_PER_FILE,
+                 " per data file (", most, " for world_size ", world_size, ")")
+        boxes = []
+        for i, p in enumerate(jp):
+            at = f"{what} layout.pieces[{i}]"
             if not isinstance(p, list) or len(p) != 3:
-                fail(what, ": a piece is not [file, [offsets], [sizes]]")
-            f = int_in(p[0], 0, world_size - 1, what + " piece file")
-            offsets = _dims(p[1], what + " piece offsets")
-            sizes = _dims(p[2], what + " piece sizes")
-            boxes.append((f, offsets, sizes))
-            chunks.append(Chunk(offsets, sizes, f, None, 0, 0, []))
-        check_tiling(fqn, e, where, chunks, "piece")
+                fail(at, " is not [file, offsets, sizes]")
+            f = int_in(p[0], 0, world_size - 1, at + " file")
+            boxes.append((f, _dims(p[1], at + " offsets"), _dims(p[2], at + " sizes")))
+        # Piece by piece: its rank, inside the shape, not empty; then no overlap, then coverage.
+        volume = 0
+        for i, (f, offsets, sizes) in enumerate(boxes):
+            if len(offsets) != len(shape) or len(sizes) != len(shape):
+                fail(what, ": layout.pieces[", i, "] has ", len(offsets), " offsets and ", len(sizes),
+                     " sizes for a shape of rank ", len(shape))
+            if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+                fail(what, ": layout.pieces[", i, "] (offsets ", shape_string(offsets), ", sizes ",
+                     shape_string(sizes), ") lies outside the shape ", shape_string(shape))
+            if not all(sizes):
+                fail(what, ": layout.pieces[", i, "] ", _box_text(offsets, sizes),
+                     " is empty (a list layout names only the pieces its data files store)")
+            n = 1
+            for s_ in sizes:
+                n *= s_
+            volume += n
+        chunks = [Chunk(o, z, f, None, 0, 0, []) for f, o, z in boxes]
+        ov = first_overlap(chunks)
+        if ov:
+            fail(what, ": pieces ", chunks[ov[0]].box(), " and ", chunks[ov[1]].box(), " overlap")
+        whole = 1
+        for d in shape:
+            whole *= d
+        if volume != whole:
+            fail(what, ": the pieces cover ", volume, " of ", whole, " elements (incomplete checkpoint)")
         lay.boxes = boxes
         lay.pieces = len(boxes)
         stored = {}
         for i, (f, _, sizes) in enumerate(boxes):
-            if all(sizes):
-                stored.setdefault(f, []).append(i)
+            stored.setdefault(f, []).append(i)
         lay.names = [None] * len(boxes)
         for idx in stored.values():
             for k, i in enumerate(idx):
@@ -768,6 +840,9 @@ def check_metadata_checksum(text, where, version=1):
 
 def parse_metadata(text, directory):
     where = f"'{os.path.join(directory, METADATA_FILE)}'"
+    if too_many_json_items(text, MAX_METADATA_ITEMS):  # before building it: what parsing costs is bounded
+        fail(where, ": metadata holds more than ", MAX_METADATA_ITEMS,
+             " JSON values and keys, the bound every reader enforces (corrupt or hostile)")
     j = parse_json_strict(text, where + ": metadata")
     if not isinstance(j, dict) or j.get("format") != "tessera-checkpoint":
         fail(where, ': not Tessera checkpoint metadata (no "format": "tessera-checkpoint")')
@@ -777,7 +852,8 @@ def parse_metadata(text, directory):
     if "version" not in j or not _is_int(j["version"]):
         fail(where, ": no integer version")
     if not 1 <= j["version"] <= FORMAT_VERSION:
-        fail(where, ": format version ", j["version"], " is not supported (this reader reads versions 1..", FORMAT_VERSION, ")")
+        fail(where, ": format version ", j["version"], " is not supported (this reader reads versions 1..",
+             FORMAT_VERSION, ")")
     m.version = j["version"]
     if "world_size" not in j:
         fail(where, ": no world_size")
@@ -849,7 +925,7 @@ def _parse_metadata_v2(j, m, where):
     rank) and no byte ranges or checksums (each data file's own header has them)."""
     sid = j.get("save_id")
     if not isinstance(sid, str) or not _SAVE_ID.match(sid):
-        fail(where, ": save_id ", json.dumps(sid), " is not 16 lowercase hex digits")
+        fail(where, ": save_id ", jdump(sid), " is not 16 lowercase hex digits")
     m.save_id = sid
     if not isinstance(j.get("keys"), list) or not isinstance(j.get("entries"), dict):
         fail(where, ": keys/entries missing")
@@ -871,10 +947,8 @@ def _parse_metadata_v2(j, m, where):
             e = Entry(kind, value=decode_value(je, what))
         else:
             e = Entry(kind, dtype_of(je.get("dtype"), what), _dims(je.get("shape"), what + " shape"))
-            byte_size(e.shape, e.dtype, f"{where}: key '{fqn}': shape {shape_string(e.shape)}")
-            if "layout" not in je:
-                fail(what, ": no layout")
-            e.layout = parse_layout(je["layout"], e, fqn, m.world_size, where)
+            byte_size(e.shape, e.dtype, f"{what}: shape {shape_string(e.shape)}")
+            e.layout = parse_layout(je.get("layout"), e, fqn, m.world_size, where)
         m.keys.append(fqn)
         m.entries[fqn] = e
     return m

@@ -66,9 +66,9 @@ except ImportError as _e:  # torch 1.x: DCP missing or a prototype with another 
                       "works without it.") from None
 
 from . import Checkpoint, _crc32c, _tensor_view
-from ._format import (DTYPES, INT64_MAX, INT64_MIN, MAX_HEADER_BYTES, MAX_METADATA_BYTES, METADATA_FILE,
-                      CheckpointError, Chunk, Entry, check_metadata_checksum, check_tiling, chunk_range,
-                      data_file_name, parse_json_strict)
+from ._format import (DTYPES, INT64_MAX, INT64_MIN, MAX_HEADER_BYTES, MAX_METADATA_BYTES, MAX_METADATA_ITEMS,
+                      METADATA_FILE, CheckpointError, Chunk, Entry, check_metadata_checksum, check_tiling, chunk_range,
+                      data_file_name, parse_json_strict, too_many_json_items)
 
 __all__ = ["Reader", "TrainerState", "Writer"]
 
@@ -857,6 +857,9 @@ class Writer(StorageWriter):
         if len(text) > MAX_METADATA_BYTES:
             raise CheckpointError(f"{where}: the metadata would be {len(text)} bytes, over the readers' bound of "
                                   f"{MAX_METADATA_BYTES} (kMaxMetadataBytes); nothing was published")
+        if too_many_json_items(text, MAX_METADATA_ITEMS):
+            raise CheckpointError(f"{where}: the metadata would hold more than {MAX_METADATA_ITEMS} JSON values and "
+                                  "keys, over the readers' bound (kMaxMetadataItems); nothing was published")
         return text
 
 

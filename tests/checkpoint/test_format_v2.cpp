@@ -160,11 +160,11 @@ TEST(FormatV2, ListsOfAHundredThousandPiecesAreCheckedBySweep) {
     ck::ChunkInfo c;
     c.box = sharding::Box{{2 * i, 0}, {2, 4}};
     e.chunks.push_back(c);
-    L.list.push_back({i % 64, c.box});
+    L.list.push_back({i % 2048, c.box});  // at most 64 pieces per data file
   }
   auto text_of = [&](const sharding::Layout& layout) {
     ck::CheckpointMetadata m;
-    m.world_size = 64;
+    m.world_size = 2048;
     m.crc_block = 4194304;
     m.save_id = "0123456789abcdef";
     ck::EntryInfo v2 = e;

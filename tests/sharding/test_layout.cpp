@@ -148,10 +148,10 @@ TEST(Layout, ValidateNamesWhatIsWrong) {
     return std::string();
   };
   EXPECT_NE(msg(Layout::chunk(2, 4), 4).find("dimension 2"), std::string::npos);
-  EXPECT_NE(msg(Layout::chunk(0, 4), 3).find("outside [0, 3)"), std::string::npos);
+  EXPECT_NE(msg(Layout::chunk(0, 4), 3).find("layout.files reach data file 3, outside [0, 2]"), std::string::npos);
   EXPECT_NE(msg(Layout::flat(20, 0, 2), 2).find("unit of 20"), std::string::npos);
   FileMap two_groups{0, 1, 2, 3, 0};  // replica step 3 < 4 pieces: groups would share files
-  EXPECT_NE(msg(Layout::chunk(0, 4, two_groups), 8).find("two pieces in one file"), std::string::npos);
+  EXPECT_NE(msg(Layout::chunk(0, 4, two_groups), 8).find("(two pieces would share a file)"), std::string::npos);
   Layout list;
   list.rule = Layout::Rule::List;
   list.list = {{0, Box{{0, 0}, {5, 4}}}, {1, Box{{4, 0}, {4, 4}}}};
@@ -221,42 +221,52 @@ TEST(Layout, ListOfAHundredThousandPiecesIsCheckedBySweep) {
   const std::vector<int64_t> rows_shape{2 * n, 4}, grid_shape{500, 1200};
   Layout rows, grid;
   rows.rule = grid.rule = Layout::Rule::List;
-  for (int64_t i = 0; i < n; ++i) rows.list.push_back({i % 64, Box{{2 * i, 0}, {2, 4}}});
+  // 2,048 files: at most 64 pieces in each (kMaxListPiecesPerFile).
+  for (int64_t i = 0; i < n; ++i) rows.list.push_back({i % 2048, Box{{2 * i, 0}, {2, 4}}});
   for (int64_t r = 0; r < 250; ++r)
-    for (int64_t c = 0; c < 400; ++c) grid.list.push_back({(r + c) % 64, Box{{2 * r, 3 * c}, {2, 3}}});
+    for (int64_t c = 0; c < 400; ++c) grid.list.push_back({(r + c) % 2048, Box{{2 * r, 3 * c}, {2, 3}}});
   std::mt19937_64 rng(5);
   std::shuffle(grid.list.begin(), grid.list.end(), rng);
   // (No timing here: comparing every pair, 10 billion box intersections, would not end
   // within the suite's per-test timeout; the sweep takes well under a second.)
-  EXPECT_EQ(validate_error(rows, rows_shape, 64, "key 'w'"), "");
-  EXPECT_EQ(validate_error(grid, grid_shape, 64, "key 'g'"), "");
+  EXPECT_EQ(validate_error(rows, rows_shape, 2048, "key 'w'"), "");
+  EXPECT_EQ(validate_error(grid, grid_shape, 2048, "key 'g'"), "");
+  // 64 pieces per file at most: at 1,562 files, 100,000 pieces are too many.
+  EXPECT_EQ(validate_error(rows, rows_shape, 1562, "key 'w'"),
+            "key 'w': layout.pieces lists 100000 pieces, more than 64 per data file (99968 for world_size 1562)");
 
   // Piece 70,000 moved up a row overlaps piece 69,999; the last piece, moved to [1:3, 0:4],
   // overlaps pieces 0 and 1, the sweep's first meeting, but later in the list.
   rows.list[70000].box.offsets[0] -= 1;
   rows.list[n - 1].box = Box{{1, 0}, {2, 4}};
-  EXPECT_EQ(validate_error(rows, rows_shape, 64, "key 'w'"),
+  EXPECT_EQ(validate_error(rows, rows_shape, 2048, "key 'w'"),
             "key 'w': pieces [139998:140000, 0:4] and [139999:140001, 0:4] overlap");
   // In the grid: piece 60,000 put on piece 20, and piece 500 on piece 30.
   const Box b20 = grid.list[20].box, b30 = grid.list[30].box;
   grid.list[60000].box = b20;
   grid.list[500].box = b30;
-  EXPECT_EQ(validate_error(grid, grid_shape, 64, "key 'g'"),
+  EXPECT_EQ(validate_error(grid, grid_shape, 2048, "key 'g'"),
             "key 'g': pieces " + b30.to_string() + " and " + b30.to_string() + " overlap");
 }
 
-// As a piece-by-piece check reports them: an overlap before a malformed piece first, a
-// malformed piece before a later overlap.
+// As the metadata readers report them (C++ and Python alike, issue 44 item 5): each piece's
+// own faults (its file, its rank, inside the shape, not empty) in the order of the pieces, then
+// the first overlapping pair, then the coverage.
 TEST(Layout, ListErrorsComeInTheOrderOfThePieces) {
   const std::vector<int64_t> shape{8};
   Layout L;
   L.rule = Layout::Rule::List;
   L.list = {{0, Box{{0}, {4}}}, {0, Box{{2}, {4}}}, {0, Box{{6}, {4}}}};
+  EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"),
+            "key 'v': layout.pieces[2] (offsets [6], sizes [4]) lies outside the shape [8]");
+  L.list[2].box = Box{{6}, {2}};
   EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"), "key 'v': pieces [0:4] and [2:6] overlap");
-  std::swap(L.list[1], L.list[2]);
-  EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"), "key 'v': piece [6:10] lies outside the shape [0:8]");
   L.list = {{0, Box{{0}, {4}}}, {0, Box{{3}, {1}}}, {3, Box{{4}, {4}}}};
+  EXPECT_EQ(validate_error(L, shape, 2, "key 'v'"), "key 'v' layout.pieces[2] file is 3, outside [0, 1]");
+  L.list[2].file = 1;
   EXPECT_EQ(validate_error(L, shape, 2, "key 'v'"), "key 'v': pieces [0:4] and [3:4] overlap");
-  L.list = {{0, Box{{0}, {4}}}, {0, Box{{4}, {0}}}, {0, Box{{4}, {0}}}, {0, Box{{4}, {4}}}};
-  EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"), "") << "empty pieces overlap nothing";
+  // Issue 44 item 3: a list names only stored pieces; an empty one is refused.
+  L.list = {{0, Box{{0}, {4}}}, {0, Box{{4}, {0}}}, {0, Box{{4}, {4}}}};
+  EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"),
+            "key 'v': layout.pieces[1] [4:4] is empty (a list layout names only the pieces its data files store)");
 }

@@ -190,8 +190,9 @@ Runner add_ckpt_command(CLI::App& app) {
         else std::cout << " read (this file carries no checksums)\n";
         return 0;
       }
-      std::cerr << "CORRUPT: " << a->path << ": " << r.problems.size() << " problem(s)\n";
+      std::cerr << "CORRUPT: " << a->path << ": " << r.problems.size() + r.more_problems << " problem(s)\n";
       for (const auto& p : r.problems) std::cerr << "  " << p << "\n";
+      if (r.more_problems > 0) std::cerr << "  and " << r.more_problems << " more problem(s)\n";
       return 1;
     }
     if (consolidate->parsed() || reshard->parsed() || exp->parsed() || import_dcp->parsed() || import_xla->parsed()) {

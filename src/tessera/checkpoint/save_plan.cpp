@@ -78,9 +78,11 @@ SavedLayout plan_saved_layout(const std::string& fqn, const std::vector<int64_t>
   for (size_t i = 0; i < shards.size(); ++i) {
     const int64_t p = shards[i].placement.rank;
     TESSERA_CHECK(p >= 0 && p < S, "key '", fqn, "': shard ", i, " is on rank ", p, " of a communicator of ", S);
+    // A list names only stored pieces: an empty shard is in no data file.
+    if (shards[i].box.empty()) continue;
     const int64_t g = R > 1 ? (static_cast<int64_t>(i) + hybrid_shift(key_index, group)) % R : group.group;
+    if (g * S + p == rank) out.mine.push_back(static_cast<int64_t>(L.list.size()));
     L.list.push_back({g * S + p, shards[i].box});
-    if (g * S + p == rank && !shards[i].box.empty()) out.mine.push_back(static_cast<int64_t>(i));
   }
   L.validate(shape, world, concat("key '", fqn, "'"));
   out.layout = std::move(L);

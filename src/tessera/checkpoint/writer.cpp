@@ -75,18 +75,22 @@ void layouts_from_chunks(CheckpointMetadata& m) {
     if (!e.is_tensor()) continue;
     sharding::Layout L;
     L.rule = sharding::Layout::Rule::List;
+    std::vector<const ChunkInfo*> stored;  // a list names only stored (non-empty) pieces
     for (const auto& c : e.chunks) {
+      if (c.box.empty()) continue;
       int rank = -1;
       for (int64_t r = 0; r < m.world_size && rank < 0; ++r)
         if (data_file_name(static_cast<int>(r)) == c.file) rank = static_cast<int>(r);
       TESSERA_CHECK(rank >= 0, "internal: key '", fqn, "' has a chunk in '", c.file, "', no data file of the checkpoint");
       L.list.push_back({rank, c.box});
+      stored.push_back(&c);
     }
     if (L.list.size() == 1 && L.list[0].box == sharding::full_box(e.shape)) L = sharding::Layout::whole(L.list[0].file);
-    for (size_t i = 0; i < e.chunks.size(); ++i)
-      TESSERA_CHECK(e.chunks[i].box.empty() || piece_name(fqn, L, e.shape, static_cast<int64_t>(i)) == e.chunks[i].name,
-                    "internal: key '", fqn, "' chunk ", e.chunks[i].box.to_string(), " is named '", e.chunks[i].name,
-                    "' in its data file, its layout names it '", piece_name(fqn, L, e.shape, static_cast<int64_t>(i)), "'");
+    for (size_t i = 0; i < stored.size(); ++i)
+      TESSERA_CHECK(piece_name(fqn, L, e.shape, static_cast<int64_t>(i)) == stored[i]->name, "internal: key '", fqn,
+                    "' chunk ", stored[i]->box.to_string(), " is named '", stored[i]->name,
+                    "' in its data file, its layout names it '", piece_name(fqn, L, e.shape, static_cast<int64_t>(i)),
+                    "'");
     L.validate(e.shape, m.world_size, concat("key '", fqn, "'"));
     e.layout = std::move(L);
     e.chunks.clear();

@@ -13,6 +13,12 @@ namespace {
 
 using Wide = __int128;
 
+// A list layout names at most this many pieces per data file (world_size times this in all),
+// each non-empty: real saves store one piece per shard, and a rank holds a few shards of a
+// tensor (issue 44 item 3: millions of empty pieces cost gigabytes to parse). The metadata
+// reader (metadata.cpp) and python/tessera_ckpt (MAX_LIST_PIECES_PER_FILE) use the same bound.
+constexpr int64_t kMaxListPiecesPerFile = 64;
+
 int64_t numel_of(const std::vector<int64_t>& shape) {
   Wide n = 1;
   for (auto s : shape) {
@@ -190,6 +196,8 @@ std::vector<int64_t> Layout::overlapping(const std::vector<int64_t>& shape, cons
   return out;
 }
 
+// The messages are the metadata reader's and python/tessera_ckpt's (issue 44 item 5): fields
+// named as in the metadata (`layout.pieces[i]`, `layout.files.step`).
 void Layout::validate(const std::vector<int64_t>& shape, int64_t world_size, const std::string& what) const {
   const int64_t n = numel_of(shape);
   TESSERA_CHECK(n >= 0, what, ": shape ", core::shape_string(shape), " has more than 2^63 - 1 elements");
@@ -201,31 +209,29 @@ void Layout::validate(const std::vector<int64_t>& shape, int64_t world_size, con
       check_file(file, "the whole tensor");
       return;
     case Rule::List: {
-      TESSERA_CHECK(static_cast<int64_t>(list.size()) <= kMaxPieces * 64, what, ": a list layout of ", list.size(),
-                    " pieces, more than the limit of ", kMaxPieces * 64, " (2^26)");
-      const Box whole = full_box(shape);
-      // No two of the pieces below `limit` overlap (first_overlap's sweep, not every pair).
-      auto check_overlap = [&](size_t limit) {
-        const auto o = first_overlap(limit, [&](size_t i) -> const Box& { return list[i].box; });
-        TESSERA_CHECK(!o, what, ": pieces ", list[o->first].box.to_string(), " and ", list[o->second].box.to_string(),
-                      " overlap");
-      };
+      TESSERA_CHECK(static_cast<Wide>(list.size()) <= static_cast<Wide>(kMaxListPiecesPerFile) * world_size, what,
+                    ": layout.pieces lists ", list.size(), " pieces, more than ", kMaxListPiecesPerFile,
+                    " per data file (", kMaxListPiecesPerFile * world_size, " for world_size ", world_size, ")");
+      // Piece by piece: its file, its rank, inside the shape, not empty; then no two overlap
+      // (first_overlap's sweep, not every pair), then they cover the shape.
       Wide volume = 0;
       for (size_t i = 0; i < list.size(); ++i) {
         const LayoutPiece& p = list[i];
-        try {
-          check_file(p.file, concat("piece ", i));
-          TESSERA_CHECK(p.box.offsets.size() == shape.size() && p.box.sizes.size() == shape.size(), what, ": piece ",
-                        i, " has the wrong number of dimensions for shape of rank ", shape.size());
-          TESSERA_CHECK(inside_shape(shape, p.box), what, ": piece ", p.box.to_string(), " lies outside the shape ",
-                        whole.to_string());
-        } catch (const Error&) {
-          check_overlap(i);  // an overlap before the bad piece is named first, as a piece-by-piece check does
-          throw;
-        }
+        TESSERA_CHECK(p.file >= 0 && p.file < world_size, what, " layout.pieces[", i, "] file is ", p.file,
+                      ", outside [0, ", world_size - 1, "]");
+        TESSERA_CHECK(p.box.offsets.size() == shape.size() && p.box.sizes.size() == shape.size(), what,
+                      ": layout.pieces[", i, "] has ", p.box.offsets.size(), " offsets and ", p.box.sizes.size(),
+                      " sizes for a shape of rank ", shape.size());
+        TESSERA_CHECK(inside_shape(shape, p.box), what, ": layout.pieces[", i, "] (offsets ",
+                      core::shape_string(p.box.offsets), ", sizes ", core::shape_string(p.box.sizes),
+                      ") lies outside the shape ", core::shape_string(shape));
+        TESSERA_CHECK(!p.box.empty(), what, ": layout.pieces[", i, "] ", p.box.to_string(),
+                      " is empty (a list layout names only the pieces its data files store)");
         volume += p.box.numel();
       }
-      check_overlap(list.size());
+      const auto o = first_overlap(list.size(), [&](size_t i) -> const Box& { return list[i].box; });
+      TESSERA_CHECK(!o, what, ": pieces ", list[o->first].box.to_string(), " and ", list[o->second].box.to_string(),
+                    " overlap");
       TESSERA_CHECK(volume == n, what, ": the pieces cover ", static_cast<int64_t>(volume), " of ", n,
                     " elements (incomplete checkpoint)");
       return;
@@ -249,11 +255,13 @@ void Layout::validate(const std::vector<int64_t>& shape, int64_t world_size, con
                 what, ": files {first ", f.first, ", step ", f.step, ", replicas ", f.replicas, ", replica_step ",
                 f.replica_step, ", shift ", f.shift, "} out of range");
   TESSERA_CHECK(f.replicas == 1 || static_cast<Wide>(f.replica_step) >= static_cast<Wide>(pieces) * f.step, what,
-                ": files {replicas ", f.replicas, ", replica_step ", f.replica_step, "} would put two pieces in one file");
+                ": layout.files.replica_step ", f.replica_step, " is below layout.pieces * layout.files.step = ",
+                static_cast<int64_t>(std::min<Wide>(static_cast<Wide>(pieces) * f.step, INT64_MAX)),
+                " (two pieces would share a file)");
   const Wide last = static_cast<Wide>(f.first) + static_cast<Wide>(pieces - 1) * f.step +
                     static_cast<Wide>(f.replicas - 1) * f.replica_step;
-  TESSERA_CHECK(last < world_size, what, ": files reach file ", static_cast<int64_t>(std::min<Wide>(last, INT64_MAX)),
-                ", outside [0, ", world_size, ")");
+  TESSERA_CHECK(last < world_size, what, ": layout.files reach data file ",
+                static_cast<int64_t>(std::min<Wide>(last, INT64_MAX)), ", outside [0, ", world_size - 1, "]");
 }
 
 std::string Layout::rule_name() const {

@@ -21,6 +21,20 @@ using json = nlohmann::json;
 
 namespace {
 
+// The most JSON values and member names (together) a metadata file may hold, counted while it
+// is parsed, before the next one is stored: the parsed document costs about 30-80 bytes per
+// value and parsing about 0.25 us per value, so hostile metadata under kMaxMetadataBytes costs
+// at most a few hundred MB and a few seconds instead of gigabytes (issue 44 item 3). Real
+// metadata holds far fewer: a version-2 tensor entry about 27, a list piece 7 (2-D), a
+// version-1 chunk about 22 (a version-1 file of more than ~190,000 chunks is refused). The
+// writers refuse to commit more (to_json); python/tessera_ckpt: MAX_METADATA_ITEMS.
+constexpr uint64_t kMaxMetadataItems = 1ull << 22;
+// A list layout's pieces per data file (sharding/layout.cpp's bound, checked there again).
+constexpr int64_t kMaxListPiecesPerFile = 64;
+
+// The dtypes a checkpoint may name (docs/checkpoint-format.md §1), in the order messages list them.
+constexpr const char* kDtypeNames[] = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"};
+
 std::string to_hex(const std::string& bytes) {
   static const char* d = "0123456789abcdef";
   std::string s;
@@ -153,7 +167,8 @@ namespace {
 // checkpoint took went to the callback).
 class StrictDom : public nlohmann::json_sax<json> {
  public:
-  StrictDom(json& root, const std::string& what) : root_(root), what_(what) {}
+  StrictDom(json& root, const std::string& what, uint64_t max_items)
+      : root_(root), what_(what), max_items_(max_items) {}
   std::string duplicate, place;
 
   bool null() override { return put(nullptr); }
@@ -168,6 +183,7 @@ class StrictDom : public nlohmann::json_sax<json> {
   bool end_object() override { return close(); }
   bool end_array() override { return close(); }
   bool key(string_t& k) override {
+    count();
     Frame& f = stack_.back();
     if (duplicate.empty() && f.value->contains(k)) {
       duplicate = k;
@@ -191,6 +207,7 @@ class StrictDom : public nlohmann::json_sax<json> {
   };
   // Where the next value goes: the root, the end of the open array, or the open object's slot.
   json* place_value(json&& v) {
+    count();
     if (stack_.empty()) {
       root_ = std::move(v);
       return &root_;
@@ -216,16 +233,55 @@ class StrictDom : public nlohmann::json_sax<json> {
     stack_.pop_back();
     return true;
   }
+  // One more value or member name; past max_items_ (when set) the parse stops before
+  // storing it, so the document never costs more than the bound.
+  void count() {
+    if (max_items_ != 0 && ++items_ > max_items_)
+      throw Error(concat(what_, " holds more than ", max_items_,
+                         " JSON values and keys, the bound every reader enforces (corrupt or hostile)"));
+  }
   json& root_;
   const std::string& what_;
+  uint64_t max_items_, items_ = 0;
   std::vector<Frame> stack_;
 };
 
-}  // namespace
+// Counts values and member names, storing nothing.
+struct ItemCounter : nlohmann::json_sax<json> {
+  uint64_t n = 0;
+  bool one() {
+    ++n;
+    return true;
+  }
+  bool null() override { return one(); }
+  bool boolean(bool) override { return one(); }
+  bool number_integer(number_integer_t) override { return one(); }
+  bool number_unsigned(number_unsigned_t) override { return one(); }
+  bool number_float(number_float_t, const string_t&) override { return one(); }
+  bool string(string_t&) override { return one(); }
+  bool binary(binary_t&) override { return one(); }
+  bool start_object(std::size_t) override { return one(); }
+  bool start_array(std::size_t) override { return one(); }
+  bool end_object() override { return true; }
+  bool end_array() override { return true; }
+  bool key(string_t&) override { return one(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& ex) override {
+    throw Error(concat("internal: metadata text is not valid JSON: ", ex.what()));
+  }
+};
 
-json parse_json_strict(const std::string& text, const std::string& what) {
+// The number of JSON values and member names in valid JSON `text`, counted without building it.
+uint64_t count_json_items(const std::string& text) {
+  ItemCounter c;
+  json::sax_parse(text, &c);
+  return c.n;
+}
+
+// parse_json_strict, refusing a text of more than `max_items` values and member names (0: no
+// bound) before storing the one past the bound.
+json parse_json_bounded(const std::string& text, const std::string& what, uint64_t max_items) {
   json j;
-  StrictDom dom(j, what);
+  StrictDom dom(j, what, max_items);
   try {
     json::sax_parse(text, &dom);
   } catch (const Error&) {
@@ -238,6 +294,10 @@ json parse_json_strict(const std::string& text, const std::string& what) {
                 " (edited or corrupt; a key may appear once)");
   return j;
 }
+
+}  // namespace
+
+json parse_json_strict(const std::string& text, const std::string& what) { return parse_json_bounded(text, what, 0); }
 
 std::string encode_value(const state::Value& v) { return value_json(v).dump(); }
 
@@ -405,6 +465,10 @@ std::string to_json(const CheckpointMetadata& m) {
   TESSERA_CHECK(text.size() <= kMaxMetadataBytes, "the checkpoint's metadata would be ", text.size(),
                 " bytes, more than the ", kMaxMetadataBytes, "-byte limit every reader enforces (", m.keys.size(),
                 " keys): nothing is committed");
+  const uint64_t items = count_json_items(text);
+  TESSERA_CHECK(items <= kMaxMetadataItems, "the checkpoint's metadata would hold ", items,
+                " JSON values and keys, more than the ", kMaxMetadataItems, " every reader enforces (", m.keys.size(),
+                " keys): nothing is committed");
   return text;
 }
 
@@ -469,53 +533,81 @@ static const json& field(const json& o, const char* key) {
 
 namespace {
 
-sharding::FileMap files_from_json(const json& j, const std::string& what) {
-  TESSERA_CHECK(j.is_object(), what, ": files is not an object");
-  const int64_t big = std::numeric_limits<int64_t>::max() / 4;  // validate() checks the real bounds
+// Every field of a layout is range-checked here, in this order, with the words of
+// python/tessera_ckpt/_format.py parse_layout (issue 44 item 5: one rule and one message per
+// field in both readers; tests/checkpoint/test_metadata_agreement.cpp runs each crafted file
+// through both). `what` is "'DIR/tessera-checkpoint.json' key 'FQN'".
+sharding::FileMap files_from_json(const json& j, int64_t pieces, int64_t world_size, const std::string& what) {
+  TESSERA_CHECK(j.is_object(), what, ": layout.files is not an object");
   sharding::FileMap f;
-  f.first = get_int_in(field(j, "first"), 0, big, what + " files.first");
-  f.step = get_int_in(field(j, "step"), 1, big, what + " files.step");
-  if (j.contains("replicas")) {
-    f.replicas = get_int_in(field(j, "replicas"), 1, sharding::kMaxPieces, what + " files.replicas");
-    f.replica_step = get_int_in(field(j, "replica_step"), 0, big, what + " files.replica_step");
-    f.shift = get_int_in(field(j, "shift"), 0, big, what + " files.shift");
+  f.first = get_int_in(field(j, "first"), 0, world_size - 1, what + " layout.files.first");
+  f.step = get_int_in(field(j, "step"), 1, world_size, what + " layout.files.step");
+  if (j.contains("replicas")) {  // replicas, replica_step and shift come together
+    f.replicas = get_int_in(field(j, "replicas"), 1, world_size, what + " layout.files.replicas");
+    f.replica_step = get_int_in(field(j, "replica_step"), 0, world_size - 1, what + " layout.files.replica_step");
+    f.shift = get_int_in(field(j, "shift"), 0, std::numeric_limits<int64_t>::max(),
+                         what + " layout.files.shift");  // any: taken mod replicas
   }
+  // All of them at most 2^20: no product below wraps.
+  TESSERA_CHECK(f.replicas == 1 || f.replica_step >= pieces * f.step, what, ": layout.files.replica_step ",
+                f.replica_step, " is below layout.pieces * layout.files.step = ", pieces * f.step,
+                " (two pieces would share a file)");
+  const int64_t last = f.first + (pieces - 1) * f.step + (f.replicas - 1) * f.replica_step;
+  TESSERA_CHECK(last < world_size, what, ": layout.files reach data file ", last, ", outside [0, ", world_size - 1,
+                "]");
   return f;
 }
 
-sharding::Layout layout_from_json(const json& j, const std::vector<int64_t>& shape, int world_size,
+sharding::Layout layout_from_json(const json& j, const std::vector<int64_t>& shape, int64_t world_size,
                                   const std::string& what) {
-  TESSERA_CHECK(j.is_object() && field(j, "rule").is_string(), what, ": no layout rule");
-  const std::string rule = field(j, "rule").get<std::string>();
+  TESSERA_CHECK(j.is_object(), what, ": layout is not an object");
+  const json& rule_j = field(j, "rule");
+  const std::string rule = rule_j.is_string() ? rule_j.get<std::string>() : "";
+  TESSERA_CHECK(rule == "whole" || rule == "chunk" || rule == "flat" || rule == "list", what,
+                ": unknown layout rule ", rule_j.dump(), " (known: whole, chunk, flat, list)");
   const int64_t big = std::numeric_limits<int64_t>::max();
+  const int64_t rank = static_cast<int64_t>(shape.size());
   sharding::Layout L;
   if (rule == "whole") {
-    L = sharding::Layout::whole(get_int_in(field(j, "file"), 0, kMaxWorldSize, what + " layout.file"));
-  } else if (rule == "chunk") {
-    L = sharding::Layout::chunk(get_int_in(field(j, "dim"), 0, 64, what + " layout.dim"),
-                                get_int_in(field(j, "pieces"), 1, sharding::kMaxPieces, what + " layout.pieces"),
-                                files_from_json(field(j, "files"), what));
-  } else if (rule == "flat") {
-    L = sharding::Layout::flat(get_int_in(field(j, "numel"), 0, big, what + " layout.numel"),
-                               get_int_in(field(j, "offset"), 0, big, what + " layout.offset"),
-                               get_int_in(field(j, "pieces"), 1, sharding::kMaxPieces, what + " layout.pieces"),
-                               files_from_json(field(j, "files"), what));
-  } else if (rule == "list") {
+    L = sharding::Layout::whole(get_int_in(field(j, "file"), 0, world_size - 1, what + " layout.file"));
+  } else if (rule == "chunk" || rule == "flat") {
+    TESSERA_CHECK(rank > 0, what, ": a ", rule,
+                  " layout needs a tensor of at least one dimension (a 0-dimensional one is whole)");
+    if (rule == "chunk") {
+      const int64_t dim = get_int_in(field(j, "dim"), 0, rank - 1, what + " layout.dim");
+      const int64_t pieces = get_int_in(field(j, "pieces"), 1, world_size, what + " layout.pieces");
+      L = sharding::Layout::chunk(dim, pieces, files_from_json(field(j, "files"), pieces, world_size, what));
+    } else {
+      const int64_t numel = get_int_in(field(j, "numel"), 0, big, what + " layout.numel");
+      const int64_t offset = get_int_in(field(j, "offset"), 0, big, what + " layout.offset");
+      const int64_t pieces = get_int_in(field(j, "pieces"), 1, world_size, what + " layout.pieces");
+      int64_t n = 1;  // <= 2^62: the shape's byte size was checked first
+      for (int64_t d : shape) n = d == 0 ? 0 : n * d;
+      TESSERA_CHECK(static_cast<__int128>(offset) + n <= numel, what, ": layout.offset ", offset, " + the tensor's ",
+                    n, " elements exceed layout.numel ", numel);
+      L = sharding::Layout::flat(numel, offset, pieces, files_from_json(field(j, "files"), pieces, world_size, what));
+    }
+  } else {
     L.rule = sharding::Layout::Rule::List;
     const json& ps = field(j, "pieces");
     TESSERA_CHECK(ps.is_array(), what, ": layout.pieces is not an array");
-    for (const auto& p : ps) {
-      TESSERA_CHECK(p.is_array() && p.size() == 3, what, ": a list piece is not [file, offsets, sizes]");
+    const int64_t most = kMaxListPiecesPerFile * world_size;
+    TESSERA_CHECK(static_cast<int64_t>(ps.size()) <= most, what, ": layout.pieces lists ", ps.size(),
+                  " pieces, more than ", kMaxListPiecesPerFile, " per data file (", most,
+                  " for world_size ", world_size, ")");
+    L.list.reserve(ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const json& p = ps[i];
+      const std::string at = concat(what, " layout.pieces[", i, "]");
+      TESSERA_CHECK(p.is_array() && p.size() == 3, at, " is not [file, offsets, sizes]");
       sharding::LayoutPiece lp;
-      lp.file = get_int_in(p[0], 0, kMaxWorldSize, what + " piece file");
-      lp.box.offsets = get_dims(p[1], what + " piece offsets");
-      lp.box.sizes = get_dims(p[2], what + " piece sizes");
+      lp.file = get_int_in(p[0], 0, world_size - 1, at + " file");
+      lp.box.offsets = get_dims(p[1], at + " offsets");
+      lp.box.sizes = get_dims(p[2], at + " sizes");
       L.list.push_back(std::move(lp));
     }
-  } else {
-    throw Error(concat(what, ": unknown layout rule '", rule, "'"));
   }
-  L.validate(shape, world_size, what);
+  L.validate(shape, world_size, what);  // a list's boxes: rank, inside the shape, not empty, no overlap, cover
   return L;
 }
 
@@ -541,8 +633,11 @@ void parse_entries(const json& j, CheckpointMetadata& m, const std::string& wher
     if (e.kind != "tensor" && e.kind != "sharded") {
       e.value = value_from_json(je, what);
     } else {
-      TESSERA_CHECK(je.contains("dtype") && field(je, "dtype").is_string(), what, ": no dtype");
-      e.dtype = parse_dtype(field(je, "dtype").get<std::string>(), what);
+      const json& dt = field(je, "dtype");
+      bool known = false;
+      for (const char* name : kDtypeNames) known = known || (dt.is_string() && dt.get<std::string>() == name);
+      TESSERA_CHECK(known, what, ": unknown dtype ", dt.dump(), " (known: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
+      e.dtype = parse_dtype(dt.get<std::string>(), what);
       e.shape = get_dims(field(je, "shape"), what + " shape");
       tensor(je, e, fqn, what);
     }
@@ -552,11 +647,12 @@ void parse_entries(const json& j, CheckpointMetadata& m, const std::string& wher
 }
 
 void parse_v2(const json& j, CheckpointMetadata& m, const std::string& where) {
-  TESSERA_CHECK(field(j, "save_id").is_string(), where, ": no save_id");
-  m.save_id = field(j, "save_id").get<std::string>();
-  bool hex = m.save_id.size() == 16;
-  for (char c : m.save_id) hex = hex && ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'));
-  TESSERA_CHECK(hex, where, ": save_id is not 16 lowercase hex digits");
+  const json& sid = field(j, "save_id");
+  bool hex = sid.is_string() && sid.get<std::string>().size() == 16;
+  if (hex)
+    for (char c : sid.get<std::string>()) hex = hex && ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'));
+  TESSERA_CHECK(hex, where, ": save_id ", sid.dump(), " is not 16 lowercase hex digits");
+  m.save_id = sid.get<std::string>();
   TESSERA_CHECK(field(j, "keys").is_array() && field(j, "entries").is_object(), where, ": keys/entries missing");
   const json& entries = field(j, "entries");
   TESSERA_CHECK(entries.size() == field(j, "keys").size(), where, ": ", entries.size(), " entries for ",
@@ -571,7 +667,7 @@ void parse_v2(const json& j, CheckpointMetadata& m, const std::string& where) {
 
 CheckpointMetadata parse_metadata(const std::string& text, const std::string& dir) {
   const std::string where = concat("'", join_path(dir, kMetadataFile), "'");
-  json j = parse_json_strict(text, concat(where, ": metadata"));
+  json j = parse_json_bounded(text, concat(where, ": metadata"), kMaxMetadataItems);
   TESSERA_CHECK(j.is_object() && j.value("format", "") == "tessera-checkpoint", where,
                 ": not Tessera checkpoint metadata (no \"format\": \"tessera-checkpoint\")");
   CheckpointMetadata m;
@@ -579,11 +675,12 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
   m.location = dir;
   try {
     TESSERA_CHECK(j.contains("version") && j["version"].is_number_integer(), where, ": no integer version");
-    const int64_t version = get_int_in(j["version"], std::numeric_limits<int64_t>::min(),
-                                       std::numeric_limits<int64_t>::max(), where + " version");
-    TESSERA_CHECK(version >= 1 && version <= kFormatVersion, where, ": format version ", j["version"].dump(),
-                  " is not supported (this Tessera reads versions 1..", kFormatVersion, ")");
-    m.version = static_cast<int>(version);
+    const json& jv = j["version"];
+    const bool known = jv.is_number_unsigned() ? jv.get<uint64_t>() >= 1 && jv.get<uint64_t>() <= kFormatVersion
+                                               : jv.get<int64_t>() >= 1 && jv.get<int64_t>() <= kFormatVersion;
+    TESSERA_CHECK(known, where, ": format version ", jv.dump(), " is not supported (this reader reads versions 1..",
+                  kFormatVersion, ")");
+    m.version = static_cast<int>(jv.get<int64_t>());
     TESSERA_CHECK(j.contains("world_size"), where, ": no world_size");
     m.world_size = static_cast<int>(get_int_in(j["world_size"], 1, kMaxWorldSize, where + " world_size"));
     m.crc_block = get_u64(j["crc32c_block"], where + " crc32c_block");

@@ -15,7 +15,8 @@ std::string inspect(const std::string& path);
 
 struct VerifyReport {
   bool ok = true;
-  std::vector<std::string> problems;  // each names the file and/or key
+  std::vector<std::string> problems;  // each names the file and/or key; the first 100 (offline.cpp)
+  int64_t more_problems = 0;          // found past those, counted only ("and K more problem(s)")
   int64_t chunks_checked = 0;
   uint64_t bytes_checked = 0;
   bool has_checksums = true;          // false for foreign safetensors / torch files
