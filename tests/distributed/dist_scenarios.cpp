@@ -367,6 +367,21 @@ SCENARIO("dead_peer") {
   return 0;
 }
 
+// hold_store FILE: meets the other ranks through the rendezvous store (rank 0 hosts it
+// unless the launcher does), says "store ready rank R", and exits 0 once FILE exists (at
+// most 60 s), so that a test can look at the store while the job runs.
+SCENARIO("hold_store") {
+  auto c = comm();
+  c->barrier();
+  std::cout << "store ready rank " << c->rank() << std::endl;
+  const std::string file = args.arg(0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (::access(file.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  c->barrier();
+  return ::access(file.c_str(), F_OK) == 0 ? 0 : 4;
+}
+
 // Prints lines on stdout and stderr, including a final line without a newline.
 SCENARIO("echo") {
   const char* rank = std::getenv("RANK");
