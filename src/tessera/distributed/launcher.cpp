@@ -545,6 +545,10 @@ LaunchResult launch(const LaunchOptions& o) {
         say(concat("giving up: the job failed ", round + 1, " time(s) and --max-restarts is ", o.max_restarts));
       break;
     }
+    // A signal that came after the round's last look at the signals (its ranks had all
+    // exited) ends the launch here, before a restart is announced that would not happen.
+    idle_stop = stop();
+    if (idle_stop) break;
     result.failures.push_back(end.message);
     ++result.restarts;
     say(concat("restart ", round + 1, " of at most ", o.max_restarts, ": starting every rank again"));
@@ -555,9 +559,12 @@ LaunchResult launch(const LaunchOptions& o) {
     result.exit_code = 128 + L.received_signal;
     result.failed_rank = -1;
     result.message = concat("stopped by signal ", L.received_signal, " while no rank ran");
-  } else if (L.received_signal && result.failed_rank < 0 && result.exit_code == 0) {
+  } else if (L.received_signal) {
+    // The signal is why the launch ends, also when it came while a failed round was being
+    // stopped: 128+signal as for any launch a signal ended (the failure stays in the message).
     result.exit_code = 128 + L.received_signal;
-    result.message = concat("stopped by signal ", L.received_signal);
+    result.message = result.message.empty() ? concat("stopped by signal ", L.received_signal)
+                                            : concat(result.message, "; stopped by signal ", L.received_signal);
   }
   result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - L.start);
   return result;
