@@ -299,6 +299,9 @@ SCENARIO("exit_code") {
   const int rank = std::stoi(std::getenv("RANK"));
   const int world = std::stoi(std::getenv("WORLD_SIZE"));
   const bool spawn = args.arg(3) == "spawn";
+  // With "deaf", the other ranks ignore SIGTERM (the launcher's TERM leaves them to its KILL a
+  // grace period later), and the failing rank waits for their markers as with "spawn".
+  const bool deaf = args.arg(3) == "deaf";
   // With "spawn", the failing rank waits until every other rank has left its grandchild
   // (a marker file per rank, named by this launch's unique MASTER_PORT), so that the test
   // does not depend on how fast the ranks start (ASan builds start slowly).
@@ -306,8 +309,13 @@ SCENARIO("exit_code") {
     return concat("/tmp/tessera-exit-code-", std::getenv("MASTER_PORT"), "-", r);
   };
   std::cout << "hello from rank " << rank << " pid " << ::getpid() << std::endl;
+  if (deaf && rank != bad) {
+    ::signal(SIGTERM, SIG_IGN);
+    std::cout << "deaf to TERM rank " << rank << std::endl;
+    std::ofstream(marker(rank)).put('1');  // the failing rank removes it
+  }
   if (rank == bad) {
-    if (spawn) {
+    if (spawn || deaf) {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
       for (int r = 0; r < world; ++r) {
         if (r == bad) continue;
@@ -365,6 +373,29 @@ SCENARIO("dead_peer") {
   }
   std::cerr << "survivor rank " << c->rank() << " did not raise\n";
   return 0;
+}
+
+// hold_store FILE: meets the other ranks through the rendezvous store (rank 0 hosts it
+// unless the launcher does), says "store ready rank R", and exits 0 once FILE exists (at
+// most 60 s), so that a test can look at the store while the job runs.
+SCENARIO("hold_store") {
+  auto c = comm();
+  c->barrier();
+  std::cout << "store ready rank " << c->rank() << std::endl;
+  const std::string file = args.arg(0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (::access(file.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  c->barrier();
+  return ::access(file.c_str(), F_OK) == 0 ? 0 : 4;
+}
+
+// last_words: closes stderr, prints "pid P", "last words" and "exiting 5" on stdout and
+// exits 5: a failing rank whose last output line a test can act on.
+SCENARIO("last_words") {
+  ::close(2);
+  std::cout << "pid " << ::getpid() << "\nlast words\nexiting 5" << std::endl;
+  std::_Exit(5);
 }
 
 // Prints lines on stdout and stderr, including a final line without a newline.

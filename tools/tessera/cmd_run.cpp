@@ -39,7 +39,8 @@ Runner add_run_command(CLI::App& app) {
   sub->add_option("--node-rank", opts->node_rank, "this node's index in [0, nnodes)")->default_val(0);
   CLI::Option* master_addr =
       sub->add_option("--master-addr", opts->master_addr,
-                      "host of rank 0 (the rendezvous store); required with --nnodes > 1")
+                      "host of rank 0 (the rendezvous store); required with --nnodes > 1; with one\n"
+                      "node the store listens on this address's interface only (loopback by default)")
           ->default_val("127.0.0.1");
   sub->add_option("--master-port", opts->master_port,
                   "rendezvous port; default: a free port (single node), required with --nnodes > 1")

@@ -38,6 +38,10 @@ void LaunchGuard::finish() {
   send(0);
   ::close(fd_);
   fd_ = -1;
+  // The ranks' groups are all killed by now: the guard has nothing left to do, and waiting
+  // for it to read the 0 would wait forever for a guard someone stopped (SIGSTOP). It is
+  // this launcher's own child, not reaped yet, so the pid is still the guard's.
+  ::kill(pid_, SIGKILL);
   int st = 0;
   while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
   }

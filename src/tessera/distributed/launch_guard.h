@@ -27,7 +27,8 @@ class LaunchGuard {
   int fd() const { return fd_; }
   void add(pid_t pgid) { send(static_cast<int32_t>(pgid)); }
   void remove(pid_t pgid) { send(-static_cast<int32_t>(pgid)); }
-  // The launch ended normally: the guard exits without killing anything.
+  // The launch ended normally (every rank's group killed and reaped): the guard is told so
+  // and ended with SIGKILL, without waiting for it (a stopped guard cannot hold the launcher).
   void finish();
 
  private:

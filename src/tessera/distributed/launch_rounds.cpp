@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <condition_variable>
 #include <deque>
@@ -13,6 +14,7 @@
 
 #include "tessera/core/error.h"
 #include "tessera/distributed/rendezvous.h"  // find_free_port, short_error
+#include "tessera/distributed/store_listen.h"
 
 namespace tessera::distributed {
 namespace {
@@ -97,6 +99,12 @@ LaunchRounds::LaunchRounds(const std::string& addr, int port, int nnodes, int no
     } catch (const std::exception& e) {
       throw Error(concat("node 0 cannot start the launchers' store on port ", port_,
                          " (--master-port; is another job using it?): ", short_error(e)));
+    }
+    // One node: its launcher and ranks are all on this host, so the store is kept to the
+    // interface of --master-addr (loopback by default) and refuses other machines.
+    if (nnodes == 1) {
+      const std::string warning = confine_store_listener(addr, port_);
+      if (!warning.empty()) std::fprintf(stderr, "tessera run: warning: %s\n", warning.c_str());
     }
   }
   if (nnodes == 1) return;  // no other node to wait for: the store only hosts the ranks'

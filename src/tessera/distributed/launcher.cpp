@@ -299,14 +299,21 @@ std::vector<const RankStatus*> RankGroup::poll(int ms, int extra_fd, bool* extra
   std::vector<const RankStatus*> reaped;
   for (auto& c : children_) {
     if (!c.running) continue;
+    // Seen to have ended, but not reaped yet (WNOWAIT): while the rank is a zombie its pid,
+    // which is its process group's id, belongs to no other process, so the KILL reaches
+    // only what the rank left behind in its group. Reaped after that, never before.
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(c.status.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 ||
+        info.si_pid != c.status.pid)
+      continue;
+    ::kill(-c.status.pid, SIGKILL);
+    guard_.remove(c.status.pid);
     int st = 0;
-    if (::waitpid(c.status.pid, &st, WNOHANG) != c.status.pid) continue;
+    while (::waitpid(c.status.pid, &st, 0) < 0 && errno == EINTR) {
+    }
     c.running = false;
     if (WIFEXITED(st)) c.status.exit_code = WEXITSTATUS(st);
     if (WIFSIGNALED(st)) c.status.signal = WTERMSIG(st);
-    // Kill whatever the rank left behind in its process group.
-    ::kill(-c.status.pid, SIGKILL);
-    guard_.remove(c.status.pid);
     reaped.push_back(&c.status);
   }
   return reaped;
@@ -332,11 +339,11 @@ std::vector<RankStatus> RankGroup::close() {
   // no generation outlives its group.
   for (auto& c : children_) {
     if (c.running && c.status.pid > 0) {
-      ::kill(-c.status.pid, SIGKILL);
+      ::kill(-c.status.pid, SIGKILL);  // the rank is not reaped yet: its group id is still its own
+      guard_.remove(c.status.pid);
       int st = 0;
       while (::waitpid(c.status.pid, &st, 0) < 0 && errno == EINTR) {
       }
-      guard_.remove(c.status.pid);
       c.running = false;
     }
     if (c.out.fd >= 0) ::close(c.out.fd);
@@ -545,6 +552,10 @@ LaunchResult launch(const LaunchOptions& o) {
         say(concat("giving up: the job failed ", round + 1, " time(s) and --max-restarts is ", o.max_restarts));
       break;
     }
+    // A signal that came after the round's last look at the signals (its ranks had all
+    // exited) ends the launch here, before a restart is announced that would not happen.
+    idle_stop = stop();
+    if (idle_stop) break;
     result.failures.push_back(end.message);
     ++result.restarts;
     say(concat("restart ", round + 1, " of at most ", o.max_restarts, ": starting every rank again"));
@@ -555,9 +566,12 @@ LaunchResult launch(const LaunchOptions& o) {
     result.exit_code = 128 + L.received_signal;
     result.failed_rank = -1;
     result.message = concat("stopped by signal ", L.received_signal, " while no rank ran");
-  } else if (L.received_signal && result.failed_rank < 0 && result.exit_code == 0) {
+  } else if (L.received_signal) {
+    // The signal is why the launch ends, also when it came while a failed round was being
+    // stopped: 128+signal as for any launch a signal ended (the failure stays in the message).
     result.exit_code = 128 + L.received_signal;
-    result.message = concat("stopped by signal ", L.received_signal);
+    result.message = result.message.empty() ? concat("stopped by signal ", L.received_signal)
+                                            : concat(result.message, "; stopped by signal ", L.received_signal);
   }
   result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - L.start);
   return result;

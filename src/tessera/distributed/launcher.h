@@ -68,7 +68,8 @@ struct RankStatus {
 
 struct LaunchResult {
   // 0 when every rank exited 0; else the first failing rank's exit code, or
-  // 128+signal when it died by a signal; 124 on deadline.
+  // 128+signal when it died by a signal; 124 on deadline. 128+signal when this process
+  // received SIGINT, SIGTERM or SIGHUP (forward_signals), whatever the ranks did.
   int exit_code = 0;
   int failed_rank = -1;
   std::string message;  // what happened, naming the rank; empty on success

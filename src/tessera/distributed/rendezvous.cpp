@@ -14,6 +14,7 @@
 #include <cstdio>
 
 #include "tessera/core/error.h"
+#include "tessera/distributed/store_listen.h"
 
 namespace tessera::distributed {
 namespace {
@@ -80,6 +81,12 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
   } quiet;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, so);
+    // Every rank of a one-node job is on this host: the store is kept to the interface of
+    // MASTER_ADDR (loopback by default), so that no other machine can reach it (store_listen.h).
+    if (so.isServer && w.num_nodes == 1) {
+      const std::string warning = confine_store_listener(w.master_addr, w.master_port);
+      if (!warning.empty()) std::fprintf(stderr, "tessera: warning: rank 0: %s\n", warning.c_str());
+    }
     // A launcher's store outlives the ranks of one round (tessera run --max-restarts,
     // torchrun): each round keeps to its own keys, under torch's name for them.
     if (w.agent_store)
