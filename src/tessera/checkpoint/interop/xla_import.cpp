@@ -282,17 +282,21 @@ class Planner {
                       orig, " elements of _orig_size ", sharding::full_box(info->orig_size).to_string(),
                       " (mismatched shard sizes)");
         // torch_xla pads the flattened parameter with zeros to the next multiple of
-        // world_size * 128 elements, so the shards are exactly that size. Larger shards mean
+        // world_size * 128 elements, so the shards are exactly that size (a 1-d parameter
+        // under shard_param_on_dim_0: ceil(d0 / world_size) elements). Larger shards mean
         // an _orig_size smaller than the parameter was: taking its first elements would drop
         // the rest without a word (torch_xla's own consolidation does).
         const int64_t unit = W_ * kXlaShardSizeMultiple;
         const int64_t want = (orig / unit + (orig % unit != 0 ? 1 : 0)) * kXlaShardSizeMultiple;
+        const bool one_d = info->orig_size.size() == 1;
+        const int64_t rows = orig / W_ + (orig % W_ != 0 ? 1 : 0);
         std::string dims;
         for (int64_t d : info->orig_size) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-        TESSERA_CHECK(base.per == want, where, ": parameter '", plain_name(raw), "': its shards hold ", base.per,
-                      " elements each, but shard_metadata.shard_info['", prefix, "']['", suffix, "']._orig_size [",
-                      dims, "] (", orig, " elements) padded as torch_xla pads (to a multiple of ", W_, " ranks x ",
-                      kXlaShardSizeMultiple, " elements) gives shards of ", want,
+        TESSERA_CHECK(base.per == want || (one_d && base.per == rows), where, ": parameter '", plain_name(raw),
+                      "': its shards hold ", base.per, " elements each, but shard_metadata.shard_info['", prefix,
+                      "']['", suffix, "']._orig_size [", dims, "] (", orig, " elements) padded as torch_xla pads (to a ",
+                      "multiple of ", W_, " ranks x ", kXlaShardSizeMultiple, " elements) gives shards of ", want,
+                      one_d ? concat(" (", rows, " with shard_param_on_dim_0)") : std::string(),
                       ": _orig_size does not match the shards, and importing it would drop elements");
       }
       const std::vector<std::string> rp = split(raw);
