@@ -8,7 +8,7 @@ PKGS=(
   libtorch-dev libgloo-dev libopenblas0-openmp
   nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-numpy python3-venv bc time
-  iproute2
+  iproute2 strace  # strace: LauncherSignals.RankGroupIsKilledBeforeTheRankIsReaped reads the launcher's kill/wait order
   libtcmalloc-minimal4  # make bench: the allocator Tessera's CPU memory policy is compared with
 )
 # Fuzzing and sanitizers (make fuzz / make test-asan) want clang's runtime.
