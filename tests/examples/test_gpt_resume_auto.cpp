@@ -73,6 +73,19 @@ std::vector<std::string> earlier_metrics(const std::string& out) {
   return v;
 }
 
+// Flips one byte near the end of the tensor data of the checkpoint `last` (a consolidated
+// file, or the last data file of a sharded directory): damage only the checksums can tell.
+void corrupt_tensor_bytes(const std::string& last) {
+  std::string file = last;
+  if (fs::is_directory(last))
+    for (const auto& e : fs::directory_iterator(last))
+      if (e.path().extension() == ".safetensors") file = e.path().string();
+  std::string bytes = read_bytes(file);
+  ASSERT_GT(bytes.size(), 100u);
+  bytes[bytes.size() - 9] = static_cast<char>(bytes[bytes.size() - 9] ^ 0x5a);
+  write_bytes(file, bytes);
+}
+
 }  // namespace
 
 class GptResumeAuto : public ::testing::Test {
@@ -126,14 +139,7 @@ TEST_F(GptResumeAuto, FreshThenResumesThenSkipsACorruptedNewest) {
   // naming it and the problem, sets it aside (last.ckpt.unverified-<time>, bytes as they
   // were: this run's save of last.ckpt would replace it) and takes step2.ckpt.
   const std::string last = r.ckpts + "/last.ckpt";
-  std::string file = last;
-  if (fs::is_directory(last))
-    for (const auto& e : fs::directory_iterator(last))
-      if (e.path().extension() == ".safetensors") file = e.path().string();
-  std::string bytes = read_bytes(file);
-  ASSERT_GT(bytes.size(), 100u);
-  bytes[bytes.size() - 9] = static_cast<char>(bytes[bytes.size() - 9] ^ 0x5a);
-  write_bytes(file, bytes);
+  corrupt_tensor_bytes(last);
   // A save's leftover temporary is no candidate.
   fs::create_directories(r.ckpts + "/.last.ckpt.tessera-tmp-99999-0");
   const auto corrupted = files_of(last);
@@ -179,17 +185,7 @@ TEST_F(GptResumeAuto, FreshStartKeepsTheEarlierAttemptsMetrics) {
   ASSERT_EQ(train_losses(metrics).size(), 4u) << earlier;
   EXPECT_TRUE(earlier_metrics(r.out).empty());  // nothing to keep at the first start
 
-  auto corrupt_last = [&] {
-    const std::string last = r.ckpts + "/last.ckpt";
-    std::string file = last;
-    if (fs::is_directory(last))
-      for (const auto& e : fs::directory_iterator(last))
-        if (e.path().extension() == ".safetensors") file = e.path().string();
-    std::string bytes = read_bytes(file);
-    ASSERT_GT(bytes.size(), 100u);
-    bytes[bytes.size() - 9] = static_cast<char>(bytes[bytes.size() - 9] ^ 0x5a);
-    write_bytes(file, bytes);
-  };
+  auto corrupt_last = [&] { corrupt_tensor_bytes(r.ckpts + "/last.ckpt"); };
   corrupt_last();
   auto [rc2, o2] = r.train(2);
   ASSERT_EQ(rc2, 0) << o2;
