@@ -15,6 +15,7 @@
 #include <set>
 #include <thread>
 
+#include "support/build_paths.h"
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/offline/offline.h"

@@ -6,6 +6,7 @@
 // torch.distributed.checkpoint (the torch 2.x build, make test-torch2).
 #include <gtest/gtest.h>
 
+#include "support/build_paths.h"
 #include "tessera_tests/python_features.h"
 
 #if TESSERA_PYTHON_HAS_DCP

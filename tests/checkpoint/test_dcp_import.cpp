@@ -5,6 +5,7 @@
 // what Python saved. Compiled only where the tests' Python has torch.distributed.checkpoint.
 #include <gtest/gtest.h>
 
+#include "support/build_paths.h"
 #include "tessera_tests/python_features.h"
 
 #if TESSERA_PYTHON_HAS_DCP

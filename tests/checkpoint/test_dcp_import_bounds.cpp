@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "checkpoint/dcp_fixture.h"
 #include "support/child_process.h"
 #include "support/test_util.h"
@@ -34,37 +35,6 @@ namespace ck = tessera::checkpoint;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct CliRun {
-  bool finished = false;  // within the deadline
-  int code = -1;          // exit status (128 + signal when killed by one)
-  std::string text;       // stdout and stderr
-};
-
-// The CLI with `args`, given `timeout_ms` to finish; killed (its whole process group)
-// when it does not.
-CliRun cli(const std::vector<std::string>& args, int timeout_ms) {
-  std::vector<std::string> argv{TESSERA_CLI};
-  argv.insert(argv.end(), args.begin(), args.end());
-  Child c = spawn(argv);
-  CliRun r;
-  if (c.pid <= 0) {
-    r.text = "spawn failed";
-    return r;
-  }
-  const int st = c.wait_exit(timeout_ms);
-  if (st == -1) {
-    ::kill(-c.pid, SIGKILL);
-    int ignored = 0;
-    ::waitpid(c.pid, &ignored, 0);
-    r.text = c.text;
-    return r;
-  }
-  r.finished = true;
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  r.text = c.text;
-  return r;
-}
 
 // "w": 8 floats 0..7 in two chunks, [0:4] in `file0` and [4:8] in `file1`.
 std::vector<dcp::Tensor> two_chunks(const std::string& file0, const std::string& file1) {
@@ -97,11 +67,11 @@ TEST(DcpImportBounds, StrayDistcpFilesDoNotSetTheWorldSize) {
   dcp::write_checkpoint(src, two_chunks("__0_0.distcp", "__1_0.distcp"));
   dcp::write_file(src + "/__20000_0.distcp", "");
   dcp::write_file(src + "/__1048575_0.distcp", "");
-  const CliRun r = cli({"ckpt", "import-dcp", src, "-o", out}, 60000);
-  ASSERT_TRUE(r.finished) << "still running after 60 s (writing a file per rank up to the highest name?)\n" << r.text;
-  ASSERT_EQ(r.code, 0) << r.text;
-  EXPECT_CONTAINS(r.text, "from 2 DCP writer(s)");
-  EXPECT_CONTAINS(r.text, "ignored 2 .distcp file(s) that .metadata does not use: '__1048575_0.distcp', '__20000_0.distcp'");
+  const CliRun r = run_cli({"ckpt", "import-dcp", src, "-o", out}, 60000);
+  ASSERT_TRUE(r.finished) << "still running after 60 s (writing a file per rank up to the highest name?)\n" << r.out;
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_CONTAINS(r.out, "from 2 DCP writer(s)");
+  EXPECT_CONTAINS(r.out, "ignored 2 .distcp file(s) that .metadata does not use: '__1048575_0.distcp', '__20000_0.distcp'");
   EXPECT_EQ(names_in(out), (std::set<std::string>{"tessera-checkpoint.json", "data-rank00000.safetensors",
                                                   "data-rank00001.safetensors"}));
   expect_w(out);
@@ -115,11 +85,11 @@ TEST(DcpImportBounds, HighWriterRanksInTheMetadataMakeOneFileEach) {
   const std::string src = dir + "/dcp", out = dir + "/imported";
   fs::create_directory(src);
   dcp::write_checkpoint(src, two_chunks("__7_0.distcp", "__1048575_0.distcp"));
-  const CliRun r = cli({"ckpt", "import-dcp", src, "-o", out}, 60000);
-  ASSERT_TRUE(r.finished) << "still running after 60 s (a million data files?)\n" << r.text;
-  ASSERT_EQ(r.code, 0) << r.text;
-  EXPECT_CONTAINS(r.text, "from 2 DCP writer(s)");
-  EXPECT_EQ(r.text.find("ignored"), std::string::npos) << r.text;
+  const CliRun r = run_cli({"ckpt", "import-dcp", src, "-o", out}, 60000);
+  ASSERT_TRUE(r.finished) << "still running after 60 s (a million data files?)\n" << r.out;
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_CONTAINS(r.out, "from 2 DCP writer(s)");
+  EXPECT_EQ(r.out.find("ignored"), std::string::npos) << r.out;
   EXPECT_EQ(names_in(out), (std::set<std::string>{"tessera-checkpoint.json", "data-rank00000.safetensors",
                                                   "data-rank00001.safetensors"}));
   expect_w(out);
@@ -152,10 +122,10 @@ TEST(DcpImportBounds, FifoInPlaceOfMetadataIsRefusedAtOnce) {
   dcp::write_checkpoint(src, two_chunks("__0_0.distcp", "__1_0.distcp"));
   fs::remove(src + "/.metadata");
   ASSERT_EQ(::mkfifo((src + "/.metadata").c_str(), 0644), 0);
-  const CliRun r = cli({"ckpt", "import-dcp", src, "-o", dir + "/out"}, 30000);
-  ASSERT_TRUE(r.finished) << "import-dcp still waiting on the FIFO after 30 s\n" << r.text;
-  EXPECT_EQ(r.code, 2) << r.text;
-  EXPECT_CONTAINS(r.text, "'" + src + "/.metadata' is not a regular file (a FIFO)");
+  const CliRun r = run_cli({"ckpt", "import-dcp", src, "-o", dir + "/out"}, 30000);
+  ASSERT_TRUE(r.finished) << "import-dcp still waiting on the FIFO after 30 s\n" << r.out;
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_CONTAINS(r.out, "'" + src + "/.metadata' is not a regular file (a FIFO)");
   EXPECT_FALSE(fs::exists(dir + "/out"));
 }
 

@@ -16,6 +16,7 @@
 #include <functional>
 #include <limits>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
@@ -103,9 +104,6 @@ void set_block(const std::string& dir, uint64_t block, bool none = false) {
   });
 }
 
-std::string py(const std::string& script_and_args) {
-  return std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR + "/tests/python/" + script_and_args;
-}
 
 // The Python package refuses every case ("CKPT SUBSTR..." separated by " -- ").
 void expect_python_refuses(const std::string& cases) {

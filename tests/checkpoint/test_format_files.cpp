@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"

@@ -20,6 +20,7 @@
 #include <set>
 #include <string>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
@@ -40,9 +41,6 @@ namespace {
 
 const std::string kCli = TESSERA_CLI;
 
-std::string py(const std::string& script_and_args) {
-  return std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR + "/tests/python/" + script_and_args;
-}
 
 // The fixture directories and their manifest (hf_dir_write.py's docstring), in a fresh
 // temporary directory.

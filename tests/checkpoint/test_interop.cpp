@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "support/build_paths.h"
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"

@@ -22,6 +22,7 @@
 #include <map>
 #include <sstream>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "support/child_process.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
@@ -120,14 +121,8 @@ std::string leak_pt(const std::string& path, int64_t offset, const std::vector<i
 
 // ---- the real binary
 
-struct CliRun {
-  int code = -1;  // exit status, or 128 + signal
-  std::string out;
-};
-CliRun cli(const std::string& args) {
-  auto [code, out] = run_command(std::string(TESSERA_CLI) + " " + args);
-  return CliRun{code, out};
-}
+using tessera::testing::CliRun;
+using tessera::testing::run_cli;
 
 // An input error or a refusal (exit 1 or 2) with a message, never a signal or success.
 #define EXPECT_REFUSED(run, ...)                                                               \
@@ -158,13 +153,13 @@ TEST(PickleHardening, DeepListIsRefusedByTheCli) {
   const std::string dir = temp_dir("tessera-pickle");
   for (size_t levels : {200000u, 1000000u}) {
     const std::string pt = write_pt(dir + "/deep" + std::to_string(levels) + ".pt", deep_list(levels));
-    EXPECT_REFUSED(cli("ckpt inspect " + pt), pt, "nest deeper than 1000 levels");
+    EXPECT_REFUSED(run_cli({"ckpt", "inspect", pt}), pt, "nest deeper than 1000 levels");
   }
   // The same as DCP's .metadata.
   ck::make_dir(dir + "/dcp");
   write_bytes(dir + "/dcp/.metadata", deep_list(1000000));
   write_bytes(dir + "/dcp/__0_0.distcp", "");
-  EXPECT_REFUSED(cli("ckpt import-dcp " + dir + "/dcp -o " + dir + "/out"), dir + "/dcp/.metadata",
+  EXPECT_REFUSED(run_cli({"ckpt", "import-dcp", dir + "/dcp", "-o", dir + "/out"}), dir + "/dcp/.metadata",
                  "nest deeper than 1000 levels");
   EXPECT_FALSE(ck::path_exists(dir + "/out"));
 }
@@ -223,7 +218,7 @@ TEST(PickleHardening, MemoDoublingIsRefused) {
     EXPECT_CONTAINS(why, pt);
     EXPECT_CONTAINS(why, "refused as an amplification");
   }
-  EXPECT_REFUSED(cli("ckpt inspect " + dicts), dicts, "amplification");
+  EXPECT_REFUSED(run_cli({"ckpt", "inspect", dicts}), dicts, "amplification");
   // Sharing that does not multiply much still reads: a dict put under two keys.
   const std::string twice = write_pt(dir + "/twice.pt", doubling_dicts(3));
   EXPECT_EQ(ck::import_torch_file(twice).keys.size(), 8u);
@@ -264,7 +259,7 @@ TEST(PickleHardening, HeapOffsetIsRefusedByImportAndExport) {
   EXPECT_CONTAINS(error_of([&] { ck::import_torch_file(leak); }), leak);
   EXPECT_CONTAINS(error_of([&] { ck::import_torch_file(leak); }), "storage offset 9223372036854675809");
   const std::string out = dir + "/leak.safetensors";
-  EXPECT_REFUSED(cli("ckpt export " + leak + " --format safetensors -o " + out), leak, "overflows");
+  EXPECT_REFUSED(run_cli({"ckpt", "export", leak, "--format", "safetensors", "-o", out}), leak, "overflows");
   EXPECT_FALSE(ck::path_exists(out));
 
   // The other overflows: a stride whose extent wraps (the unfixed reader: SIGSEGV), a
@@ -288,7 +283,7 @@ TEST(PickleHardening, HeapOffsetIsRefusedByImportAndExport) {
     EXPECT_CONTAINS(error_of([&] { ck::import_torch_file(pt); }), pt);
     EXPECT_CONTAINS(error_of([&] { ck::import_torch_file(pt); }), c.why);
     if (c.name == "stride")  // the SIGSEGV one
-      EXPECT_REFUSED(cli("ckpt export " + pt + " --format safetensors -o " + dir + "/s.safetensors"), pt, c.why);
+      EXPECT_REFUSED(run_cli({"ckpt", "export", pt, "--format", "safetensors", "-o", dir + "/s.safetensors"}), pt, c.why);
   }
   // A state dict with a proper view still reads (offset 1, [2] over 4 floats).
   EXPECT_EQ(ck::import_torch_file(leak_pt(dir + "/fine.pt", 1, {2}, {1})).keys.size(), 1u);
@@ -347,7 +342,7 @@ TEST(PickleHardening, HeapOffsetInDcpItemIsRefused) {
   const std::string why = error_of([&] { ck::import_dcp(dir + "/dcp", dir + "/in-process", false); });
   EXPECT_CONTAINS(why, dir + "/dcp/__0_0.distcp");
   EXPECT_CONTAINS(why, "overflows");
-  EXPECT_REFUSED(cli("ckpt import-dcp " + dir + "/dcp -o " + dir + "/out"), dir + "/dcp/__0_0.distcp", "overflows");
+  EXPECT_REFUSED(run_cli({"ckpt", "import-dcp", dir + "/dcp", "-o", dir + "/out"}), dir + "/dcp/__0_0.distcp", "overflows");
   EXPECT_FALSE(ck::path_exists(dir + "/out"));
   EXPECT_FALSE(ck::path_exists(dir + "/in-process"));
 
@@ -357,7 +352,7 @@ TEST(PickleHardening, HeapOffsetInDcpItemIsRefused) {
   ck::make_dir(dir + "/good");
   write_bytes(dir + "/good/.metadata", dcp_metadata(4, good.size()));
   write_bytes(dir + "/good/__0_0.distcp", good);
-  const CliRun ok = cli("ckpt import-dcp " + dir + "/good -o " + dir + "/good-out");
+  const CliRun ok = run_cli({"ckpt", "import-dcp", dir + "/good", "-o", dir + "/good-out"});
   EXPECT_EQ(ok.code, 0) << ok.out;
 }
 

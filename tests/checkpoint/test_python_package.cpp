@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"
@@ -36,9 +37,6 @@ namespace {
 const std::string kCli = TESSERA_CLI;
 const std::string kGpt = std::string(TESSERA_BINARY_DIR) + "/bin/gpt";
 
-std::string py(const std::string& script_and_args) {
-  return std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR + "/tests/python/" + script_and_args;
-}
 
 // solo(): checkpoint/checkpoint_test_util.h
 

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"
@@ -13,9 +14,6 @@ using namespace tessera::testing;
 
 namespace {
 
-std::string py(const std::string& script_and_args) {
-  return std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR + "/tests/python/" + script_and_args;
-}
 
 }  // namespace
 

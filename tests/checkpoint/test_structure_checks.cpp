@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <functional>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "support/proc_memory.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/interop/torch_file.h"

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "support/child_process.h"
 #include "support/test_util.h"
 #include "tessera/core/blas.h"

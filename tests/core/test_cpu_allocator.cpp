@@ -12,6 +12,7 @@
 #include <fstream>
 #include <thread>
 
+#include "support/build_paths.h"
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/core/cpu_allocator.h"

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <map>
 
+#include "support/build_paths.h"
 #include "support/harness.h"
 #include "tessera/distributed/communicator.h"
 #include "tessera/distributed/rendezvous.h"  // find_free_port

@@ -10,6 +10,7 @@
 #include <regex>
 #include <thread>
 
+#include "support/build_paths.h"
 #include "support/test_util.h"
 #include "reliability/reliability_util.h"
 #include "support/harness.h"

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "distributed/openmpi_env.h"
 #include "support/child_process.h"
 #include "support/test_util.h"

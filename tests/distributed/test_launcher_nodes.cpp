@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
 

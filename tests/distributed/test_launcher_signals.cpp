@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
 #include "tessera/distributed/launcher.h"

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "support/test_util.h"
 
 namespace tessera::testing::gpt {

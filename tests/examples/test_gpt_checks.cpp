@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/reader.h"

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "examples/gpt_test_util.h"
 #include "support/test_util.h"
 

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "tessera_tests/python_features.h"
 #include "examples/gpt_test_util.h"
 #include "support/test_util.h"

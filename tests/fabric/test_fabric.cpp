@@ -16,6 +16,7 @@
 #include <map>
 #include <sstream>
 
+#include "support/build_paths.h"
 #include "support/test_util.h"
 #include "tessera/fabric/fabric.h"
 #include "support/harness.h"

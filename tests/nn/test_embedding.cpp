@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <regex>
 
+#include "support/build_paths.h"
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/nn/sharded_embedding_bag.h"

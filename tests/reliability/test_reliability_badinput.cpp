@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <map>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "reliability/reliability_util.h"
 #include "support/harness.h"
@@ -40,7 +41,6 @@ void expect_holds(const std::string& path, int64_t n, double v) {
   EXPECT_EQ(t.integer("step"), static_cast<int64_t>(v)) << path;
 }
 
-std::string cli(const std::string& args) { return std::string(TESSERA_CLI) + " " + args; }
 
 }  // namespace
 

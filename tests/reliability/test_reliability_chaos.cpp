@@ -32,6 +32,7 @@
 #include <sstream>
 #include <string>
 
+#include "support/build_paths.h"
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/format/safetensors.h"

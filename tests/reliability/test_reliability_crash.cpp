@@ -15,6 +15,7 @@
 #include <set>
 #include <thread>
 
+#include "support/build_paths.h"
 #include "reliability/reliability_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"

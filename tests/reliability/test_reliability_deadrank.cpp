@@ -13,6 +13,7 @@
 #include <random>
 #include <regex>
 
+#include "support/build_paths.h"
 #include "reliability/reliability_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "support/build_paths.h"
 #include "reliability/reliability_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
+
 extern char** environ;
 
 namespace tessera::testing {
@@ -152,6 +154,35 @@ inline Measured run_measured(const std::vector<std::string>& argv_s, const std::
 inline bool group_alive(pid_t pgid) { return ::kill(-pgid, 0) == 0; }
 
 // A port that was free a moment ago (bound to 0, read back, closed).
+// The CLI run with `args` (no shell) to its end or for at most `timeout_ms`; when time runs
+// out its whole process group is killed and `finished` stays false.
+struct CliRun {
+  bool finished = false;  // within the deadline
+  int code = -1;          // exit status, 128 + signal when a signal ended it
+  std::string out;        // stdout and stderr
+};
+inline CliRun run_cli(const std::vector<std::string>& args, int timeout_ms = 300000) {
+  std::vector<std::string> argv{TESSERA_CLI};
+  argv.insert(argv.end(), args.begin(), args.end());
+  Child c = spawn(argv);
+  CliRun r;
+  if (c.pid <= 0) {
+    r.out = "spawn of " + argv[0] + " failed";
+    return r;
+  }
+  const int st = c.wait_exit(timeout_ms);
+  r.out = c.text;
+  if (st == -1) {
+    ::kill(-c.pid, SIGKILL);
+    int ignored = 0;
+    ::waitpid(c.pid, &ignored, 0);
+    return r;
+  }
+  r.finished = true;
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
 inline int free_port() {
   int s = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "tessera/distributed/launcher.h"
 
 namespace tessera::testing {

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <map>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
@@ -60,7 +61,6 @@ std::vector<std::string> temporaries_in(const std::string& dir) {
   return v;
 }
 
-std::string cli(const std::string& args) { return std::string(TESSERA_CLI) + " " + args; }
 
 // spawn() with SIGINT and SIGTERM at their default action in the child, whatever this
 // process inherited (a background job starts with SIGINT ignored, and the child would

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <map>
 
+#include "support/build_paths.h"
 #include "reliability/reliability_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"
@@ -28,11 +29,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string cli(const std::string& args) { return std::string(TESSERA_CLI) + " " + args; }
 
-std::string py(const std::string& script_and_args) {
-  return std::string(TESSERA_PYTHON) + " " + TESSERA_SOURCE_DIR + "/tests/python/" + script_and_args;
-}
 
 // " --dcp" where the configured Python has DCP's Hugging Face reader (torch 2.x).
 std::string dcp_flag() { return TESSERA_PYTHON_HAS_DCP_HF ? " --dcp" : ""; }

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <string>
 
+#include "support/build_paths.h"
 #include "checkpoint/checkpoint_test_util.h"
 #include "checkpoint/dcp_fixture.h"
 #include "support/test_util.h"

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <string>
 
+#include "support/build_paths.h"
 #include "support/test_util.h"
 #include "tessera/config.h"
 
@@ -20,7 +21,7 @@ using tessera::testing::run_command;
 TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
   const fs::path tmp = tessera::testing::temp_dir("tessera-install");
   const std::string prefix = (tmp / "prefix").string();
-  auto [rc, out] = run_command("cmake --install " TESSERA_BINARY_DIR " --prefix " + prefix);
+  auto [rc, out] = run_command(std::string("cmake --install ") + TESSERA_BINARY_DIR + " --prefix " + prefix);
   ASSERT_EQ(rc, 0) << out;
   EXPECT_TRUE(fs::exists(tmp / "prefix/bin/tessera"));
   EXPECT_TRUE(fs::exists(tmp / "prefix/include/tessera/distributed/communicator.h"));
@@ -33,8 +34,9 @@ TEST(Install, OutOfTreeConsumerFindsAndLinksTessera) {
   for (const char* lib : {"libtessera_core.a", "libtessera_checkpoint.a", "libtessera_trainer.a"})
     EXPECT_TRUE(fs::exists(tmp / "prefix/lib" / lib) || fs::exists(tmp / "prefix/lib64" / lib)) << lib;
   const std::string build = (tmp / "consumer-build").string();
-  std::tie(rc, out) = run_command("cmake -S " TESSERA_SOURCE_DIR "/tests/tools/consumer -B " + build + " -G Ninja '-DCMAKE_PREFIX_PATH=" +
-                         prefix + ";" TESSERA_TORCH_ROOT "' " TESSERA_CONSUMER_CMAKE_ARGS);
+  std::tie(rc, out) = run_command(std::string("cmake -S ") + TESSERA_SOURCE_DIR + "/tests/tools/consumer -B " + build +
+                                  " -G Ninja '-DCMAKE_PREFIX_PATH=" + prefix + ";" + TESSERA_TORCH_ROOT + "' " +
+                                  TESSERA_CONSUMER_CMAKE_ARGS);
   ASSERT_EQ(rc, 0) << out;
   std::tie(rc, out) = run_command("cmake --build " + build);
   ASSERT_EQ(rc, 0) << out;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "support/build_paths.h"
 #include "trainer/trainer_test_util.h"
 #include "support/test_util.h"
 #include "tessera/trainer/tensorboard_logger.h"

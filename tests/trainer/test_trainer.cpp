@@ -16,6 +16,7 @@
 #include <map>
 #include <sstream>
 
+#include "support/build_paths.h"
 #include "trainer/trainer_test_util.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/format/safetensors.h"
