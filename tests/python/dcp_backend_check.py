@@ -326,18 +326,18 @@ def worker_load(v2, dirs):
 
         # Byte ranges: the rows of `big` this rank holds, and only about them, are read.
         got = {"n": 0}
-        orig = tessera_ckpt.pread_into
+        orig = tessera_ckpt._reader.pread_into
 
         def counting(fd, view, offset, path):
             got["n"] += len(view)
             return orig(fd, view, offset, path)
 
         big = dtensor(torch.zeros(BIG_ROWS, BIG_COLS), mesh, "S0")
-        tessera_ckpt.pread_into = counting
+        tessera_ckpt._reader.pread_into = counting
         try:
             dcp.load({"extra": {"big": big}}, storage_reader=tessera_ckpt.dcp.Reader(d))
         finally:
-            tessera_ckpt.pread_into = orig
+            tessera_ckpt._reader.pread_into = orig
         same_bits(big.to_local(), local_part(full["big"], "S0", rank, world),
                   f"{d} at {world} rank(s), rank {rank}: extra.big alone")
         total = BIG_ROWS * BIG_COLS * 4
@@ -634,7 +634,7 @@ def check_refusals(work):
     n += 1
 
     # a flipped data byte: the load fails naming the file, key and block
-    from tessera_ckpt._format import Safetensors
+    from tessera_ckpt._format_safetensors import Safetensors
 
     c = os.path.join(work, "corrupt")
     shutil.copytree(q, c)

@@ -28,7 +28,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import tessera_ckpt  # noqa: E402
-from tessera_ckpt import _hf  # noqa: E402
+from tessera_ckpt import _interop_hf_dir  # noqa: E402
 
 INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
             torch.bfloat16: torch.int16, torch.bool: torch.uint8}
@@ -92,7 +92,7 @@ for d in manifest["ok"]:
     text = str(s)
     assert text.startswith(f"{d}: hf checkpoint (a Hugging Face model directory: "), text
     r = tessera_ckpt.verify(d)
-    assert r["kind"] == "hf" and not r["checksummed"] and r["checked"] == _hf.VERIFY_CHECKED, r
+    assert r["kind"] == "hf" and not r["checksummed"] and r["checked"] == _interop_hf_dir.VERIFY_CHECKED, r
     assert r["bytes"] == s["tensor_bytes"], r
     want_notes = manifest["notes"].get(d, [])
     assert len(r["notes"]) == len(want_notes) and all(w in n for w, n in zip(want_notes, r["notes"])), r["notes"]
@@ -101,7 +101,7 @@ for d in manifest["ok"]:
     out = subprocess.run([sys.executable, "-m", "tessera_ckpt", "verify", d], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=PYTHON_DIR))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"OK: {d}: " in out.stdout and f"bytes read ({_hf.VERIFY_CHECKED})" in out.stdout, out.stdout
+    assert f"OK: {d}: " in out.stdout and f"bytes read ({_interop_hf_dir.VERIFY_CHECKED})" in out.stdout, out.stdout
     if dcp_reader is not None:
         # DCP's own load through tessera_ckpt.dcp.Reader, into a state dict of the reference's
         # shapes filled with another value (no process group: one process).

@@ -38,7 +38,7 @@ sys.path.insert(0, PKG)
 import torch  # noqa: E402
 
 import tessera_ckpt  # noqa: E402
-from tessera_ckpt import _format  # noqa: E402
+from tessera_ckpt import _format_metadata, _format_safetensors, _sharding_layout, _sharding_spec  # noqa: E402
 
 crc32c = tessera_ckpt.crc32c
 CHECKS = [0]
@@ -297,7 +297,7 @@ def write_v2(d, world_size, items, block=40, save_id="5c0e2d9a11f03b77", only_fi
             continue
         meta = {"format": "pt", "tessera.format": "tessera-data", "tessera.version": "2", "tessera.rank": str(r),
                 "tessera.save_id": save_id}
-        write_safetensors(os.path.join(d, _format.data_file_name(r)), per_file[r], meta, block)
+        write_safetensors(os.path.join(d, _format_metadata.data_file_name(r)), per_file[r], meta, block)
     write_metadata(d, {"format": "tessera-checkpoint", "version": 2, "world_size": world_size, "crc32c_block": block,
                        "save_id": save_id, "keys": [k for k, _ in items], "entries": entries})
     return stored
@@ -463,7 +463,7 @@ def check_rules():
                 continue  # a flat layout needs rows (FSDP's scalar is one row of the unit, tested through the others)
             begin = 0
             for i in range(shards):
-                got = _format.flat_rows(total, off, shp, shards, i)
+                got = _sharding_layout.flat_rows(total, off, shp, shards, i)
                 check(got == (begin, begin + rr[i]), f"flat_rows({total}, {off}, {shp}, {shards}, {i}) = {got}, "
                       f"FSDP's rows {begin}..{begin + rr[i]}")
                 begin += rr[i]
@@ -472,7 +472,7 @@ def check_rules():
             n = shp[0]
             lo = rng.randint(0, n)
             hi = rng.randint(lo, n)
-            got = _format.flat_pieces_overlapping(total, off, shp, shards, lo, hi)
+            got = _sharding_layout.flat_pieces_overlapping(total, off, shp, shards, lo, hi)
             want = []
             b = 0
             for i in range(shards):
@@ -485,7 +485,7 @@ def check_rules():
         pieces = rng.randint(1, 12)
         s = rng.randint(1, 3)
         r = rng.choice([1, 1, 2, 3, 5])
-        fm = _format.FileMap(rng.randint(0, 4), s, r, rng.randint(pieces * s, pieces * s + 3) if r > 1 else rng.randint(0, 3),
+        fm = _sharding_layout.FileMap(rng.randint(0, 4), s, r, rng.randint(pieces * s, pieces * s + 3) if r > 1 else rng.randint(0, 3),
                              rng.randint(0, 9))
         files = [fm.file(i) for i in range(pieces)]
         i = fm.last_file_piece(pieces)
@@ -493,29 +493,29 @@ def check_rules():
         check(len(set(files)) == pieces, f"{fm!r}: two pieces share a file")
     # a slice of a tensor cut over 2^20 pieces: a few cut evaluations per piece, not a loop over all
     calls = [0]
-    real = _format.flat_row_cut
+    real = _sharding_layout.flat_row_cut
 
     def counting(*a):
         calls[0] += 1
         return real(*a)
 
-    _format.flat_row_cut = counting
+    _sharding_layout.flat_row_cut = counting
     try:
         P = 1 << 20
         shape = [3 * P + 17, 5]
         T = shape[0] * 5 + 1000
         for lo, hi in ((0, 1), (123456, 123470), (shape[0] - 4, shape[0]), (0, shape[0] // P * 3)):
             calls[0] = 0
-            got = _format.flat_pieces_overlapping(T, 1000, shape, P, lo, hi)
+            got = _sharding_layout.flat_pieces_overlapping(T, 1000, shape, P, lo, hi)
             check(got and got[0][1] <= lo and got[-1][2] >= hi and all(a[2] == b[1] for a, b in zip(got, got[1:])),
                   f"pieces of rows [{lo}, {hi}): {got[:3]}...")
             check(calls[0] <= 2 * 21 * (len(got) + 1), f"{calls[0]} cut evaluations for {len(got)} pieces")
     finally:
-        _format.flat_row_cut = real
+        _sharding_layout.flat_row_cut = real
 
 
 def check_overlaps():
-    """check_tiling's overlap check (_format.first_overlap, a sweep) names the pair a check of
+    """check_tiling's overlap check (_sharding_spec.first_overlap, a sweep) names the pair a check of
     every pair names, on random tilings of 1 to 4 dimensions (a box cut again and again, shuffled)
     with boxes moved by one; lists of 100,000 pieces (cut along one dimension, and a 250 x 400
     grid in random order) pass quickly (every pair: 5 billion comparisons), and an overlap
@@ -523,7 +523,7 @@ def check_overlaps():
     rng = random.Random(7)
 
     def box(offsets, sizes):
-        return _format.Chunk(list(offsets), list(sizes), 0, None, 0, 0, [])
+        return _format_metadata.Chunk(list(offsets), list(sizes), 0, None, 0, 0, [])
 
     def every_pair(v):
         for j, b in enumerate(v):
@@ -555,33 +555,33 @@ def check_overlaps():
         if rng.random() < 0.3:
             extra = box([rng.randrange(ext) for _ in range(nd)], [rng.randint(0, 2) for _ in range(nd)])
             v.insert(rng.randint(0, len(v)), extra)
-        got, want = _format.first_overlap(v), every_pair(v)
+        got, want = _sharding_spec.first_overlap(v), every_pair(v)
         check(got == want, f"first_overlap {[(b.offsets, b.sizes) for b in v]} = {got}, every pair: {want}")
 
     n = 100000
     rows = [box([2 * i, 0], [2, 4]) for i in range(n)]
     grid = [box([2 * r, 3 * c], [2, 3]) for r in range(250) for c in range(400)]
     rng.shuffle(grid)
-    w, g = _format.Entry("sharded", "F32", [2 * n, 4]), _format.Entry("sharded", "F32", [500, 1200])
+    w, g = _format_metadata.Entry("sharded", "F32", [2 * n, 4]), _format_metadata.Entry("sharded", "F32", [500, 1200])
     t0 = time.monotonic()
-    _format.check_tiling("w", w, "m", rows, "piece")
-    _format.check_tiling("g", g, "m", grid, "piece")
+    _format_metadata.check_tiling("w", w, "m", rows, "piece")
+    _format_metadata.check_tiling("g", g, "m", grid, "piece")
     check(time.monotonic() - t0 < 60, f"two lists of 100,000 pieces checked in {time.monotonic() - t0:.1f} s")
     # piece 70,000 moved up a row overlaps piece 69,999; the last piece, at [1:3, 0:4], overlaps
     # pieces 0 and 1 (the sweep's first meeting), later in the list; piece 80,000 lies outside
     rows[70000].offsets[0] -= 1
     rows[n - 1] = box([1, 0], [2, 4])
     rows[80000].offsets[1] = 1
-    expect_error(lambda: _format.check_tiling("w", w, "m", rows, "piece"),
+    expect_error(lambda: _format_metadata.check_tiling("w", w, "m", rows, "piece"),
                  ["m: key 'w': pieces [139998:140000, 0:4] and [139999:140001, 0:4] overlap"],
                  "100,000 pieces, overlap")
     rows[70000].offsets[0] += 1
-    expect_error(lambda: _format.check_tiling("w", w, "m", rows, "piece"),
+    expect_error(lambda: _format_metadata.check_tiling("w", w, "m", rows, "piece"),
                  ["m: key 'w': piece [160000:160002, 1:5] lies outside the shape [200000, 4]"],
                  "100,000 pieces, outside")
     b20, b30 = grid[20], grid[30]
     grid[60000], grid[500] = box(b20.offsets, b20.sizes), box(b30.offsets, b30.sizes)
-    expect_error(lambda: _format.check_tiling("g", g, "m", grid, "piece"),
+    expect_error(lambda: _format_metadata.check_tiling("g", g, "m", grid, "piece"),
                  [f"m: key 'g': pieces {b30.box()} and {b30.box()} overlap"], "grid of 100,000 pieces, overlap")
 
 
@@ -616,16 +616,16 @@ def copy(src, tmp, name):
 def rewrite_file(d, rank, edit_meta=None, edit_tensors=None, block=40):
     """Rewrites data file ``rank`` from its tensors (read with the package), changing its
     metadata and/or tensors; checksums recomputed (the damage is the content)."""
-    path = os.path.join(d, _format.data_file_name(rank))
-    st = _format.Safetensors(path)
+    path = os.path.join(d, _format_metadata.data_file_name(rank))
+    st = _format_safetensors.Safetensors(path)
     tensors = []
     for name in st.order:
         dtype, shape, b, e = st.tensors[name]
         with open(path, "rb") as f:
             f.seek(b)
             raw = f.read(e - b)
-        t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, _format.DTYPES[dtype][0])) if raw else \
-            torch.empty(0, dtype=getattr(torch, _format.DTYPES[dtype][0]))
+        t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, _format_safetensors.DTYPES[dtype][0])) if raw else \
+            torch.empty(0, dtype=getattr(torch, _format_safetensors.DTYPES[dtype][0]))
         tensors.append((name, t.reshape(shape)))
     meta = {k: v for k, v in st.metadata.items() if k not in ("tessera.crc32c", "tessera.crc32c_block", "tessera.header_crc32c")}
     if edit_meta:
@@ -657,7 +657,7 @@ def refused(d, wanted, what, also_verify=False, exc=tessera_ckpt.CheckpointError
 
 def check_damaged(src, tmp, items):
     mf = "tessera-checkpoint.json"
-    f3 = _format.data_file_name(3)
+    f3 = _format_metadata.data_file_name(3)
 
     # another save's data file: refused where it is read, plain values still read
     d = copy(src, tmp, "save_id")
@@ -669,37 +669,37 @@ def check_damaged(src, tmp, items):
         expect_error(lambda: ck["model.emb"], [f3, "tessera.save_id"], "save_id: model.emb")
 
     d = copy(src, tmp, "rank")  # rank 2's file in rank 3's place
-    shutil.copy(os.path.join(d, _format.data_file_name(2)), os.path.join(d, f3))
+    shutil.copy(os.path.join(d, _format_metadata.data_file_name(2)), os.path.join(d, f3))
     refused(d, [f3, "tessera.rank is \"2\", not 3"], "rank", True)
 
     d = copy(src, tmp, "version")
     rewrite_file(d, 5, lambda m: m.update({"tessera.version": "1"}))
-    refused(d, [_format.data_file_name(5), "tessera.version is \"1\""], "data file version", True)
+    refused(d, [_format_metadata.data_file_name(5), "tessera.version is \"1\""], "data file version", True)
 
     d = copy(src, tmp, "block")  # the data file's own checksum blocks, of another size than the metadata says
     rewrite_file(d, 5, block=48)
-    refused(d, [_format.data_file_name(5), "checksum blocks of 48 bytes, the metadata says 40"], "data file block size", True)
+    refused(d, [_format_metadata.data_file_name(5), "checksum blocks of 48 bytes, the metadata says 40"], "data file block size", True)
 
     d = copy(src, tmp, "format")
     rewrite_file(d, 5, lambda m: m.update({"tessera.format": "tessera-consolidated"}))
-    refused(d, [_format.data_file_name(5), "tessera.format"], "data file format", True)
+    refused(d, [_format_metadata.data_file_name(5), "tessera.format"], "data file format", True)
 
     # a missing piece: model.list's second piece in file 1
     d = copy(src, tmp, "missing_piece")
     rewrite_file(d, 1, edit_tensors=lambda ts: [t for t in ts if t[0] != "model.list@1"])
-    refused(d, [_format.data_file_name(1), "key 'model.list'", "piece 2 [2:4, 0:6]", "(tensor 'model.list@1') is not in the data file"],
+    refused(d, [_format_metadata.data_file_name(1), "key 'model.list'", "piece 2 [2:4, 0:6]", "(tensor 'model.list@1') is not in the data file"],
             "missing piece", True)
     d = copy(src, tmp, "missing_piece2")
     rewrite_file(d, 2, edit_tensors=lambda ts: [t for t in ts if t[0] != "model.emb"])
-    refused(d, [_format.data_file_name(2), "key 'model.emb'", "(tensor 'model.emb') is not in the data file"], "missing piece", True)
+    refused(d, [_format_metadata.data_file_name(2), "key 'model.emb'", "(tensor 'model.emb') is not in the data file"], "missing piece", True)
 
     # extra tensors: refused by load as by verify (issue 44 item 2: what verify refuses never loads)
     for name, t in (("model.extra", torch.zeros(2)), ("model.empty", torch.zeros(0, 4)), ("model.emb@1", torch.zeros(3, 6))):
         d = copy(src, tmp, "extra_" + name)
         rewrite_file(d, 2, edit_tensors=lambda ts: ts + [(name, t)])
-        expect_error(lambda: tessera_ckpt.load(d), [_format.data_file_name(2), f"tensor '{name}'",
+        expect_error(lambda: tessera_ckpt.load(d), [_format_metadata.data_file_name(2), f"tensor '{name}'",
                                                     "is no piece of any layout in the metadata"], "extra piece (load)")
-        msg = expect_error(lambda: tessera_ckpt.verify(d), ["CORRUPT", _format.data_file_name(2), f"tensor '{name}'",
+        msg = expect_error(lambda: tessera_ckpt.verify(d), ["CORRUPT", _format_metadata.data_file_name(2), f"tensor '{name}'",
                                                             "is no piece of any layout in the metadata"], "extra piece " + name)
         check("1 problem(s)" in msg, msg)
         p = subprocess.run([sys.executable, "-m", "tessera_ckpt", "verify", d], env=dict(os.environ, PYTHONPATH=PKG),
@@ -710,7 +710,7 @@ def check_damaged(src, tmp, items):
     d = copy(src, tmp, "shape")
     rewrite_file(d, 0, edit_tensors=lambda ts: [(n, t[:2] if n == "model.emb" else t) for n, t in ts])
     # (the words of the C++ reader: every data file is checked whole when it is opened)
-    refused(d, [_format.data_file_name(0), "key 'model.emb'",
+    refused(d, [_format_metadata.data_file_name(0), "key 'model.emb'",
                 "tensor 'model.emb' has dtype F32 and shape [2, 6], the layout says F32 [3, 6]"], "piece shape", True)
     d = copy(src, tmp, "dtype")
     rewrite_file(d, 0, edit_tensors=lambda ts: [(n, t.double() if n == "model.emb" else t) for n, t in ts])
@@ -827,11 +827,11 @@ def check_damaged(src, tmp, items):
 
     # tensor data: a flipped byte in model.big's piece in file 5
     d = copy(src, tmp, "flip_data")
-    path = os.path.join(d, _format.data_file_name(5))
-    st = _format.Safetensors(path)
+    path = os.path.join(d, _format_metadata.data_file_name(5))
+    st = _format_safetensors.Safetensors(path)
     b = st.tensors["model.big"][2]
     flip(path, b + 45)  # block 1 of the piece
-    refused(d, [_format.data_file_name(5), "key 'model.big'", "checksum mismatch in block 1"], "flipped data byte", True)
+    refused(d, [_format_metadata.data_file_name(5), "key 'model.big'", "checksum mismatch in block 1"], "flipped data byte", True)
     tessera_ckpt.load(d, verify=False)
     with tessera_ckpt.Checkpoint(d) as ck:
         big = dict(items)["model.big"]
@@ -844,14 +844,14 @@ def check_damaged(src, tmp, items):
                          f"damaged row {r}")
 
     d = copy(src, tmp, "flip_header")
-    path = os.path.join(d, _format.data_file_name(6))
+    path = os.path.join(d, _format_metadata.data_file_name(6))
     with open(path, "rb") as f:
         at = f.read().index(b'"format":"pt"') + 11
     flip(path, at)  # "pt" -> "pu"
-    refused(d, [_format.data_file_name(6), "header checksum mismatch"], "flipped header byte", True)
+    refused(d, [_format_metadata.data_file_name(6), "header checksum mismatch"], "flipped header byte", True)
 
     d = copy(src, tmp, "missing_file")
-    os.remove(os.path.join(d, _format.data_file_name(7)))
+    os.remove(os.path.join(d, _format_metadata.data_file_name(7)))
     refused(d, ["data file 'data-rank00007.safetensors' is missing"], "missing data file",
             exc=tessera_ckpt.CheckpointNotFoundError)
     # verify: a problem found from the directory listing, as the C++ verify reports it (never opened)
@@ -864,10 +864,10 @@ def check_damaged(src, tmp, items):
     with tessera_ckpt.Checkpoint(d) as ck:
         ck._max_fds = 1
         ck["model.emb"]
-        p0 = os.path.join(d, _format.data_file_name(0))
+        p0 = os.path.join(d, _format_metadata.data_file_name(0))
         shutil.copy(p0, p0 + ".new")
         os.replace(p0 + ".new", p0)
-        expect_error(lambda: ck["model.emb"], [_format.data_file_name(0), "was replaced"], "replaced data file")
+        expect_error(lambda: ck["model.emb"], [_format_metadata.data_file_name(0), "was replaced"], "replaced data file")
 
 
 def check_v1(sharded, consolidated):

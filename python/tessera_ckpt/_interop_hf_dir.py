@@ -20,8 +20,11 @@ import os
 import re
 import stat
 
-from ._format import (METADATA_FILE, CheckpointError, Chunk, Entry, Layout, Safetensors, fail, open_file,
-                      parse_json_strict, pread)
+from ._error import CheckpointError, fail
+from ._format_json import parse_json_strict
+from ._format_metadata import METADATA_FILE, Chunk, Entry, Layout
+from ._format_safetensors import Safetensors
+from ._storage_file import escape_path, join_path, not_regular_file_reason, open_file, pread
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -41,63 +44,17 @@ class HfDirectoryError(CheckpointError):
         self.problems = problems
 
 
-def join(d, name):
-    """``d/name`` as the C++ reader writes it in messages (join_path)."""
-    if d in ("", "."):
-        return name
-    return d + name if d.endswith("/") else d + "/" + name
-
-
-def escape_path(s):
-    """Control characters and backslashes escaped C-style, as the C++ reader's escape_path."""
-    out = []
-    for ch in s:
-        c = ord(ch)
-        if ch == "\\":
-            out.append("\\\\")
-        elif ch in "\n\t\r":
-            out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}[ch])
-        elif c < 0x20 or c == 0x7F:
-            out.append(f"\\x{c:02x}")
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-def summary_head(s):
-    """The first line of an "hf" inspect() summary, before its key and byte counts."""
-    what = (f"{s['index']} and {len(s['files'])} shard file(s)" if s["index"] else
-            s["files"][0]["name"] if s["files"] else "no shard")
-    head = f"{s['path']}: hf checkpoint (a Hugging Face model directory: {what})"
-    return head if s["total_size"] is None else f"{head}, index total_size {s['total_size']}"
-
-
 def is_hf_directory(d):
     """A directory without Tessera's metadata file that holds model.safetensors.index.json or
     model.safetensors (whatever they turn out to be)."""
-    return (os.path.isdir(d) and not os.path.lexists(join(d, METADATA_FILE))
-            and (os.path.lexists(join(d, INDEX_FILE)) or os.path.lexists(join(d, SINGLE_FILE))))
-
-
-def _not_regular_file_reason(path):
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return "does not exist"
-    except OSError as e:
-        return f"cannot be read: {e.strerror or e}"
-    m = st.st_mode
-    if stat.S_ISREG(m):
-        return ""
-    what = ("a directory" if stat.S_ISDIR(m) else "a FIFO" if stat.S_ISFIFO(m) else "a socket" if stat.S_ISSOCK(m)
-            else "a character device" if stat.S_ISCHR(m) else "a block device" if stat.S_ISBLK(m) else "not a file")
-    return f"is not a regular file ({what})"
+    return (os.path.isdir(d) and not os.path.lexists(join_path(d, METADATA_FILE))
+            and (os.path.lexists(join_path(d, INDEX_FILE)) or os.path.lexists(join_path(d, SINGLE_FILE))))
 
 
 def _file_problem(d, name):
     """Why file ``name`` of ``d`` may not be read ("" when it may): a symbolic link is followed
     only to a target inside the directory; a FIFO, a device or a directory is refused."""
-    path = join(d, name)
+    path = join_path(d, name)
     try:
         st = os.lstat(path)
     except OSError:
@@ -114,7 +71,7 @@ def _file_problem(d, name):
         if len(real) <= len(inside) or not real.startswith(inside):
             return (f"'{path}' is a symbolic link to '{to}' ({real}), outside the directory: refusing to follow it "
                     "(copy the file into the directory)")
-    why = _not_regular_file_reason(path)
+    why = not_regular_file_reason(path)
     return f"'{path}' {why}" if why else ""
 
 
@@ -150,7 +107,7 @@ def _data_order(st):
 
 
 def _read_index(d):
-    path = join(d, INDEX_FILE)
+    path = join_path(d, INDEX_FILE)
     where = f"'{path}'"
     bad = _file_problem(d, INDEX_FILE)
     if bad:
@@ -193,7 +150,7 @@ def _read_index(d):
 def open_hf_directory(d):
     """The Layout of Hugging Face directory ``d`` (kind "hf"), its index and every shard header
     it names checked; CheckpointError listing every problem otherwise."""
-    index_path = join(d, INDEX_FILE)
+    index_path = join_path(d, INDEX_FILE)
     iq = f"'{index_path}'"
     has_index = os.path.lexists(index_path)
     weight_map, total_size, bad_total = {}, None, None
@@ -207,7 +164,7 @@ def open_hf_directory(d):
             else:
                 problems.append(f"{iq}: tensor '{t}' is mapped to '{escape_path(f)}', which is not a plain file name "
                                 "inside the directory")
-        if SINGLE_FILE not in by_file and os.path.lexists(join(d, SINGLE_FILE)):
+        if SINGLE_FILE not in by_file and os.path.lexists(join_path(d, SINGLE_FILE)):
             fail("'", d, "' holds both ", SINGLE_FILE, " and ", INDEX_FILE, ", whose weight map does not name it: ",
                  "which of them is the model is ambiguous (transformers would read ", SINGLE_FILE,
                  "); remove the stale one")
@@ -222,7 +179,7 @@ def open_hf_directory(d):
     shards = {}
     for f in sorted(by_file):
         tensors = by_file[f]
-        path = join(d, f)
+        path = join_path(d, f)
         if not os.path.lexists(path):
             problems.append(f"'{path}' does not exist" if not tensors else
                             f"{iq}: shard '{f}' is missing (the weight map puts {len(tensors)} tensor(s) there, "
@@ -241,7 +198,7 @@ def open_hf_directory(d):
     holders = {}
     for f, st in shards.items():
         for t in st.tensors:
-            holders.setdefault(t, []).append(join(d, f))
+            holders.setdefault(t, []).append(join_path(d, f))
     for t in sorted(holders):
         if len(holders[t]) > 1:
             problems.append(f"tensor '{t}' is in {len(holders[t])} shards, {_quoted_list(holders[t])} (duplicated)")
@@ -251,11 +208,11 @@ def open_hf_directory(d):
             if st is None or t in st.tensors:
                 continue
             where = f" (it is in {_quoted_list(holders[t])})" if t in holders else ""
-            problems.append(f"{iq}: tensor '{t}' is mapped to '{f}', but '{join(d, f)}' does not hold it{where}")
+            problems.append(f"{iq}: tensor '{t}' is mapped to '{f}', but '{join_path(d, f)}' does not hold it{where}")
         for f, st in shards.items():
             for t in _data_order(st):
                 if t not in weight_map:
-                    problems.append(f"'{join(d, f)}': tensor '{t}' is not in the weight map of {iq} (unmapped)")
+                    problems.append(f"'{join_path(d, f)}': tensor '{t}' is not in the weight map of {iq} (unmapped)")
     m = Layout()
     crc_file = None
     for f, st in shards.items():
@@ -264,8 +221,8 @@ def open_hf_directory(d):
         if not m.crc_block:
             m.crc_block, crc_file = st.crc_block, f
         elif st.crc_block != m.crc_block:
-            problems.append(f"'{join(d, f)}' has checksum blocks of {st.crc_block} bytes, '{join(d, crc_file)}' of "
-                            f"{m.crc_block} (shards of different writers)")
+            problems.append(f"'{join_path(d, f)}' has checksum blocks of {st.crc_block} bytes, "
+                            f"'{join_path(d, crc_file)}' of {m.crc_block} (shards of different writers)")
     if problems:
         msg = "; ".join(problems[:MAX_PROBLEMS_SHOWN])
         if len(problems) > MAX_PROBLEMS_SHOWN:
@@ -295,4 +252,3 @@ def open_hf_directory(d):
         m.notes.append(f"{iq}: metadata.total_size is {bad_total}, not a byte count: ignored "
                        "(not an error: Hugging Face's readers do not use it)")
     return m
-
