@@ -38,7 +38,7 @@ using ojson = nlohmann::ordered_json;
 namespace {
 
 const std::string kMeta = "/tessera-checkpoint.json";
-constexpr uint64_t kMaxItems = 1ull << 22;  // kMaxMetadataItems (metadata.cpp), MAX_METADATA_ITEMS (_format.py)
+constexpr uint64_t kMaxItems = 1ull << 22;  // kMaxMetadataItems (metadata.cpp), MAX_METADATA_ITEMS (_format_metadata.py)
 const std::string kBig = "18446744073709551616";  // 2^64: no int64 or uint64 (a float to nlohmann)
 
 std::string python() { return std::string(TESSERA_PYTHON); }

@@ -534,7 +534,7 @@ static const json& field(const json& o, const char* key) {
 namespace {
 
 // Every field of a layout is range-checked here, in this order, with the words of
-// python/tessera_ckpt/_format.py parse_layout (issue 44 item 5: one rule and one message per
+// python/tessera_ckpt/_format_metadata.py parse_layout (issue 44 item 5: one rule and one message per
 // field in both readers; tests/checkpoint/test_metadata_agreement.cpp runs each crafted file
 // through both). `what` is "'DIR/tessera-checkpoint.json' key 'FQN'".
 sharding::FileMap files_from_json(const json& j, int64_t pieces, int64_t world_size, const std::string& what) {
