@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
 .PHONY: all setup configure build test demo bench fuzz test-asan soak test-tsan clean \
-        python-base python-torch2 build-torch2 test-torch2 bench-torch2
+        python-base python-torch2 build-torch2 test-torch2 bench-torch2 test-python test-python-torch2
 
 all: build
 
@@ -27,8 +27,13 @@ configure: $(BUILD)/build.ninja
 build: setup configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The Python package's pure functions (python/tests: layout arithmetic, metadata parsing, the
+# overlap sweep), without torch or the C++ build: seconds, so before the build.
+test-python: python-base
+	.venv/bin/python -m pytest -q -p no:cacheprovider python/tests
+
 # The Python environment first: configuring the suite detects what that Python can do.
-test: python-base build
+test: python-base test-python build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
 # ---- the same project against the libtorch inside PyPI's torch 2.x wheel (a CUDA build):
@@ -47,7 +52,10 @@ $(TORCH2_BUILD)/build.ninja:
 build-torch2: setup python-torch2 $(TORCH2_BUILD)/build.ninja
 	cmake --build $(TORCH2_BUILD) -j $(JOBS)
 
-test-torch2: build-torch2
+test-python-torch2: python-torch2
+	$(TORCH2_PY) -m pytest -q -p no:cacheprovider python/tests
+
+test-torch2: test-python-torch2 build-torch2
 	cd $(TORCH2_BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
 # The demo needs only the library, the CLI and the GPT example (a first run on a fresh
