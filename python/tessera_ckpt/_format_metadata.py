@@ -383,51 +383,36 @@ def parse_metadata(text, directory):
     if not isinstance(j.get("keys"), list) or not isinstance(j.get("entries"), dict):
         fail(where, ": keys/entries missing")
     listed = {n for n, _ in m.files}
-    for fqn in j["keys"]:
-        if not isinstance(fqn, str):
-            fail(where, ": a key is not a string")
-        if fqn not in j["entries"]:
-            fail(where, ": key '", fqn, "' has no entry")
-        if fqn in m.entries:
-            fail(where, ": key '", fqn, "' listed twice")
-        je = j["entries"][fqn]
-        what = f"{where} key '{fqn}'"
-        if not isinstance(je, dict) or not isinstance(je.get("kind"), str):
-            fail(what, ": no kind")
-        kind = je["kind"]
-        if kind not in ("tensor", "sharded"):
-            e = Entry(kind, value=decode_value(je, what))
-        else:
-            e = Entry(kind, dtype_of(je.get("dtype"), what), json_dims(je.get("shape"), what + " shape"))
-            if not isinstance(je.get("chunks"), list):
-                fail(what, ": chunks is not an array")
-            for jc in je["chunks"]:
-                if not isinstance(jc, dict):
-                    fail(what, ": a chunk is not an object")
-                offsets = json_dims(jc.get("offsets"), what + " chunk offsets")
-                sizes = json_dims(jc.get("sizes"), what + " chunk sizes")
-                if not isinstance(jc.get("file"), str) or not isinstance(jc.get("name"), str):
-                    fail(what, ": chunk without file/name")
-                check_plain_name(jc["file"], what)
-                br = jc.get("byte_range")
-                if not isinstance(br, list) or len(br) != 2:
-                    fail(what, ": bad byte_range")
-                b, en = json_u64(br[0], what + " byte_range"), json_u64(br[1], what + " byte_range")
-                c = Chunk(offsets, sizes, jc["file"], jc["name"], b, en, [])
-                if b > en or en - b != byte_size(sizes, e.dtype, what):
-                    fail(what, ": byte_range [", b, ", ", en, "] does not match chunk ", c.box())
-                crcs = jc.get("crc32c")
-                need = num_blocks(en - b, m.crc_block)
-                if not isinstance(crcs, list) or len(crcs) != need:
-                    fail(what, ": chunk ", c.box(), " needs ", need, " checksums")
-                c.crcs = [parse_crc_hex(x, what) for x in crcs]
-                if c.file not in listed:
-                    fail(what, ": chunk file '", c.file, "' is not listed in files")
-                e.chunks.append(c)
-            check_tiling(fqn, e, where)
-        m.keys.append(fqn)
-        m.entries[fqn] = e
-    return m
+
+    def chunks(fqn, e, je, what):
+        if not isinstance(je.get("chunks"), list):
+            fail(what, ": chunks is not an array")
+        for jc in je["chunks"]:
+            if not isinstance(jc, dict):
+                fail(what, ": a chunk is not an object")
+            offsets = json_dims(jc.get("offsets"), what + " chunk offsets")
+            sizes = json_dims(jc.get("sizes"), what + " chunk sizes")
+            if not isinstance(jc.get("file"), str) or not isinstance(jc.get("name"), str):
+                fail(what, ": chunk without file/name")
+            check_plain_name(jc["file"], what)
+            br = jc.get("byte_range")
+            if not isinstance(br, list) or len(br) != 2:
+                fail(what, ": bad byte_range")
+            b, en = json_u64(br[0], what + " byte_range"), json_u64(br[1], what + " byte_range")
+            c = Chunk(offsets, sizes, jc["file"], jc["name"], b, en, [])
+            if b > en or en - b != byte_size(sizes, e.dtype, what):
+                fail(what, ": byte_range [", b, ", ", en, "] does not match chunk ", c.box())
+            crcs = jc.get("crc32c")
+            need = num_blocks(en - b, m.crc_block)
+            if not isinstance(crcs, list) or len(crcs) != need:
+                fail(what, ": chunk ", c.box(), " needs ", need, " checksums")
+            c.crcs = [parse_crc_hex(x, what) for x in crcs]
+            if c.file not in listed:
+                fail(what, ": chunk file '", c.file, "' is not listed in files")
+            e.chunks.append(c)
+        check_tiling(fqn, e, where)
+
+    return _parse_entries(j, m, where, chunks)
 
 
 def _parse_metadata_v2(j, m, where):
@@ -441,6 +426,19 @@ def _parse_metadata_v2(j, m, where):
         fail(where, ": keys/entries missing")
     if len(j["entries"]) != len(j["keys"]):
         fail(where, ": ", len(j["entries"]), " entries for ", len(j["keys"]), " keys")
+
+    def layout(fqn, e, je, what):
+        byte_size(e.shape, e.dtype, f"{what}: shape {shape_string(e.shape)}")
+        e.layout = parse_layout(je.get("layout"), e, fqn, m.world_size, where)
+
+    return _parse_entries(j, m, where, layout)
+
+
+def _parse_entries(j, m, where, tensor):
+    """The keys and their entries, of either version: each key a string, listed once, with an
+    entry that has a kind; a plain value decoded, a tensor's dtype and shape read, then
+    ``tensor(fqn, entry, its JSON, what)`` reads where it is stored (version 1: its chunks;
+    version 2: its layout)."""
     for fqn in j["keys"]:
         if not isinstance(fqn, str):
             fail(where, ": a key is not a string")
@@ -457,8 +455,7 @@ def _parse_metadata_v2(j, m, where):
             e = Entry(kind, value=decode_value(je, what))
         else:
             e = Entry(kind, dtype_of(je.get("dtype"), what), json_dims(je.get("shape"), what + " shape"))
-            byte_size(e.shape, e.dtype, f"{what}: shape {shape_string(e.shape)}")
-            e.layout = parse_layout(je.get("layout"), e, fqn, m.world_size, where)
+            tensor(fqn, e, je, what)
         m.keys.append(fqn)
         m.entries[fqn] = e
     return m
