@@ -8,13 +8,16 @@
 
 A checkpoint is a sharded directory (tessera-checkpoint.json + one safetensors data file per
 rank, any world size; format version 1 or 2) or a consolidated safetensors file
-(docs/checkpoint-format.md), or a Hugging Face model directory (_interop_hf_dir.py). Tensors come back
-whole (or some dim-0 rows of one: ``Checkpoint.get(key, rows=(begin, end))``), assembled from
-their pieces, on the CPU; plain
-values as int, float, bool, str, bytes (an empty nested dict as {}). Files are read with plain
-file I/O, only the byte ranges needed, and of a version-2 checkpoint only the data files that
-hold what is read are opened; nothing is unpickled or executed. Requires torch and google-crc32c (hardware
-CRC32C; without it a slow pure-Python CRC is used).
+(docs/checkpoint-format.md), or a Hugging Face model directory (_interop_hf_dir.py). Tensors
+come back whole (or some dim-0 rows of one: ``Checkpoint.get(key, rows=(begin, end))``),
+assembled from their pieces, on the CPU; plain values as int, float, bool, str, bytes (an empty
+nested dict as {}). Files are read with plain file I/O, only the byte ranges needed, and of a
+version-2 checkpoint only the data files that hold what is read are opened; nothing is
+unpickled or executed. Requires torch and google-crc32c (hardware CRC32C; without it a slow
+pure-Python CRC is used).
+
+Each private module follows one C++ file and is named after it (_format_metadata.py:
+src/tessera/checkpoint/format/metadata.cpp); docs/python.md#the-code maps them all.
 """
 from . import _crc32c, _offline
 from ._error import CheckpointError, CheckpointNotFoundError

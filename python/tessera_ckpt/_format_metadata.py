@@ -150,6 +150,35 @@ class Entry:
         return sum(1 for c in self.chunks if c.numel())
 
 
+class Layout:
+    """What a checkpoint holds, parsed and checked, before any tensor data is read."""
+
+    def __init__(self):
+        self.path = ""  # what the user named
+        self.location = ""  # the directory or file actually read (an aside sibling after a torn publish)
+        self.kind = ""  # "sharded" | "consolidated" | "safetensors" | "hf" (a Hugging Face directory)
+        self.version = 1  # a consolidated or another writer's file: 1
+        self.world_size = None
+        self.save_id = None  # version 2: the save's id, which every data file carries
+        self.crc_block = 0
+        self.files = []  # [(name, size)]
+        self.keys = []  # save order
+        self.entries = {}
+        self.notes = []  # remarks that are no error (an "hf" index's total_size)
+        self.hf_index = None  # "hf": the index file's name, None for a single model.safetensors
+        self.total_size = None  # "hf": the index's metadata.total_size
+        self.file_of = {}  # "hf": tensor -> its shard file (empty tensors too)
+
+    def file_path(self, name):
+        return os.path.join(self.location, name) if self.kind in ("sharded", "hf") else self.location
+
+    def data_files(self):
+        """The names of the data files (version 2: one per rank, in rank order)."""
+        if self.version >= 2 and self.kind == "sharded":
+            return [data_file_name(r) for r in range(self.world_size)]
+        return [n for n, _ in self.files]
+
+
 def check_tiling(fqn, e, where, chunks=None, word="chunk"):
     """The boxes (``e.chunks``, or ``chunks``) lie inside the shape and tile it exactly; the
     messages call them ``word`` ("chunk", or "piece" for a version-2 list layout)."""
@@ -294,35 +323,6 @@ def parse_layout(j, e, fqn, world_size, where):
             for k, i in enumerate(idx):
                 lay.names[i] = fqn if len(idx) == 1 else f"{fqn}@{k}"
     return lay
-
-
-class Layout:
-    """What a checkpoint holds, parsed and checked, before any tensor data is read."""
-
-    def __init__(self):
-        self.path = ""  # what the user named
-        self.location = ""  # the directory or file actually read (an aside sibling after a torn publish)
-        self.kind = ""  # "sharded" | "consolidated" | "safetensors" | "hf" (a Hugging Face directory)
-        self.version = 1  # a consolidated or another writer's file: 1
-        self.world_size = None
-        self.save_id = None  # version 2: the save's id, which every data file carries
-        self.crc_block = 0
-        self.files = []  # [(name, size)]
-        self.keys = []  # save order
-        self.entries = {}
-        self.notes = []  # remarks that are no error (an "hf" index's total_size)
-        self.hf_index = None  # "hf": the index file's name, None for a single model.safetensors
-        self.total_size = None  # "hf": the index's metadata.total_size
-        self.file_of = {}  # "hf": tensor -> its shard file (empty tensors too)
-
-    def file_path(self, name):
-        return os.path.join(self.location, name) if self.kind in ("sharded", "hf") else self.location
-
-    def data_files(self):
-        """The names of the data files (version 2: one per rank, in rank order)."""
-        if self.version >= 2 and self.kind == "sharded":
-            return [data_file_name(r) for r in range(self.world_size)]
-        return [n for n, _ in self.files]
 
 
 # ---------------------------------------------------------------- sharded metadata

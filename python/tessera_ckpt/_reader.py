@@ -134,6 +134,9 @@ def open_layout(path):
     return m
 
 
+# ---------------------------------------------------------------- version-2 data files
+
+
 def check_data_file(st, m, rank):
     """A version-2 data file must be this save's file of ``rank``: tessera.format
     tessera-data, tessera.version 2, tessera.rank and tessera.save_id, and block checksums."""
@@ -277,7 +280,8 @@ def tensor_view(t):
 
 
 class CheckpointReader:
-    """An open checkpoint: its metadata parsed and checked, data files opened on demand.
+    """An open checkpoint: its metadata parsed and checked, data files opened on demand
+    (tessera_ckpt.Checkpoint is this class with inspect() and verify()).
 
         with tessera_ckpt.Checkpoint(path) as ck:
             ck.keys()              # every FQN, save order
