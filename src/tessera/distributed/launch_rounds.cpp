@@ -14,6 +14,7 @@
 
 #include "tessera/core/error.h"
 #include "tessera/distributed/rendezvous.h"  // find_free_port, short_error
+#include "tessera/distributed/store_gate.h"
 #include "tessera/distributed/store_listen.h"
 
 namespace tessera::distributed {
@@ -78,6 +79,10 @@ struct LaunchRounds::Shared {
   std::deque<std::shared_ptr<Call>> queue;  // in order; the first one is being made
   bool quit = false;                        // answer what is queued, then end
   bool exited = false;
+  // With a rendezvous token (store_gate.h): node 0's gate in front of the store, or another
+  // node's relay to it; they serve as long as the store is used.
+  std::shared_ptr<StoreGate> gate;
+  std::shared_ptr<StoreRelay> relay;
 };
 
 LaunchRounds::LaunchRounds(const std::string& addr, int port, int nnodes, int node_rank,
@@ -87,30 +92,50 @@ LaunchRounds::LaunchRounds(const std::string& addr, int port, int nnodes, int no
     TESSERA_CHECK(nnodes == 1, "launch: --master-port is required with --nnodes ", nnodes);
     port_ = find_free_port();
   }
+  // The store thread holds everything it uses (never `this`): the launcher may end while
+  // it still waits for a node 0 that does not answer.
+  shared_ = std::make_shared<Shared>();
+  const std::optional<std::string> token = rendezvous_token();
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(port_);
   so.waitWorkers = false;
   so.timeout = timeout;
+  std::string store_host = addr;
+  if (token) {
+    // Behind a token the store answers on loopback only, at a port of its own; every client,
+    // node 0's ranks included, comes through the gate on --master-port (store_gate.h).
+    store_host = "127.0.0.1";
+    if (node_rank == 0) {
+      so.port = static_cast<uint16_t>(find_free_port());
+    } else {
+      shared_->relay = std::make_shared<StoreRelay>(addr, port_, *token, timeout);
+      so.port = static_cast<uint16_t>(shared_->relay->port());
+    }
+  }
   if (node_rank == 0) {
     so.isServer = true;
     QuietC10Log quiet;
     try {
-      store_ = c10::make_intrusive<c10d::TCPStore>(std::string("0.0.0.0"), so);
+      store_ = c10::make_intrusive<c10d::TCPStore>(token ? store_host : std::string("0.0.0.0"), so);
     } catch (const std::exception& e) {
-      throw Error(concat("node 0 cannot start the launchers' store on port ", port_,
-                         " (--master-port; is another job using it?): ", short_error(e)));
+      throw Error(concat("node 0 cannot start the launchers' store on port ", so.port,
+                         token ? " (the store behind the token gate)" : " (--master-port; is another job using it?)",
+                         ": ", short_error(e)));
     }
-    // One node: its launcher and ranks are all on this host, so the store is kept to the
-    // interface of --master-addr (loopback by default) and refuses other machines.
-    if (nnodes == 1) {
+    if (token) {
+      const std::string warning = confine_store_listener("127.0.0.1", so.port);
+      if (!warning.empty())
+        throw Error(concat("node 0 cannot keep the launchers' store to loopback behind the rendezvous token's gate "
+                           "(without that the token would protect nothing): ", warning));
+      shared_->gate = std::make_shared<StoreGate>(port_, so.port, *token);
+    } else if (nnodes == 1) {
+      // One node: its launcher and ranks are all on this host, so the store is kept to the
+      // interface of --master-addr (loopback by default) and refuses other machines.
       const std::string warning = confine_store_listener(addr, port_);
       if (!warning.empty()) std::fprintf(stderr, "tessera run: warning: %s\n", warning.c_str());
     }
   }
   if (nnodes == 1) return;  // no other node to wait for: the store only hosts the ranks'
-  // The store thread holds everything it uses (never `this`): the launcher may end while
-  // it still waits for a node 0 that does not answer.
-  shared_ = std::make_shared<Shared>();
   const std::string where = concat("the launchers' store at ", addr, ":", port_);
   const std::string unreachable = concat("node ", node_rank, " cannot reach node 0's launcher at ", addr, ":", port_,
                                          " (--master-addr:--master-port) within ", timeout.count() / 1000.0, " s: ");
@@ -120,14 +145,15 @@ LaunchRounds::LaunchRounds(const std::string& addr, int port, int nnodes, int no
   sigemptyset(&launcher_signals);
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&launcher_signals, sig);
   pthread_sigmask(SIG_BLOCK, &launcher_signals, &mask);
-  thread_ = std::thread([shared = shared_, store = store_, so, addr, where, unreachable]() mutable {
+  thread_ = std::thread([shared = shared_, store = store_, so, store_host, where, unreachable]() mutable {
     std::string no_store;
     if (!store) {
       QuietC10Log quiet;
       try {
-        store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+        store = c10::make_intrusive<c10d::TCPStore>(store_host, so);
       } catch (const std::exception& e) {
-        no_store = unreachable + short_error(e);
+        const std::string relay_error = shared->relay ? shared->relay->last_error() : "";
+        no_store = unreachable + (relay_error.empty() ? short_error(e) : relay_error);
       }
     }
     std::unique_lock<std::mutex> lock(shared->mu);

@@ -12,8 +12,12 @@
 
 #include <cctype>
 #include <cstdio>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "tessera/core/error.h"
+#include "tessera/distributed/store_gate.h"
 #include "tessera/distributed/store_listen.h"
 
 namespace tessera::distributed {
@@ -45,6 +49,15 @@ bool ran_out(std::chrono::milliseconds waited, std::chrono::milliseconds timeout
   return m.find("timed out") != std::string::npos || m.find("timeout") != std::string::npos;
 }
 
+// A rank's gate or relay serves its store until the process ends (the store handed out by
+// connect_store does not say when it is let go): kept here, never destroyed.
+void keep_until_exit(std::shared_ptr<void> p) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<std::shared_ptr<void>>();
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(std::move(p));
+}
+
 }  // namespace
 
 std::string short_error(const std::exception& e) {
@@ -69,6 +82,22 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
   if (so.isServer) so.numWorkers = static_cast<size_t>(w.world_size);
   so.waitWorkers = false;
   so.timeout = timeout;
+  // With a rendezvous token the store answers on loopback only, at a port of its own, behind
+  // a gate on MASTER_PORT; every rank, rank 0's own client aside, comes through a relay in its
+  // process (store_gate.h).
+  const std::optional<std::string> token = rendezvous_token();
+  std::string host = w.master_addr;
+  std::shared_ptr<StoreRelay> relay;
+  if (token) {
+    host = "127.0.0.1";
+    if (so.isServer) {
+      so.port = static_cast<uint16_t>(find_free_port());
+    } else {
+      relay = std::make_shared<StoreRelay>(w.master_addr, w.master_port, *token, timeout);
+      keep_until_exit(relay);
+      so.port = static_cast<uint16_t>(relay->port());
+    }
+  }
   const auto t0 = Clock::now();
   c10::intrusive_ptr<c10d::Store> store;
   // libtorch 2.x logs each failed connection attempt (a warning per retry, an error at the
@@ -80,10 +109,16 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
     ~QuietWarnings() { FLAGS_caffe2_log_level = saved; }
   } quiet;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, so);
-    // Every rank of a one-node job is on this host: the store is kept to the interface of
-    // MASTER_ADDR (loopback by default), so that no other machine can reach it (store_listen.h).
-    if (so.isServer && w.num_nodes == 1) {
+    store = c10::make_intrusive<c10d::TCPStore>(host, so);
+    if (so.isServer && token) {
+      const std::string warning = confine_store_listener("127.0.0.1", so.port);
+      if (!warning.empty())
+        throw CommError(concat("rank 0 cannot keep the rendezvous store to loopback behind the rendezvous token's "
+                               "gate (without that the token would protect nothing): ", warning));
+      keep_until_exit(std::make_shared<StoreGate>(w.master_port, so.port, *token));
+    } else if (so.isServer && w.num_nodes == 1) {
+      // Every rank of a one-node job is on this host: the store is kept to the interface of
+      // MASTER_ADDR (loopback by default), so that no other machine can reach it (store_listen.h).
       const std::string warning = confine_store_listener(w.master_addr, w.master_port);
       if (!warning.empty()) std::fprintf(stderr, "tessera: warning: rank 0: %s\n", warning.c_str());
     }
@@ -92,8 +127,14 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
     if (w.agent_store)
       store = c10::make_intrusive<c10d::PrefixStore>(concat("/worker/attempt_", w.restart_count), store);
     store->add(kJoinedKey, 1);
+  } catch (const CommError&) {
+    throw;
   } catch (const std::exception& e) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+    // Through a relay, its own account of the gate (a token mismatch, say) says more than c10d's.
+    const std::string relay_error = relay ? relay->last_error() : "";
+    if (!relay_error.empty())
+      throw CommError(concat("rank ", w.rank, " could not reach the rendezvous store: ", relay_error));
     const bool timed_out = ran_out(waited, timeout, e);
     if (so.isServer && !timed_out) {
       throw CommError(concat("rank ", w.rank, " could not start the rendezvous store on port ", w.master_port,
