@@ -90,7 +90,8 @@ soak: python-base build
 
 # Async saves, the launcher and a dead rank under ThreadSanitizer (build-tsan): the
 # library, CLI and worker built with -fsanitize=thread, run by scripts/tsan.sh.
-# libtorch/Gloo are not instrumented: see docs/reliability.md and scripts/tsan.supp.
+# libtorch/Gloo are not instrumented: see docs/development.md, "ThreadSanitizer", and
+# scripts/tsan.supp.
 test-tsan:
 	@bash scripts/setup.sh
 	cmake -S . -B build-tsan -G Ninja -DTESSERA_BUILD_BENCH=OFF \

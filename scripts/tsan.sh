@@ -8,7 +8,8 @@
 #      (expects exit 137), and the survivors' error path, 3 ranks;
 #   3. an FSDP training run with saves through Fabric, 2 ranks.
 # Any TSan report fails the run; reports land in OUT/tsan.* (printed). libtorch, Gloo and
-# libgomp are not instrumented: scripts/tsan.supp and docs/reliability.md say what that hides.
+# libgomp are not instrumented: scripts/tsan.supp and docs/development.md, "ThreadSanitizer",
+# say what that hides.
 set -uo pipefail
 BUILD="${1:-build-tsan}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
