@@ -4,7 +4,8 @@ JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
 .PHONY: all setup configure build test demo bench fuzz test-asan soak test-tsan clean \
-        python-base python-torch2 build-torch2 test-torch2 bench-torch2 test-python test-python-torch2
+        python-base python-torch2 build-torch2 test-torch2 bench-torch2 test-python test-python-torch2 \
+        check-docs
 
 all: build
 
@@ -32,8 +33,13 @@ build: setup configure
 test-python: python-base
 	.venv/bin/python -m pytest -q -p no:cacheprovider python/tests
 
+# Every repository path a comment or a doc names exists, and every link between the docs
+# finds its heading (scripts/check-doc-paths.py, Python's standard library: a second).
+check-docs:
+	python3 scripts/check-doc-paths.py
+
 # The Python environment first: configuring the suite detects what that Python can do.
-test: python-base test-python build
+test: python-base test-python check-docs build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
 # ---- the same project against the libtorch inside PyPI's torch 2.x wheel (a CUDA build):
