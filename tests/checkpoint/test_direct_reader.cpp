@@ -93,6 +93,23 @@ TEST(DirectReader, WithoutDirectIoReadsThroughThePageCache) {
   expect_reads(r, f, bytes, 3, bytes.size() - 3, 4096, 64 * 1024);
 }
 
+// TESSERA_NO_DIRECT_IO is a bool: 0 leaves direct I/O as it is without the variable (on,
+// where this filesystem takes O_DIRECT).
+TEST(DirectReader, NoDirectIoZeroLeavesDirectIoOn) {
+  const std::string dir = temp_dir();
+  random_file(dir + "/data", 1u << 20);
+  ck::File f(dir + "/data", "r");
+  ck::DirectReader r(2, 64 * 1024);
+  const bool unset = r.direct(f);
+  ::setenv("TESSERA_NO_DIRECT_IO", "0", 1);
+  const bool zero = ck::DirectReader(2, 64 * 1024).direct(f);
+  ::setenv("TESSERA_NO_DIRECT_IO", "1", 1);
+  const bool one = ck::DirectReader(2, 64 * 1024).direct(f);
+  ::unsetenv("TESSERA_NO_DIRECT_IO");
+  EXPECT_EQ(zero, unset);
+  EXPECT_FALSE(one);
+}
+
 TEST(DirectReader, ACheckErrorOrATruncatedFileIsRaisedAfterEverySegmentLanded) {
   const std::string dir = temp_dir();
   const std::string bytes = random_file(dir + "/data", 1u << 20);

@@ -11,6 +11,7 @@
 
 #include "support/scenario.h"
 #include "tessera/core/cpu_allocator.h"
+#include "tessera/core/env.h"
 #include "tessera/distributed/shm_times.h"
 
 using namespace tessera;
@@ -471,7 +472,7 @@ SCENARIO("restart_then_reduce") {
   const char* count_env = std::getenv("TORCHELASTIC_RESTART_COUNT");
   WCHECK(count_env != nullptr, "TORCHELASTIC_RESTART_COUNT is not set");
   const int count = std::stoi(count_env);
-  WCHECK(std::getenv("TESSERA_RESTART_COUNT") && std::stoi(std::getenv("TESSERA_RESTART_COUNT")) == count,
+  WCHECK(env::get_int("TESSERA_RESTART_COUNT") == count,
          "TESSERA_RESTART_COUNT differs from TORCHELASTIC_RESTART_COUNT");
   auto c = comm();
   at::Tensor t = at::full({4}, static_cast<double>(c->rank()));

@@ -24,6 +24,7 @@
 #include "tessera/checkpoint/storage/stream_writer.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/device.h"
+#include "tessera/core/env.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
 #include "tessera/core/strings.h"
@@ -327,7 +328,7 @@ void FullSave::create_file() {
 //    only where the filesystem keeps several clients' byte ranges apart.
 void FullSave::choose_writers() {
   std::string why_not;
-  const bool one_writer = std::getenv("TESSERA_FULL_SAVE_ONE_WRITER") != nullptr;
+  const bool one_writer = env::get_bool("TESSERA_FULL_SAVE_ONE_WRITER").value_or(false);
   try {
     if (rank_ != 0) {
       TESSERA_CHECK(!one_writer, "TESSERA_FULL_SAVE_ONE_WRITER is set");
@@ -528,8 +529,7 @@ void FullSave::read_back() {
     const auto t0 = Clock::now();
     const size_t next = static_cast<size_t>((rank_ + 1) % comm_.size());
     attempt([&] {
-      const char* v = std::getenv("TESSERA_FULL_SAVE_READ_BACK");
-      const std::string mode = v != nullptr ? v : one_kernel_ ? "edges" : "all";
+      const std::string mode = env::get("TESSERA_FULL_SAVE_READ_BACK").value_or(one_kernel_ ? "edges" : "all");
       TESSERA_CHECK(mode == "all" || mode == "edges", "TESSERA_FULL_SAVE_READ_BACK='", mode,
                     "': expected 'all' or 'edges'");
       std::vector<uint64_t> offsets;

@@ -15,6 +15,7 @@
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/storage/stream_writer.h"
 #include "tessera/checkpoint/writer.h"
+#include "tessera/core/env.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {
@@ -404,8 +405,7 @@ void flip_byte(const std::string& path, uint64_t at) {
 }
 
 bool test_fault(int rank, const char* what) {
-  const char* v = std::getenv("TESSERA_TEST_SAVE_FAULT");
-  return v != nullptr && std::string(v) == concat(rank, ":", what);
+  return env::get("TESSERA_TEST_SAVE_FAULT") == concat(rank, ":", what);
 }
 
 }  // namespace tessera::checkpoint

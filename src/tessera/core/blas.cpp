@@ -1,4 +1,5 @@
 #include "tessera/core/blas.h"
+#include "tessera/core/env.h"
 
 #include <dlfcn.h>
 #include <sys/stat.h>
@@ -89,11 +90,11 @@ std::string blas_summary() {
   const std::string name = corename();
   std::string s = "OpenBLAS " + name + " kernels";
   const char* forced = std::getenv("OPENBLAS_CORETYPE");
-  const char* by_us = std::getenv(kSetByTessera);
+  const std::optional<std::string> by_us = env::get(kSetByTessera);
   const std::string best = openblas_coretype_for_this_cpu();
   if (forced != nullptr) {
     s += std::string(" (OPENBLAS_CORETYPE=") + forced +
-         (by_us != nullptr && std::strcmp(by_us, forced) == 0 ? ", set by Tessera)" : ")");
+         (by_us == std::string(forced) ? ", set by Tessera)" : ")");
   } else if (!best.empty() && name != best && (name == "Prescott" || name == "Core2" || name == "Nehalem" ||
                                                name == "Sandybridge" || name == "Atom")) {
     s += " (generic; this CPU supports " + best + ": see tessera/core/blas.h)";

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "tessera/core/env.h"
 #include "tessera/core/error.h"
 
 namespace tessera::trainer {
@@ -55,7 +56,7 @@ ProgressBar::ProgressBar(ProgressBarOptions o, std::ostream* out) : opt_(std::mo
   // what comes after '\r' live): draw in place as on a terminal of that width.
   int relayed_columns = 0;
   if (fd == 2 && !::isatty(2))
-    if (const char* c = std::getenv("TESSERA_TTY_COLUMNS")) relayed_columns = std::atoi(c);
+    relayed_columns = static_cast<int>(env::get_int("TESSERA_TTY_COLUMNS", 0, 1 << 16).value_or(0));
   tty_ = opt_.tty ? *opt_.tty : (fd >= 0 && (::isatty(fd) || relayed_columns > 0));
   max_width_ = static_cast<size_t>(opt_.width);
   struct winsize ws {};

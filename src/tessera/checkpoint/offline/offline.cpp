@@ -23,6 +23,7 @@
 #include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/writer.h"
+#include "tessera/core/env.h"
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
 
@@ -409,8 +410,7 @@ const char* const kInterrupted = "interrupted: the unfinished output was removed
 // Test hook (TESSERA_TEST_PAUSE_BEFORE_COMMIT=1): stop before the commit with the
 // temporary complete, so that a test can interrupt a run at a known point.
 void test_pause_before_commit(const std::string& out, const std::string& tmp) {
-  const char* v = std::getenv("TESSERA_TEST_PAUSE_BEFORE_COMMIT");
-  if (v == nullptr || std::string(v) != "1") return;
+  if (!env::get_bool("TESSERA_TEST_PAUSE_BEFORE_COMMIT").value_or(false)) return;
   std::cerr << "tessera: test pause before committing '" << out << "' (temporary '" << tmp << "')" << std::endl;
   for (;;) ::pause();
 }

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "tessera/core/env.h"
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
 
@@ -42,7 +43,7 @@ namespace {
 // (TESSERA_NO_DIRECT_IO) or the same file cannot be had: the caller reads through `file`.
 File open_same_direct(const File& file, const struct stat& st) {
 #if defined(O_DIRECT)
-  if (std::getenv("TESSERA_NO_DIRECT_IO") != nullptr) return File();
+  if (env::get_bool("TESSERA_NO_DIRECT_IO").value_or(false)) return File();
   const std::string proc = concat("/proc/self/fd/", file.fd());
   int fd = ::open(proc.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
   if (fd < 0 && (errno == ENOENT || errno == ENOTDIR || errno == EACCES || errno == ELOOP))  // no /proc

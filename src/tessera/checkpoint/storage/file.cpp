@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "tessera/core/env.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {
@@ -22,9 +23,9 @@ uint64_t io_page_size() {
     // TESSERA_TEST_IO_PAGE_SIZE (tests only) replaces the system's value, to exercise 64 KiB
     // pages on a 4 KiB kernel; anything but a power of two of at least 4096 is refused.
     uint64_t n = 0;
-    if (const char* v = std::getenv("TESSERA_TEST_IO_PAGE_SIZE")) {
-      n = std::strtoull(v, nullptr, 0);
-      TESSERA_CHECK(n >= kDirectAlign && (n & (n - 1)) == 0, "TESSERA_TEST_IO_PAGE_SIZE='", v,
+    if (const auto v = env::get("TESSERA_TEST_IO_PAGE_SIZE")) {
+      n = std::strtoull(v->c_str(), nullptr, 0);
+      TESSERA_CHECK(n >= kDirectAlign && (n & (n - 1)) == 0, "TESSERA_TEST_IO_PAGE_SIZE='", *v,
                     "' (tests only) is not a power of two of at least 4096");
     }
     if (n == 0) {
@@ -76,8 +77,8 @@ const char* incoherent_fs_name(uint64_t f_type) {
 
 std::string shared_writes_refusal(const std::string& path) {
   uint64_t type = 0;
-  if (const char* v = std::getenv("TESSERA_TEST_FS_TYPE")) {  // tests only: replaces statfs's f_type
-    type = std::strtoull(v, nullptr, 0);
+  if (const auto v = env::get("TESSERA_TEST_FS_TYPE")) {  // tests only: replaces statfs's f_type
+    type = std::strtoull(v->c_str(), nullptr, 0);
   } else {
     struct statfs st;
     if (::statfs(path.c_str(), &st) != 0) return concat("cannot statfs '", path, "': ", err());
@@ -201,7 +202,7 @@ File File::adopt(int fd, const std::string& path) {
 
 File open_direct(const std::string& path, bool write) {
 #if defined(O_DIRECT)
-  if (std::getenv("TESSERA_NO_DIRECT_IO") == nullptr) {
+  if (!env::get_bool("TESSERA_NO_DIRECT_IO").value_or(false)) {
     const int fd = ::open(path.c_str(), (write ? O_WRONLY : O_RDONLY) | O_DIRECT | O_CLOEXEC);
     if (fd >= 0) return File::adopt(fd, path);
   }
