@@ -1,17 +1,19 @@
-// In-process strategy tests (one rank): wrapping keeps FQNs, tied parameters are
-// refused by name, DDP's missing-gradient error and unused-parameter handling,
-// evaluation without backward, option validation.
+// FSDP in one process: wrapping keeps FQNs and values, tied parameters are refused by name,
+// evaluation without backward leaves nothing gathered, a unit outside a strategy is plain,
+// hybrid sharding's option checks. Its multi-rank parity, checkpoint and resume tests are
+// in test_strategy.cpp (every strategy against the same single-process run).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-#include "tessera/strategy/ddp.h"
+#include "support/test_util.h"
 #include "tessera/strategy/fsdp.h"
 
 using namespace tessera;
 using namespace tessera::strategy;
+using tessera::testing::error_of;
 
 namespace {
 
@@ -26,26 +28,6 @@ struct TiedImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) { return b(a(x)); }
 };
 TORCH_MODULE(Tied);
-
-// `skip` is never used in forward.
-struct UnusedImpl : torch::nn::Module {
-  torch::nn::Linear used{nullptr}, skip{nullptr};
-  UnusedImpl() {
-    used = register_module("used", torch::nn::Linear(3, 2));
-    skip = register_module("skip", torch::nn::Linear(3, 2));
-  }
-  at::Tensor forward(const at::Tensor& x) { return used(x); }
-};
-TORCH_MODULE(Unused);
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 
@@ -108,29 +90,3 @@ TEST(FsdpLocal, HybridNeedsADividingNodeSize) {
   const std::string msg = error_of([&] { FsdpStrategy s(nullptr, o); });
   EXPECT_NE(msg.find("ranks_per_node 3"), std::string::npos) << msg;
 }
-
-TEST(DdpLocal, MissingGradientNamesTheParameter) {
-  DdpStrategy s(nullptr);
-  auto m = s.setup(torch::nn::AnyModule(Unused()));
-  const std::string msg = error_of([&] { s.backward(m.forward(at::randn({2, 3})).sum()); });
-  EXPECT_NE(msg.find("'skip.weight'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("find_unused_parameters"), std::string::npos) << msg;
-}
-
-TEST(DdpLocal, UnusedParametersKeepNoGradient) {
-  DdpOptions o;
-  o.find_unused_parameters = true;
-  DdpStrategy s(nullptr, o);
-  Unused net;
-  auto m = s.setup(torch::nn::AnyModule(net));
-  s.backward(m.forward(at::randn({2, 3})).sum());
-  EXPECT_TRUE(net->used->weight.grad().defined());
-  EXPECT_FALSE(net->skip->weight.grad().defined());
-}
-
-TEST(StrategyLocal, SetupTwiceIsAnError) {
-  SingleDeviceStrategy s;
-  s.setup(torch::nn::AnyModule(torch::nn::Linear(2, 2)));
-  EXPECT_THROW(s.setup(torch::nn::AnyModule(torch::nn::Linear(2, 2))), Error);
-}
-
