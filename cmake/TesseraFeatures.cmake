@@ -1,7 +1,7 @@
 # Configure-time feature detection against whatever libtorch was found.
 # Every 1.13-vs-2.x difference is decided here (by compiling probes, never by
-# comparing version numbers) and surfaced as macros in tessera/config.h, which
-# only tessera/core/compat.h reads.
+# comparing version numbers) and surfaced as macros in tessera/config.h
+# (cmake/config.h.in says who reads which).
 include(CheckCXXSourceCompiles)
 include(CMakePushCheckState)
 

@@ -1,4 +1,4 @@
-// Rank programs for the reliability tests (tests/unit/test_reliability*.cpp): a small
+// Rank programs for the reliability tests (tests/reliability/test_reliability*.cpp): a small
 // FSDP training run through Fabric in which one rank SIGKILLs itself at a chosen phase
 // (forward, backward, a collective, a save), and the load check of its checkpoint.
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-// CLI11 validators for the programs of this project (the `tessera` tool, examples/gpt)
+// CLI11 validators for the `tessera` tool (tools/tessera/cmd_run.cpp, cmd_ckpt.cpp)
 // whose messages read well: "--grace: must be between 0 and 3600, got 5000".
 // CLI11's own PositiveNumber / NonNegativeNumber print their bound, DBL_MAX, as a
 // 300-digit number, its Range prints "0.000000 to 3600.000000", and both accept "nan".

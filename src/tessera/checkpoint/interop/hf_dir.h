@@ -17,7 +17,7 @@
 // subdirectory, a consolidated.safetensors beside the shards) are not read. `total_size` is
 // informational, as for Hugging Face's own readers: a value that differs from the tensors'
 // bytes is reported (HfDirectory::notes: inspect and verify print it), not refused. The
-// Python reader (python/tessera_ckpt/_hf.py) makes the same checks with the same words.
+// Python reader (python/tessera_ckpt/_interop_hf_dir.py) makes the same checks with the same words.
 #pragma once
 #include <cstdint>
 #include <map>

@@ -1,6 +1,7 @@
 // A restricted Python unpickler (pickle protocols 2-5) for files Tessera reads but never
-// trusts: torch.save files (interop.cpp), PyTorch DCP metadata and the torch.save archives
-// inside .distcp files (dcp_import.cpp). It builds a tree of Python values; classes are only recorded (name,
+// trusts: torch.save files (torch_file.cpp, through pickle_archive.cpp), torch_xla's rank files
+// (xla_rank_file.cpp), PyTorch DCP metadata and the torch.save archives inside .distcp files
+// (dcp_import.cpp). It builds a tree of Python values; classes are only recorded (name,
 // constructor arguments, BUILD state), never called. A global outside the caller's
 // allow-list is refused where it appears (ForbiddenGlobal, naming it). For allowed
 // globals it knows what torch's pickles mean: torch.Size(tuple) -> a tuple,
