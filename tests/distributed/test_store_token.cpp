@@ -59,7 +59,7 @@ Child start_node(int node, int port, const std::string& token_file, const std::s
                                   "--nnodes",       "2",           "--node-rank", std::to_string(node),
                                   "--master-addr",  "127.0.0.1",   "--master-port", std::to_string(port),
                                   "--deadline",     "120"};
-  if (restarts) cmd.insert(cmd.end(), {"--max-restarts", "1"});
+  if (restarts) cmd.insert(cmd.end(), {"--max-restarts", "1", "--rdzv-timeout", std::to_string(std::stoi(timeout_ms) / 1000)});
   cmd.insert(cmd.end(), {"--", TESSERA_WORKER, "hold_store", go});
   return tessera::testing::spawn(cmd, {{"TESSERA_RDZV_TOKEN_FILE", token_file}, {"TESSERA_TEST_TIMEOUT_MS", timeout_ms}},
                                  [](const std::string& name) { return name == "TESSERA_RDZV_TOKEN"; });
@@ -167,23 +167,33 @@ TEST(StoreToken, TwoNodesMeetThroughTheGateAndClientsWithoutTheTokenAreRefused) 
   }
 }
 
-// A node started with another token: its rank is refused at once, in one line that names
-// the cause, and the job fails instead of meeting.
+// A node started with another token: its rank (or, with --max-restarts, its launcher) is
+// refused as soon as it reaches node 0, in one line that names the cause, and the job fails
+// instead of meeting.
 TEST(StoreToken, ANodeWithAnotherTokenIsRefusedNamingTheToken) {
-  const int port = tessera::testing::free_port();
-  const std::string dir = tessera::testing::temp_dir("tessera-token-mismatch");
-  tessera::testing::write_bytes(dir + "/a", "token A");
-  tessera::testing::write_bytes(dir + "/b", "token B");
-  Child n0 = start_node(0, port, dir + "/a", dir + "/go", false, "5000");
-  Child n1 = start_node(1, port, dir + "/b", dir + "/go", false, "5000");
-  ASSERT_GT(n0.pid, 0);
-  ASSERT_GT(n1.pid, 0);
-  const int rc1 = finish(n1, 60000);
-  const int rc0 = finish(n0, 60000);
-  EXPECT_NE(rc1, 0) << n1.text;
-  EXPECT_NE(rc0, 0) << n0.text;
-  EXPECT_CONTAINS(n1.text, "rank 1 could not reach the rendezvous store: the rendezvous store at 127.0.0.1:" +
-                               std::to_string(port) + " holds a different rendezvous token than this process");
-  EXPECT_CONTAINS(n0.text, "wrong rendezvous token");
-  EXPECT_EQ(n1.text.find("Exception raised from"), std::string::npos) << n1.text;
+  for (const bool restarts : {false, true}) {
+    const std::string what = restarts ? "the launchers' store" : "rank 0's store";
+    const int port = tessera::testing::free_port();
+    const std::string dir = tessera::testing::temp_dir("tessera-token-mismatch");
+    tessera::testing::write_bytes(dir + "/a", "token A");
+    tessera::testing::write_bytes(dir + "/b", "token B");
+    // Node 1 would wait up to 60 s for node 0's gate (a torch 2.x rank takes seconds to start);
+    // node 0 waits 10 s for a node 1 that never joins.
+    const auto t0 = std::chrono::steady_clock::now();
+    Child n0 = start_node(0, port, dir + "/a", dir + "/go", restarts, "10000");
+    Child n1 = start_node(1, port, dir + "/b", dir + "/go", restarts, "60000");
+    ASSERT_GT(n0.pid, 0);
+    ASSERT_GT(n1.pid, 0);
+    const int rc1 = finish(n1, 90000);
+    const auto node1_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const int rc0 = finish(n0, 90000);
+    EXPECT_NE(rc1, 0) << what << "\n" << n1.text;
+    EXPECT_NE(rc0, 0) << what << "\n" << n0.text;
+    EXPECT_CONTAINS(n1.text, "the rendezvous store at 127.0.0.1:" + std::to_string(port) +
+                                 " holds a different rendezvous token than this process");
+    if (!restarts) EXPECT_CONTAINS(n1.text, "rank 1 could not reach the rendezvous store: ");
+    EXPECT_LT(node1_s, 45.0) << what << ": node 1 waited for its timeout instead of failing when refused\n" << n1.text;
+    EXPECT_CONTAINS(n0.text, "wrong rendezvous token");
+    EXPECT_EQ(n1.text.find("Exception raised from"), std::string::npos) << n1.text;
+  }
 }

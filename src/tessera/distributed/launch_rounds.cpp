@@ -150,7 +150,10 @@ LaunchRounds::LaunchRounds(const std::string& addr, int port, int nnodes, int no
     if (!store) {
       QuietC10Log quiet;
       try {
-        store = c10::make_intrusive<c10d::TCPStore>(store_host, so);
+        auto make = [store_host, so]() -> c10::intrusive_ptr<c10d::Store> {
+          return c10::make_intrusive<c10d::TCPStore>(store_host, so);
+        };
+        store = shared->relay ? shared->relay->connect(make) : make();
       } catch (const std::exception& e) {
         const std::string relay_error = shared->relay ? shared->relay->last_error() : "";
         no_store = unreachable + (relay_error.empty() ? short_error(e) : relay_error);
@@ -168,7 +171,11 @@ LaunchRounds::LaunchRounds(const std::string& addr, int port, int nnodes, int no
         try {
           call->run(*store, answer);
         } catch (const std::exception& e) {
-          error = concat(where, " no longer answers (node 0's launcher is gone?): ", short_error(e));
+          // Through a relay whose token the gate refused (libtorch 1.13's client connects
+          // without a request, so the refusal shows at the first call), say that instead.
+          error = shared->relay && shared->relay->refused()
+                      ? concat("node 0's launcher refused this node: ", shared->relay->last_error())
+                      : concat(where, " no longer answers (node 0's launcher is gone?): ", short_error(e));
         }
       }
       lock.lock();

@@ -109,7 +109,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
     ~QuietWarnings() { FLAGS_caffe2_log_level = saved; }
   } quiet;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(host, so);
+    auto make = [host, so]() -> c10::intrusive_ptr<c10d::Store> { return c10::make_intrusive<c10d::TCPStore>(host, so); };
+    store = relay ? relay->connect(make) : make();
     if (so.isServer && token) {
       const std::string warning = confine_store_listener("127.0.0.1", so.port);
       if (!warning.empty())

@@ -12,13 +12,16 @@
 #include <unistd.h>
 
 #include <c10/util/hash.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -397,10 +400,12 @@ struct StoreRelay::Impl {
   std::chrono::milliseconds timeout{0};
   mutable std::mutex err_mu;
   std::string last_error;
+  std::atomic<bool> refused{false};
 
-  void failed(const std::string& why) {
+  void failed(const std::string& why, bool definitive = false) {
     std::lock_guard<std::mutex> lock(err_mu);
     last_error = why;
+    if (definitive) refused = true;
   }
 
   // The gate, reached and proven, or -1 (last_error says why).
@@ -435,7 +440,8 @@ struct StoreRelay::Impl {
       ::close(g);
       failed(concat(where, " holds a different rendezvous token than this process (TESSERA_RDZV_TOKEN/"
                            "TESSERA_RDZV_TOKEN_FILE must be the same on every node)",
-                    err.empty() || !gate_ok ? "" : concat(": ", err)));
+                    err.empty() || !gate_ok ? "" : concat(": ", err)),
+             /*definitive=*/true);
       return -1;
     }
     return g;
@@ -480,6 +486,38 @@ int StoreRelay::port() const { return impl_->port; }
 std::string StoreRelay::last_error() const {
   std::lock_guard<std::mutex> lock(impl_->err_mu);
   return impl_->last_error;
+}
+
+bool StoreRelay::refused() const { return impl_->refused; }
+
+c10::intrusive_ptr<c10d::Store> StoreRelay::connect(std::function<c10::intrusive_ptr<c10d::Store>()> make) {
+  struct Result {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    c10::intrusive_ptr<c10d::Store> store;
+    std::exception_ptr error;
+  };
+  auto r = std::make_shared<Result>();
+  std::thread([r, make = std::move(make)] {
+    c10::intrusive_ptr<c10d::Store> s;
+    std::exception_ptr e;
+    try {
+      s = make();
+    } catch (...) {
+      e = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(r->mu);
+    r->store = std::move(s);
+    r->error = e;
+    r->done = true;
+    r->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(r->mu);
+  while (!r->cv.wait_for(lock, std::chrono::milliseconds(50), [&] { return r->done; }))
+    if (refused()) throw Error(last_error());
+  if (r->error) std::rethrow_exception(r->error);
+  return r->store;
 }
 
 }  // namespace tessera::distributed

@@ -15,10 +15,17 @@
 // relay or the store (they reach them over loopback), and the traffic after the handshake,
 // which is neither encrypted nor authenticated. docs/reliability.md, "The rendezvous store".
 #pragma once
+#include <c10/util/intrusive_ptr.h>
+
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+
+namespace c10d {
+class Store;
+}
 
 namespace tessera::distributed {
 
@@ -58,6 +65,13 @@ class StoreRelay {
   int port() const;
   // Why the last connection to the gate failed ("" when none did), e.g. a token mismatch.
   std::string last_error() const;
+  // Whether the gate refused this process's token, or failed to prove its own: no later try
+  // can succeed.
+  bool refused() const;
+  // The store `make` creates (a c10d client of port()), or tessera::Error with last_error() as
+  // soon as the gate refuses: c10d's client would otherwise try again until its timeout. `make`
+  // runs on a thread of its own, left behind when the gate refuses.
+  c10::intrusive_ptr<c10d::Store> connect(std::function<c10::intrusive_ptr<c10d::Store>()> make);
   struct Impl;
 
  private:
