@@ -26,6 +26,10 @@ else
 fi
 echo "== checkpoints at scale: save / load planning for 8-16384 virtual ranks, Tessera vs PyTorch DCP (bench/scale) =="
 bash bench/scale/run.sh "$BUILD"
+# The long forms of the checkpoint layer's many-rank and crash tests (make test runs them at
+# 32 ranks and 8 kills).
+echo "== checkpoints at 64 real ranks (loaded at 48 and 96, resharded to 1,024) and 40 kills of a save loop (TESSERA_SOAK=1) =="
+TESSERA_SOAK=1 "$BUILD/bin/tessera_tests" --gtest_filter='CheckpointScale.*:CheckpointCrash.*' --gtest_color=no
 echo "== checkpoints at scale, against reality: real gpt train saves at 2/8/32/64 ranks equal the planner's prediction =="
 bash bench/scale/validate.sh "$BUILD"
 echo "== checkpoints at scale: the 80-block GPT resharded to 1,024 ranks (vs cp -r), inspected, resumed at 2 ranks =="

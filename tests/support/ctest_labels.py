@@ -23,8 +23,8 @@ import sys
 # build/Testing/Temporary/CTestCostData.txt of 2026-12-07, while a build ran beside it): seconds
 # of one run. `ctest_labels.py --measure COSTDATA` prints this table again from a newer run.
 SLOW = {
-    "CheckpointScale.SixtyFourRanksSaveLoadAt48And96AndReshardTo1024AndBack": 140,
-    "CheckpointCrash.KillDuringSaveLeavesALoadablePreviousCheckpoint": 118,
+    "CheckpointScale.ManyRanksSaveLoadAtFewerAndMoreAndReshardTo1024AndBack": 70,
+    "CheckpointCrash.KillDuringSaveLeavesALoadablePreviousCheckpoint": 48,
     "MetadataAgreement.BothReadersGiveEveryCraftedFileTheSameVerdictInTheSameWords": 44,
     "GptChecks.StoredHparamsAreCheckedLikeFlags": 35,
     "Install.OutOfTreeConsumerFindsAndLinksTessera": 31,
