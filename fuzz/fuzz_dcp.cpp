@@ -9,7 +9,7 @@
 #include <exception>
 #include <string>
 
-#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/offline/dcp_import.h"
 #include "tessera/checkpoint/storage/file.h"
 
 namespace ck = tessera::checkpoint;

@@ -9,7 +9,7 @@
 #include <exception>
 #include <string>
 
-#include "tessera/checkpoint/interop/xla_import.h"
+#include "tessera/checkpoint/offline/xla_import.h"
 #include "tessera/checkpoint/storage/file.h"
 
 namespace ck = tessera::checkpoint;

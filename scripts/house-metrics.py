@@ -21,8 +21,9 @@ import sys
 ROOT = os.environ.get("TESSERA_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # checkpoint/'s folders, lowest first: a file may include its own folder's headers and those
-# of folders listed before it. The top level (reader, writer, save, load, resume) is "".
-ORDER = ["storage", "format", "", "interop", "offline"]
+# of folders listed before it. The top level (reader, writer, save, load, resume, verify) is "".
+# The build enforces the same order (src/CMakeLists.txt, TESSERA_PARTS_checkpoint).
+ORDER = ["storage", "format", "interop", "", "offline"]
 
 
 def tracked(prefixes, exts):

@@ -19,9 +19,10 @@ pure-Python CRC is used).
 Each private module follows one C++ file and is named after it (_format_metadata.py:
 src/tessera/checkpoint/format/metadata.cpp); docs/python.md#the-code maps them all.
 """
-from . import _crc32c, _offline
+from . import _crc32c, _offline, _verify
 from ._error import CheckpointError, CheckpointNotFoundError
-from ._offline import inspect, verify
+from ._offline import inspect
+from ._verify import verify
 from ._reader import CheckpointReader, load
 
 __all__ = ["load", "inspect", "verify", "Checkpoint", "CheckpointError", "CheckpointNotFoundError", "crc32c"]
@@ -33,7 +34,7 @@ crc32c = _crc32c.crc32c
 class Checkpoint(CheckpointReader):
     """An open checkpoint: its metadata parsed and checked, data files opened on demand; what
     it holds is read by CheckpointReader (_reader.py), and it inspects and verifies itself as
-    inspect() and verify() do (_offline.py).
+    inspect() and verify() do (_offline.py, _verify.py).
 
         with tessera_ckpt.Checkpoint(path) as ck:
             ck.keys()              # every FQN, save order
@@ -46,4 +47,4 @@ class Checkpoint(CheckpointReader):
         return _offline.inspect_checkpoint(self)
 
     def verify(self):
-        return _offline.verify_checkpoint(self)
+        return _verify.verify_checkpoint(self)

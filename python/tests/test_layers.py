@@ -18,7 +18,7 @@ ORDER = [
     "_format_json", "_format_checksum", "_format_safetensors", "_format_metadata",  # checkpoint/format/
     "_storage_commit",                                            # checkpoint/storage/commit
     "_interop_hf_dir",                                            # checkpoint/interop/
-    "_reader", "_offline",                                        # checkpoint/reader, checkpoint/offline/
+    "_reader", "_verify", "_offline",                             # checkpoint/reader, verify, offline/
     "__init__", "__main__",                                       # tessera_ckpt, python -m tessera_ckpt
     "_dcp_members", "_state_optimizer_state", "_dcp_reader", "_dcp_writer", "_trainer_checkpoint",
     "dcp",                                                        # tessera_ckpt.dcp (torch 2.x)

@@ -25,7 +25,7 @@
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/format/safetensors.h"
-#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/offline/dcp_import.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/state/state_dict.h"
 

@@ -22,7 +22,7 @@
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/metadata.h"
-#include "tessera/checkpoint/interop/hf_export.h"
+#include "tessera/checkpoint/offline/hf_export.h"
 #include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/sharding/sharded_tensor.h"

@@ -20,7 +20,7 @@
 #include "support/child_process.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/offline/dcp_import.h"
 #include "tessera/checkpoint/interop/pickle_reader.h"
 #include "tessera/checkpoint/interop/torch_file.h"
 #include "tessera/checkpoint/storage/file.h"

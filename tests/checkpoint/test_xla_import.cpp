@@ -19,7 +19,7 @@
 #include "support/proc_memory.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/interop/torch_file.h"
-#include "tessera/checkpoint/interop/xla_import.h"
+#include "tessera/checkpoint/offline/xla_import.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/cpu_allocator.h"

@@ -18,7 +18,7 @@
 #include "reliability/reliability_util.h"
 #include "support/harness.h"
 #include "support/test_util.h"
-#include "tessera/checkpoint/interop/hf_export.h"
+#include "tessera/checkpoint/offline/hf_export.h"
 #include "tessera/checkpoint/offline/offline.h"
 #include "tessera_tests/python_features.h"
 

@@ -18,7 +18,7 @@
 #include "checkpoint/dcp_fixture.h"
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/offline/dcp_import.h"
 #include "tessera/checkpoint/offline/offline.h"
 
 using namespace tessera;

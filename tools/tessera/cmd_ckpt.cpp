@@ -19,10 +19,10 @@
 
 #include "commands.h"
 #include "tessera/checkpoint/format/metadata.h"
-#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/offline/dcp_import.h"
 #include "tessera/checkpoint/interop/hf_dir.h"
-#include "tessera/checkpoint/interop/hf_export.h"
-#include "tessera/checkpoint/interop/xla_import.h"
+#include "tessera/checkpoint/offline/hf_export.h"
+#include "tessera/checkpoint/offline/xla_import.h"
 #include "tessera/checkpoint/offline/offline.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/storage/commit.h"
@@ -181,7 +181,7 @@ Subcommand add_export(CLI::App& ckpt) {
   c->add_option("--format", a->format, "torch, safetensors or hf (a Hugging Face style directory of a model's weights)")
       ->default_val("torch")->check(CLI::IsMember({"torch", "safetensors", "hf"}));
   add_output(c, a->out, a->force, "file to write (a directory for --format hf)");
-  // --format hf only (checkpoint/interop/hf_export.h).
+  // --format hf only (checkpoint/offline/hf_export.h).
   c->add_option("--max-shard-size", a->max_shard_size,
                 "hf: the most bytes per file, e.g. 5GB (the default), 500MB, 2GiB or plain bytes; "
                 "a larger tensor gets a file of its own")
@@ -224,7 +224,7 @@ Subcommand add_export(CLI::App& ckpt) {
           }};
 }
 
-Subcommand add_import_dcp(CLI::App& ckpt) {  // checkpoint/interop/dcp_import.h
+Subcommand add_import_dcp(CLI::App& ckpt) {  // checkpoint/offline/dcp_import.h
   struct Args {
     std::string path, out;
     bool force = false, skip_non_tensors = false;
@@ -258,7 +258,7 @@ Subcommand add_import_dcp(CLI::App& ckpt) {  // checkpoint/interop/dcp_import.h
           }};
 }
 
-Subcommand add_import_xla(CLI::App& ckpt) {  // checkpoint/interop/xla_import.h
+Subcommand add_import_xla(CLI::App& ckpt) {  // checkpoint/offline/xla_import.h
   struct Args {
     std::string path, out;
     bool force = false, skip_non_tensors = false;

@@ -30,66 +30,59 @@ bool same_plain_kind(const Value& target, const Value& saved) {
   return std::holds_alternative<double>(target) && std::holds_alternative<int64_t>(saved);
 }
 
-}  // namespace
+// A target key the checkpoint can fill: its value in the target, its entry in the checkpoint.
+struct Job {
+  std::string fqn;
+  Value* v;
+  const EntryInfo* e;
+};
 
-namespace {
+// Why the target's value `v` of `fqn` cannot take the saved entry `e` ("" when it can).
+std::string mismatch(const std::string& fqn, const Value& v, const EntryInfo& e) {
+  const bool want_tensor = std::holds_alternative<at::Tensor>(v) || std::holds_alternative<sharding::ShardedTensor>(v);
+  if (!want_tensor) {
+    if (e.is_tensor()) return concat(fqn, ": the checkpoint holds a tensor, the target a ", state::kind_name(v));
+    if (!same_plain_kind(v, e.value))
+      return concat(fqn, ": the checkpoint holds a ", e.kind, ", the target a ", state::kind_name(v));
+    return "";
+  }
+  at::ScalarType dt;
+  std::vector<int64_t> shape;
+  if (auto t = std::get_if<at::Tensor>(&v)) {
+    if (!t->defined()) return fqn + ": the target tensor is undefined";
+    dt = t->scalar_type();
+    shape = t->sizes().vec();
+  } else {
+    const auto& st = std::get<sharding::ShardedTensor>(v);
+    dt = st.dtype();
+    shape = st.shape();
+  }
+  if (!e.is_tensor()) return concat(fqn, ": the checkpoint holds a ", e.kind, ", the target a tensor");
+  if (shape != e.shape)
+    return concat(fqn, ": shape ", core::shape_string(e.shape), " in the checkpoint, ", core::shape_string(shape),
+                  " in the target");
+  if (dt != e.dtype) return concat(fqn, ": dtype ", e.dtype, " in the checkpoint, ", dt, " in the target");
+  return "";
+}
 
-// Loads from `meta` (opened from `path`, its structure checked) into `target`.
-LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, const std::string& path,
-                     const LoadOptions& options) {
-  auto wanted = target.flatten();
-  LoadResult res;
-  std::set<std::string> wanted_keys;
-  struct Job {
-    std::string fqn;
-    Value* v;
-    const EntryInfo* e;
-  };
+// Phase 1, before anything is read: every key of the target against the checkpoint (what
+// it can fill, what is missing or mismatched), and the saved keys the target lacks (tensors
+// unexpected, plain values kept as leftovers). A strict load refuses any difference.
+std::vector<Job> match_keys(const CheckpointMetadata& meta, state::StateDict& target, const std::string& path,
+                            const LoadOptions& options, LoadResult& res) {
   std::vector<Job> jobs;
-  for (auto& [fqn, v] : wanted) {
+  std::set<std::string> wanted_keys;
+  for (auto& [fqn, v] : target.flatten()) {
     wanted_keys.insert(fqn);
     auto it = meta.entries.find(fqn);
-    const bool want_tensor = std::holds_alternative<at::Tensor>(*v) || std::holds_alternative<sharding::ShardedTensor>(*v);
     if (it == meta.entries.end()) {
       if (std::holds_alternative<std::shared_ptr<state::StateDict>>(*v)) continue;  // empty dict: nothing wanted
       res.missing.push_back(fqn);
       continue;
     }
-    const EntryInfo& e = it->second;
-    if (want_tensor) {
-      at::ScalarType dt;
-      std::vector<int64_t> shape;
-      if (auto t = std::get_if<at::Tensor>(v)) {
-        if (!t->defined()) {
-          res.mismatched.push_back(fqn + ": the target tensor is undefined");
-          continue;
-        }
-        dt = t->scalar_type();
-        shape = t->sizes().vec();
-      } else {
-        const auto& s = std::get<sharding::ShardedTensor>(*v);
-        dt = s.dtype();
-        shape = s.shape();
-      }
-      if (!e.is_tensor()) {
-        res.mismatched.push_back(concat(fqn, ": the checkpoint holds a ", e.kind, ", the target a tensor"));
-      } else if (shape != e.shape) {
-        res.mismatched.push_back(concat(fqn, ": shape ", core::shape_string(e.shape), " in the checkpoint, ", core::shape_string(shape),
-                                        " in the target"));
-      } else if (dt != e.dtype) {
-        res.mismatched.push_back(concat(fqn, ": dtype ", e.dtype, " in the checkpoint, ", dt, " in the target"));
-      } else {
-        jobs.push_back({fqn, v, &e});
-      }
-    } else {
-      if (e.is_tensor()) {
-        res.mismatched.push_back(concat(fqn, ": the checkpoint holds a tensor, the target a ", state::kind_name(*v)));
-      } else if (!same_plain_kind(*v, e.value)) {
-        res.mismatched.push_back(concat(fqn, ": the checkpoint holds a ", e.kind, ", the target a ", state::kind_name(*v)));
-      } else {
-        jobs.push_back({fqn, v, &e});
-      }
-    }
+    std::string why = mismatch(fqn, *v, it->second);
+    if (why.empty()) jobs.push_back({fqn, v, &it->second});
+    else res.mismatched.push_back(std::move(why));
   }
   for (const auto& k : meta.keys) {
     if (wanted_keys.count(k)) continue;
@@ -104,21 +97,23 @@ LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, c
     if (!res.mismatched.empty()) msg += concat(" Mismatched: ", core::join(res.mismatched), ".");
     throw Error(msg);
   }
+  return jobs;
+}
 
-  // Everything is validated; read. Tensors are read piece by piece (a plain tensor, or
-  // each local shard of a sharded one) with ReadAhead's window of requests in flight.
-  at::NoGradGuard no_grad;
-  ChunkReader reader(meta);
-  struct Piece {
-    const Job* job;
-    at::Tensor dst;
-    sharding::Box box;
-    std::vector<ChunkInfo> chunks;  // the saved chunks it overlaps, located
-  };
-  std::vector<Piece> pieces;
-  // Locating the chunks reads the headers of the data files that hold them, and no others
-  // (format 2): a rank's work grows with what it reads, not with the world size at save.
-  // An error here (a missing or mixed-up data file) comes before anything is written.
+// A tensor's part the load writes: a plain tensor whole, or one local shard of a sharded one.
+struct LoadPiece {
+  const Job* job;
+  at::Tensor dst;
+  sharding::Box box;
+  std::vector<ChunkInfo> chunks;  // the saved chunks it overlaps, located
+};
+
+// Phase 2: the pieces and the saved chunks each overlaps. Locating the chunks reads the
+// headers of the data files that hold them, and no others (format 2): a rank's work grows
+// with what it reads, not with the world size at save. An error here (a missing or
+// mixed-up data file) comes before anything is written.
+std::vector<LoadPiece> locate_pieces(ChunkReader& reader, const std::vector<Job>& jobs) {
+  std::vector<LoadPiece> pieces;
   for (const auto& j : jobs) {
     if (auto t = std::get_if<at::Tensor>(j.v)) {
       const sharding::Box box = sharding::full_box(j.e->shape);
@@ -128,6 +123,13 @@ LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, c
         pieces.push_back({&j, sh.tensor, sh.meta.box, reader.chunks(j.fqn, *j.e, sh.meta.box)});
     }
   }
+  return pieces;
+}
+
+// Phase 3: each piece read straight into the target (no second copy of the model in
+// memory), with ReadAhead's window of requests in flight. An error here (a checksum
+// mismatch, an I/O error) comes after the pieces before it were written, and says so.
+void read_pieces(ChunkReader& reader, std::vector<LoadPiece>& pieces, const std::string& path) {
   // The phases, for TESSERA_LOG_LEVEL=debug: requesting read-ahead (posix_fadvise can
   // block while the disk's queue is full) and reading + checking + placing the pieces.
   using Clock = std::chrono::steady_clock;
@@ -136,21 +138,18 @@ LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, c
   uint64_t bytes = 0;
   ReadAhead ahead(pieces.size(), [&](size_t i) {
     const auto t0 = Clock::now();
-    const Piece& q = pieces[i];
+    const LoadPiece& q = pieces[i];
     uint64_t n = 0;
     for (const auto& c : q.chunks) n += reader.prefetch(q.job->fqn, *q.job->e, c, q.box);
     prefetch_s += log::seconds(t0, Clock::now());
     bytes += n;
     return n;
   });
-  // Each piece is read straight into the target (no second copy of the model in memory):
-  // an error here (a checksum mismatch, an I/O error) comes after the pieces before it
-  // were written, and says so.
   size_t k = 0;
   try {
     for (; k < pieces.size(); ++k) {
       ahead.before(k);
-      Piece& p = pieces[k];
+      LoadPiece& p = pieces[k];
       const EntryInfo& e = *p.job->e;
       int64_t n = 0;
       for (const auto& c : p.chunks) n += reader.copy_into(p.job->fqn, e, c, p.dst, p.box);
@@ -167,6 +166,10 @@ LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, c
   const double read_s = log::seconds(t_read, Clock::now());
   log::debug("load('", path, "'): ", pieces.size(), " pieces, ", bytes >> 20, " MiB in ", read_s,
              " s: requesting read-ahead ", prefetch_s, " s, reading, checking and placing ", read_s - prefetch_s, " s");
+}
+
+// Phase 4: the plain values (an int saved where the target holds a float becomes a float).
+void set_values(const std::vector<Job>& jobs, LoadResult& res) {
   for (const auto& j : jobs) {
     if (std::holds_alternative<double>(*j.v) && std::holds_alternative<int64_t>(j.e->value)) {
       *j.v = static_cast<double>(std::get<int64_t>(j.e->value));
@@ -175,6 +178,18 @@ LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, c
     }
     res.loaded.push_back(j.fqn);
   }
+}
+
+// Loads from `meta` (opened from `path`, its structure checked) into `target`.
+LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, const std::string& path,
+                     const LoadOptions& options) {
+  LoadResult res;
+  const std::vector<Job> jobs = match_keys(meta, target, path, options, res);
+  at::NoGradGuard no_grad;
+  ChunkReader reader(meta);
+  std::vector<LoadPiece> pieces = locate_pieces(reader, jobs);
+  read_pieces(reader, pieces, path);
+  set_values(jobs, res);
   return res;
 }
 

@@ -31,12 +31,6 @@ CheckpointMetadata open_checkpoint(const std::string& path);
 // safetensors file whose header names a Tessera format).
 bool is_tessera_checkpoint(const std::string& path);
 
-// "" for a file that may be a checkpoint; for a Python pickle in place of one (the legacy,
-// non-zip torch.save format, or a pickle.dump), an error message naming the file and how
-// to re-save it. open_checkpoint() throws it; `tessera ckpt verify` reports it as not a
-// checkpoint rather than a corrupt one.
-std::string pickle_file_reason(const std::string& path);
-
 // Why `path` is no Tessera checkpoint at all, intact or damaged ("" when it may be one): a
 // directory that is another system's checkpoint (DCP, torch_xla rank files), a directory of
 // other safetensors files or any other directory without the metadata file, or a Python

@@ -12,7 +12,7 @@
 
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/format/safetensors.h"
-#include "tessera/checkpoint/offline/offline.h"
+#include "tessera/checkpoint/verify.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/save_steps.h"
 #include "tessera/checkpoint/storage/file.h"

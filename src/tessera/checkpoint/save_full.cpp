@@ -59,7 +59,7 @@ std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string
     for (size_t d = 0; d < p.box.offsets.size(); ++d)
       list.u64(static_cast<uint64_t>(p.box.offsets[d])).u64(static_cast<uint64_t>(p.box.sizes[d]));
   }
-  const AllStatus all = exchange_status(comm, {local_err, list.bytes()});
+  const AllOutcomes all = exchange_status(comm, {local_err, list.bytes()});
   err = all.errors();
   std::vector<bool> keep(mine.size(), false);
   if (!err.empty()) return keep;

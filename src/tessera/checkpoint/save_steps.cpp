@@ -95,21 +95,21 @@ TempGuard::~TempGuard() {
 
 // ------------------------------------------------------------------ outcomes
 
-bool AllStatus::ok() const {
-  return std::all_of(ranks.begin(), ranks.end(), [](const RankStatus& s) { return s.error.empty(); });
+bool AllOutcomes::ok() const {
+  return std::all_of(ranks.begin(), ranks.end(), [](const RankOutcome& s) { return s.error.empty(); });
 }
 
-std::string AllStatus::errors() const {
+std::string AllOutcomes::errors() const {
   std::string out;
   for (size_t r = 0; r < ranks.size(); ++r)
     if (!ranks[r].error.empty()) out += concat(out.empty() ? "" : "; ", "rank ", r, ": ", ranks[r].error);
   return out;
 }
 
-AllStatus exchange_status(distributed::Communicator& comm, const RankStatus& mine) {
+AllOutcomes exchange_status(distributed::Communicator& comm, const RankOutcome& mine) {
   // An error is sent without the payload: a failed rank has nothing to say.
   const auto all = comm.all_gather_bytes(Packer().str(mine.error).str(mine.error.empty() ? mine.payload : "").bytes());
-  AllStatus out;
+  AllOutcomes out;
   out.ranks.resize(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
     Unpacker in(all[r], concat("rank ", r, "'s status"));
@@ -121,7 +121,7 @@ AllStatus exchange_status(distributed::Communicator& comm, const RankStatus& min
 
 std::vector<std::string> exchange_or_throw(distributed::Communicator& comm, const std::string& error,
                                            const std::string& payload, const std::string& what) {
-  AllStatus s = exchange_status(comm, {error, payload});
+  AllOutcomes s = exchange_status(comm, {error, payload});
   TESSERA_CHECK(s.ok(), what, ": ", s.errors());
   std::vector<std::string> out;
   out.reserve(s.ranks.size());

@@ -76,21 +76,21 @@ class Unpacker {
 
 // What one rank tells the others at a step of a collective save: its error ("" when it
 // succeeded) and what it has to say when it succeeded (any bytes).
-struct RankStatus {
+struct RankOutcome {
   std::string error;
   std::string payload;
 };
 
-// Every rank's status, in rank order, learned by every rank with one all-gather: all
+// Every rank's outcome, in rank order, learned by every rank with one all-gather: all
 // then decide alike (fail together, or go on together) and nobody waits for a rank
 // that gave up.
-struct AllStatus {
-  std::vector<RankStatus> ranks;
+struct AllOutcomes {
+  std::vector<RankOutcome> ranks;
   bool ok() const;
   // "rank 1: ...; rank 3: ..." ("" when every rank succeeded): the same text everywhere.
   std::string errors() const;
 };
-AllStatus exchange_status(distributed::Communicator& comm, const RankStatus& mine);
+AllOutcomes exchange_status(distributed::Communicator& comm, const RankOutcome& mine);
 // The same, throwing tessera::Error("<what>: rank r: ...") on every rank when any rank
 // failed; else every rank's payload.
 std::vector<std::string> exchange_or_throw(distributed::Communicator& comm, const std::string& error,

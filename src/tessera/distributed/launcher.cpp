@@ -149,6 +149,12 @@ class RankGroup {
   std::vector<RankStatus> close();
 
  private:
+  // The environment of local rank `i` (global `rank`): the launcher's, torchrun's variables,
+  // and one OpenMP thread per rank on a shared machine unless told otherwise.
+  std::map<std::string, std::string> rank_env(const RoundSetup& s, int i, int rank) const;
+  // Forks and execs local rank `i` with `env`; "" or why it did not start.
+  std::string spawn(int i, int rank, const std::map<std::string, std::string>& env);
+
   const LaunchOptions& o_;
   LaunchGuard& guard_;
   std::vector<Child> children_;
@@ -156,122 +162,136 @@ class RankGroup {
   bool closed_ = false;
 };
 
-std::string RankGroup::start(const RoundSetup& s) {
-  const int world = o_.nproc_per_node * o_.nnodes;
-  const bool shared_machine = o_.nproc_per_node > 1;
+std::map<std::string, std::string> RankGroup::rank_env(const RoundSetup& s, int i, int rank) const {
+  std::map<std::string, std::string> env = o_.env;
+  env["RANK"] = std::to_string(rank);
+  env["WORLD_SIZE"] = std::to_string(o_.nproc_per_node * o_.nnodes);
+  env["LOCAL_RANK"] = std::to_string(i);
+  env["LOCAL_WORLD_SIZE"] = std::to_string(o_.nproc_per_node);
+  env["GROUP_RANK"] = std::to_string(o_.node_rank);
+  env["NODE_RANK"] = std::to_string(o_.node_rank);
+  env["MASTER_ADDR"] = o_.master_addr;
+  env["MASTER_PORT"] = std::to_string(s.port);
+  env["TESSERA_LAUNCHED"] = "1";
+  // torchrun's names: how often the job was restarted, and how often it may be.
+  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(s.round);
+  env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
+  env["TESSERA_RESTART_COUNT"] = std::to_string(s.round);
+  if (s.agent_store) env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  // The columns left after the "[rank R] " prefix.
+  if (s.live_columns > 0) env["TESSERA_TTY_COLUMNS"] = std::to_string(s.live_columns - 8 - std::to_string(rank).size());
+  if (o_.threads_per_rank > 0) {
+    env["OMP_NUM_THREADS"] = std::to_string(o_.threads_per_rank);
+  } else if (o_.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr && !o_.env.count("OMP_NUM_THREADS")) {
+    env["OMP_NUM_THREADS"] = "1";
+  }
+  return env;
+}
+
+namespace {
+
+// The child's side of spawn, between fork and exec: only async-signal-safe calls. Joins its
+// own process group, dies with the launcher, takes the default signal actions, keeps only
+// its stdout/stderr pipes, and execs; on failure it writes errno to `exec_fd` for the launcher.
+[[noreturn]] void exec_rank(pid_t launcher_pid, int guard_fd, const int out_p[2], const int err_p[2],
+                            const int exec_p[2], char* const argv[], char* const envp[]) {
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher_pid) ::_exit(127);
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  sigaction(SIGINT, &dfl, nullptr);
+  sigaction(SIGTERM, &dfl, nullptr);
+  sigaction(SIGHUP, &dfl, nullptr);
+  if (g_signal_pipe[0] >= 0) ::close(g_signal_pipe[0]);
+  if (g_signal_pipe[1] >= 0) ::close(g_signal_pipe[1]);
+  if (guard_fd >= 0) ::close(guard_fd);  // only the launcher may hold the guard's socket
+  ::close(exec_p[0]);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::dup2(out_p[1], 1);
+  ::dup2(err_p[1], 2);
+  ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
+  // Nothing else of the launcher's reaches the program: the other ranks' pipes, and
+  // the launchers' store's sockets (which would keep node 0's port taken by a rank).
+#if defined(SYS_close_range) && defined(CLOSE_RANGE_CLOEXEC)
+  ::syscall(SYS_close_range, 3u, ~0u, CLOSE_RANGE_CLOEXEC);
+#endif
+  ::execvpe(argv[0], argv, envp);
+  // Tell the launcher why (it names the program and the error); a successful exec
+  // closes this pipe instead (O_CLOEXEC).
+  const int err = errno;
+  ssize_t ignored = ::write(exec_p[1], &err, sizeof err);
+  (void)ignored;
+  ::_exit(127);
+}
+
+}  // namespace
+
+std::string RankGroup::spawn(int i, int rank, const std::map<std::string, std::string>& env) {
+  // Everything the child needs is prepared before fork: only async-signal-safe
+  // calls run between fork and exec.
+  std::vector<std::string> envs = make_env(env);
+  std::vector<char*> envp, argv;
+  for (auto& e : envs) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = o_.command;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   const pid_t launcher_pid = ::getpid();
   const int guard_fd = guard_.fd();
-  std::string error;
-  for (int i = 0; i < o_.nproc_per_node; ++i) {
-    const int rank = o_.node_rank * o_.nproc_per_node + i;
-    std::map<std::string, std::string> env = o_.env;
-    env["RANK"] = std::to_string(rank);
-    env["WORLD_SIZE"] = std::to_string(world);
-    env["LOCAL_RANK"] = std::to_string(i);
-    env["LOCAL_WORLD_SIZE"] = std::to_string(o_.nproc_per_node);
-    env["GROUP_RANK"] = std::to_string(o_.node_rank);
-    env["NODE_RANK"] = std::to_string(o_.node_rank);
-    env["MASTER_ADDR"] = o_.master_addr;
-    env["MASTER_PORT"] = std::to_string(s.port);
-    env["TESSERA_LAUNCHED"] = "1";
-    // torchrun's names: how often the job was restarted, and how often it may be.
-    env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(s.round);
-    env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
-    env["TESSERA_RESTART_COUNT"] = std::to_string(s.round);
-    if (s.agent_store) env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
-    // The columns left after the "[rank R] " prefix.
-    if (s.live_columns > 0) env["TESSERA_TTY_COLUMNS"] = std::to_string(s.live_columns - 8 - std::to_string(rank).size());
-    if (o_.threads_per_rank > 0) {
-      env["OMP_NUM_THREADS"] = std::to_string(o_.threads_per_rank);
-    } else if (shared_machine && std::getenv("OMP_NUM_THREADS") == nullptr && !o_.env.count("OMP_NUM_THREADS")) {
-      env["OMP_NUM_THREADS"] = "1";
-    }
-    // Everything the child needs is prepared before fork: only async-signal-safe
-    // calls run between fork and exec.
-    std::vector<std::string> envs = make_env(env);
-    std::vector<char*> envp, argv;
-    for (auto& e : envs) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> args = o_.command;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
 
-    int out_p[2], err_p[2], exec_p[2];
-    if (::pipe(out_p) != 0 || ::pipe(err_p) != 0 || ::pipe2(exec_p, O_CLOEXEC) != 0) {
-      error = std::string("pipe() failed: ") + std::strerror(errno);
-      break;
-    }
-    // Signals stay blocked across fork until the child has reset the launcher's
-    // handlers, so a TERM sent to a rank that has not exec'd yet takes the default
-    // action instead of running the launcher's handler in the child.
-    sigset_t all, old_mask;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old_mask);
-    pid_t pid = ::fork();
-    if (pid != 0) pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
-    if (pid < 0) {
-      error = std::string("fork() failed: ") + std::strerror(errno);
-      ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
-      ::close(exec_p[0]); ::close(exec_p[1]);
-      break;
-    }
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher_pid) ::_exit(127);
-      struct sigaction dfl {};
-      dfl.sa_handler = SIG_DFL;
-      sigemptyset(&dfl.sa_mask);
-      sigaction(SIGINT, &dfl, nullptr);
-      sigaction(SIGTERM, &dfl, nullptr);
-      sigaction(SIGHUP, &dfl, nullptr);
-      if (g_signal_pipe[0] >= 0) ::close(g_signal_pipe[0]);
-      if (g_signal_pipe[1] >= 0) ::close(g_signal_pipe[1]);
-      if (guard_fd >= 0) ::close(guard_fd);  // only the launcher may hold the guard's socket
-      ::close(exec_p[0]);
-      sigset_t none;
-      sigemptyset(&none);
-      sigprocmask(SIG_SETMASK, &none, nullptr);
-      ::dup2(out_p[1], 1);
-      ::dup2(err_p[1], 2);
-      ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
-      // Nothing else of the launcher's reaches the program: the other ranks' pipes, and
-      // the launchers' store's sockets (which would keep node 0's port taken by a rank).
-#if defined(SYS_close_range) && defined(CLOSE_RANGE_CLOEXEC)
-      ::syscall(SYS_close_range, 3u, ~0u, CLOSE_RANGE_CLOEXEC);
-#endif
-      ::execvpe(argv[0], argv.data(), envp.data());
-      // Tell the launcher why (it names the program and the error); a successful exec
-      // closes this pipe instead (O_CLOEXEC).
-      const int err = errno;
-      ssize_t ignored = ::write(exec_p[1], &err, sizeof err);
-      (void)ignored;
-      ::_exit(127);
-    }
-    ::setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
-    guard_.add(pid);
-    ::close(out_p[1]);
-    ::close(err_p[1]);
-    ::close(exec_p[1]);
-    // Wait for the exec: end of file when it succeeded, the child's errno when it failed.
-    int exec_errno = 0;
-    ssize_t got;
-    while ((got = ::read(exec_p[0], &exec_errno, sizeof exec_errno)) < 0 && errno == EINTR) {
-    }
-    ::close(exec_p[0]);
-    set_nonblock(out_p[0]);
-    set_nonblock(err_p[0]);
-    Child& c = children_[static_cast<size_t>(i)];
-    c.status.rank = rank;
-    c.status.pid = pid;
-    c.out.fd = out_p[0];
-    c.err.fd = err_p[0];
-    if (got == static_cast<ssize_t>(sizeof exec_errno)) {
-      exec_failed_rank_ = rank;
-      error = concat("cannot execute the program '", o_.command[0], "' for rank ", rank, ": ",
-                     std::strerror(exec_errno), " (errno ", exec_errno, ")");
-      break;
-    }
+  int out_p[2], err_p[2], exec_p[2];
+  if (::pipe(out_p) != 0 || ::pipe(err_p) != 0 || ::pipe2(exec_p, O_CLOEXEC) != 0)
+    return std::string("pipe() failed: ") + std::strerror(errno);
+  // Signals stay blocked across fork until the child has reset the launcher's
+  // handlers, so a TERM sent to a rank that has not exec'd yet takes the default
+  // action instead of running the launcher's handler in the child.
+  sigset_t all, old_mask;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, &old_mask);
+  pid_t pid = ::fork();
+  if (pid != 0) pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+  if (pid < 0) {
+    const std::string error = std::string("fork() failed: ") + std::strerror(errno);
+    ::close(out_p[0]); ::close(out_p[1]); ::close(err_p[0]); ::close(err_p[1]);
+    ::close(exec_p[0]); ::close(exec_p[1]);
+    return error;
+  }
+  if (pid == 0) exec_rank(launcher_pid, guard_fd, out_p, err_p, exec_p, argv.data(), envp.data());
+  ::setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
+  guard_.add(pid);
+  ::close(out_p[1]);
+  ::close(err_p[1]);
+  ::close(exec_p[1]);
+  // Wait for the exec: end of file when it succeeded, the child's errno when it failed.
+  int exec_errno = 0;
+  ssize_t got;
+  while ((got = ::read(exec_p[0], &exec_errno, sizeof exec_errno)) < 0 && errno == EINTR) {
+  }
+  ::close(exec_p[0]);
+  set_nonblock(out_p[0]);
+  set_nonblock(err_p[0]);
+  Child& c = children_[static_cast<size_t>(i)];
+  c.status.rank = rank;
+  c.status.pid = pid;
+  c.out.fd = out_p[0];
+  c.err.fd = err_p[0];
+  if (got == static_cast<ssize_t>(sizeof exec_errno)) {
+    exec_failed_rank_ = rank;
+    return concat("cannot execute the program '", o_.command[0], "' for rank ", rank, ": ", std::strerror(exec_errno),
+                  " (errno ", exec_errno, ")");
+  }
+  return "";
+}
+
+std::string RankGroup::start(const RoundSetup& s) {
+  std::string error;
+  for (int i = 0; i < o_.nproc_per_node && error.empty(); ++i) {
+    const int rank = o_.node_rank * o_.nproc_per_node + i;
+    error = spawn(i, rank, rank_env(s, i, rank));
   }
   if (!error.empty()) {
     signal(SIGKILL);

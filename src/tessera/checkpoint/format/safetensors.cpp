@@ -116,70 +116,67 @@ const File& SafetensorsReader::file() const {
   return file_;
 }
 
-SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path), file_(open_for_reading(path)) {
-  check_little_endian();
-  {
-    struct stat st;
-    TESSERA_CHECK(::fstat(file_.fd(), &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
-    dev_ = static_cast<uint64_t>(st.st_dev);
-    ino_ = static_cast<uint64_t>(st.st_ino);
-    size_ = static_cast<uint64_t>(st.st_size);
-  }
-  TESSERA_CHECK(size_ >= 8, "'", path, "' is not a safetensors file: ", size_, " bytes, shorter than the 8-byte header length");
-  unsigned char lenbuf[8];
-  file_.pread_exact(0, lenbuf, 8);
+namespace {
+
+// The header's JSON text, after its 8-byte length (kept in `lenbuf` for the header checksum).
+std::string read_header_text(const File& f, uint64_t size, const std::string& path, unsigned char lenbuf[8]) {
+  TESSERA_CHECK(size >= 8, "'", path, "' is not a safetensors file: ", size, " bytes, shorter than the 8-byte header length");
+  f.pread_exact(0, lenbuf, 8);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | lenbuf[i];
   TESSERA_CHECK(n <= kMaxHeaderBytes, "'", path, "': safetensors header length ", n, " exceeds the limit of ",
                 kMaxHeaderBytes, " bytes");
-  TESSERA_CHECK(n >= 2 && 8 + n <= size_, "'", path, "': safetensors header length ", n,
-                " does not fit in the file of ", size_, " bytes (truncated?)");
+  TESSERA_CHECK(n >= 2 && 8 + n <= size, "'", path, "': safetensors header length ", n,
+                " does not fit in the file of ", size, " bytes (truncated?)");
   std::string text(n, '\0');
-  file_.pread_exact(8, text.data(), n);
-  nlohmann::json h = parse_json_strict(text, concat("'", path, "': safetensors header"));
-  TESSERA_CHECK(h.is_object(), "'", path, "': safetensors header is not a JSON object");
-  const uint64_t data_start = 8 + n;
-  const uint64_t data_len = size_ - data_start;
-  for (auto it = h.begin(); it != h.end(); ++it) {
-    const std::string& name = it.key();
-    const auto& v = it.value();
-    if (name == "__metadata__") {
-      TESSERA_CHECK(v.is_object() || v.is_null(), "'", path, "': __metadata__ is not an object");
-      if (v.is_object())
-        for (auto m = v.begin(); m != v.end(); ++m) {
-          TESSERA_CHECK(m.value().is_string(), "'", path, "': __metadata__ value '", m.key(), "' is not a string");
-          metadata_[m.key()] = m.value().get<std::string>();
-        }
-      continue;
-    }
-    const std::string what = concat("'", path, "' tensor '", name, "'");
-    TESSERA_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"), what,
-                  ": entry needs dtype, shape and data_offsets");
-    TESSERA_CHECK(v["dtype"].is_string(), what, ": dtype is not a string");
-    TensorEntry e;
-    e.name = name;
-    e.dtype = parse_dtype(v["dtype"].get<std::string>(), what);
-    TESSERA_CHECK(v["shape"].is_array(), what, ": shape is not an array");
-    for (const auto& d : v["shape"]) {
-      TESSERA_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, what, ": shape has a bad dimension ", d.dump());
-      e.shape.push_back(d.get<int64_t>());
-    }
-    const auto& off = v["data_offsets"];
-    TESSERA_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
-                  what, ": data_offsets must be two non-negative integers");
-    const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
-    TESSERA_CHECK(b <= en && en <= data_len, what, ": data_offsets [", b, ", ", en, "] outside the data section of ",
-                  data_len, " bytes (truncated file?)");
-    TESSERA_CHECK(en - b == byte_size(e.shape, e.dtype, what), what, ": data_offsets cover ", en - b,
-                  " bytes but the shape and dtype need ", byte_size(e.shape, e.dtype, what));
-    e.begin = data_start + b;
-    e.end = data_start + en;
-    index_[name] = entries_.size();
-    entries_.push_back(std::move(e));
+  f.pread_exact(8, text.data(), n);
+  return text;
+}
+
+// __metadata__: an object of strings (or null).
+void parse_user_metadata(const nlohmann::json& v, const std::string& path, std::map<std::string, std::string>& out) {
+  TESSERA_CHECK(v.is_object() || v.is_null(), "'", path, "': __metadata__ is not an object");
+  if (!v.is_object()) return;
+  for (auto m = v.begin(); m != v.end(); ++m) {
+    TESSERA_CHECK(m.value().is_string(), "'", path, "': __metadata__ value '", m.key(), "' is not a string");
+    out[m.key()] = m.value().get<std::string>();
   }
-  // Contiguous, non-overlapping coverage of the data section.
+}
+
+// One tensor's entry: dtype, shape, and data offsets inside the data section
+// [data_start, data_start + data_len) that hold exactly its bytes.
+TensorEntry parse_entry(const std::string& name, const nlohmann::json& v, const std::string& path, uint64_t data_start,
+                        uint64_t data_len) {
+  const std::string what = concat("'", path, "' tensor '", name, "'");
+  TESSERA_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"), what,
+                ": entry needs dtype, shape and data_offsets");
+  TESSERA_CHECK(v["dtype"].is_string(), what, ": dtype is not a string");
+  TensorEntry e;
+  e.name = name;
+  e.dtype = parse_dtype(v["dtype"].get<std::string>(), what);
+  TESSERA_CHECK(v["shape"].is_array(), what, ": shape is not an array");
+  for (const auto& d : v["shape"]) {
+    TESSERA_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, what, ": shape has a bad dimension ", d.dump());
+    e.shape.push_back(d.get<int64_t>());
+  }
+  const auto& off = v["data_offsets"];
+  TESSERA_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
+                what, ": data_offsets must be two non-negative integers");
+  const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
+  TESSERA_CHECK(b <= en && en <= data_len, what, ": data_offsets [", b, ", ", en, "] outside the data section of ",
+                data_len, " bytes (truncated file?)");
+  TESSERA_CHECK(en - b == byte_size(e.shape, e.dtype, what), what, ": data_offsets cover ", en - b,
+                " bytes but the shape and dtype need ", byte_size(e.shape, e.dtype, what));
+  e.begin = data_start + b;
+  e.end = data_start + en;
+  return e;
+}
+
+// The entries in data order, checked to cover [data_start, size) contiguously, without overlap.
+std::vector<const TensorEntry*> check_coverage(const std::vector<TensorEntry>& entries, uint64_t data_start,
+                                               uint64_t size, const std::string& path) {
   std::vector<const TensorEntry*> sorted;
-  for (auto& e : entries_) sorted.push_back(&e);
+  for (auto& e : entries) sorted.push_back(&e);
   std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) {
     return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
   });
@@ -189,45 +186,87 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path), fil
                   e->begin < pos ? " and overlaps the previous tensor" : " leaving a gap", " (expected ", pos, ")");
     pos = e->end;
   }
-  TESSERA_CHECK(pos == size_, "'", path, "': ", size_ - pos, " bytes after the last tensor are not covered by the header");
-  // Tessera block checksums.
-  auto c = metadata_.find("tessera.crc32c");
-  if (c != metadata_.end()) {
-    const std::string bs = meta("tessera.crc32c_block");
-    TESSERA_CHECK(!bs.empty() && bs.find_first_not_of("0123456789") == std::string::npos && bs.size() < 12,
-                  "'", path, "': bad tessera.crc32c_block '", bs, "'");
-    crc_block_ = std::stoull(bs);
-    check_crc_block(crc_block_, concat("'", path, "': tessera.crc32c_block"));
-    uint64_t total = 0;
-    for (auto* e : sorted) total += num_blocks(e->nbytes(), crc_block_);
-    TESSERA_CHECK(c->second.size() == 8 * total, "'", path, "': tessera.crc32c holds ", c->second.size() / 8,
-                  " checksums for ", total, " blocks");
-    size_t k = 0;
-    for (auto* e : sorted) {
-      auto& v = crcs_[e->name];
-      for (uint64_t i = 0; i < num_blocks(e->nbytes(), crc_block_); ++i, ++k)
-        v.push_back(parse_crc_hex(c->second.substr(8 * k, 8), concat("'", path, "' tensor '", e->name, "'")));
-    }
+  TESSERA_CHECK(pos == size, "'", path, "': ", size - pos, " bytes after the last tensor are not covered by the header");
+  return sorted;
+}
+
+// Tessera block checksums (tessera.crc32c, one per block of tessera.crc32c_block bytes of
+// each tensor, in data order): the block size (0 without them) and each tensor's list.
+uint64_t read_block_crcs(const std::map<std::string, std::string>& metadata,
+                         const std::vector<const TensorEntry*>& sorted, const std::string& path,
+                         std::map<std::string, std::vector<uint32_t>>& crcs) {
+  auto c = metadata.find("tessera.crc32c");
+  if (c == metadata.end()) return 0;
+  auto bi = metadata.find("tessera.crc32c_block");
+  const std::string bs = bi == metadata.end() ? "" : bi->second;
+  TESSERA_CHECK(!bs.empty() && bs.find_first_not_of("0123456789") == std::string::npos && bs.size() < 12,
+                "'", path, "': bad tessera.crc32c_block '", bs, "'");
+  const uint64_t block = std::stoull(bs);
+  check_crc_block(block, concat("'", path, "': tessera.crc32c_block"));
+  uint64_t total = 0;
+  for (auto* e : sorted) total += num_blocks(e->nbytes(), block);
+  TESSERA_CHECK(c->second.size() == 8 * total, "'", path, "': tessera.crc32c holds ", c->second.size() / 8,
+                " checksums for ", total, " blocks");
+  size_t k = 0;
+  for (auto* e : sorted) {
+    auto& v = crcs[e->name];
+    for (uint64_t i = 0; i < num_blocks(e->nbytes(), block); ++i, ++k)
+      v.push_back(parse_crc_hex(c->second.substr(8 * k, 8), concat("'", path, "' tensor '", e->name, "'")));
   }
-  // Header checksum: every byte of a Tessera header (names, shapes, offsets, plain values,
-  // padding) is covered, so a flipped header byte cannot load as a different checkpoint.
-  // Checked last so that structural errors keep their specific messages.
+  return block;
+}
+
+// Header checksum: every byte of a Tessera header (names, shapes, offsets, plain values,
+// padding) is covered, so a flipped header byte cannot load as a different checkpoint.
+void check_header_crc(const std::map<std::string, std::string>& metadata, const unsigned char lenbuf[8],
+                      const std::string& text, const std::string& path) {
   bool tessera_meta = false;
-  for (const auto& [k, v] : metadata_) tessera_meta |= k.rfind("tessera.", 0) == 0;
-  if (tessera_meta) {
-    auto hc = metadata_.find("tessera.header_crc32c");
-    TESSERA_CHECK(hc != metadata_.end(), "'", path, "': Tessera header without tessera.header_crc32c — the header is ",
-                  "corrupt (or the file predates header checksums)");
-    const std::string marker = kHeaderCrcMarker;
-    const size_t at = text.find(marker);
-    TESSERA_CHECK(at != std::string::npos && text.find(marker, at + 1) == std::string::npos &&
-                      at + marker.size() + 8 <= text.size() && text.compare(at + marker.size(), 8, hc->second) == 0,
-                  "'", path, "': tessera.header_crc32c is not where the writer puts it — the header is corrupt");
-    const uint32_t want = parse_crc_hex(hc->second, concat("'", path, "' tessera.header_crc32c"));
-    const uint32_t got = header_crc(lenbuf, text, at + marker.size());
-    TESSERA_CHECK(got == want, "'", path, "': header checksum mismatch (tessera.header_crc32c ", hc->second,
-                  ", computed ", crc_hex(got), ") — the header is corrupt");
+  for (const auto& [k, v] : metadata) tessera_meta |= k.rfind("tessera.", 0) == 0;
+  if (!tessera_meta) return;
+  auto hc = metadata.find("tessera.header_crc32c");
+  TESSERA_CHECK(hc != metadata.end(), "'", path, "': Tessera header without tessera.header_crc32c — the header is ",
+                "corrupt (or the file predates header checksums)");
+  const std::string marker = kHeaderCrcMarker;
+  const size_t at = text.find(marker);
+  TESSERA_CHECK(at != std::string::npos && text.find(marker, at + 1) == std::string::npos &&
+                    at + marker.size() + 8 <= text.size() && text.compare(at + marker.size(), 8, hc->second) == 0,
+                "'", path, "': tessera.header_crc32c is not where the writer puts it — the header is corrupt");
+  const uint32_t want = parse_crc_hex(hc->second, concat("'", path, "' tessera.header_crc32c"));
+  const uint32_t got = header_crc(lenbuf, text, at + marker.size());
+  TESSERA_CHECK(got == want, "'", path, "': header checksum mismatch (tessera.header_crc32c ", hc->second,
+                ", computed ", crc_hex(got), ") — the header is corrupt");
+}
+
+}  // namespace
+
+// The header read and checked in full: its length, its JSON, every entry, the entries'
+// coverage of the data section, the block checksums, then the header checksum (last, so
+// that structural errors keep their specific messages).
+SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path), file_(open_for_reading(path)) {
+  check_little_endian();
+  {
+    struct stat st;
+    TESSERA_CHECK(::fstat(file_.fd(), &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
+    dev_ = static_cast<uint64_t>(st.st_dev);
+    ino_ = static_cast<uint64_t>(st.st_ino);
+    size_ = static_cast<uint64_t>(st.st_size);
   }
+  unsigned char lenbuf[8];
+  const std::string text = read_header_text(file_, size_, path, lenbuf);
+  nlohmann::json h = parse_json_strict(text, concat("'", path, "': safetensors header"));
+  TESSERA_CHECK(h.is_object(), "'", path, "': safetensors header is not a JSON object");
+  const uint64_t data_start = 8 + text.size();
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      parse_user_metadata(it.value(), path, metadata_);
+      continue;
+    }
+    index_[it.key()] = entries_.size();
+    entries_.push_back(parse_entry(it.key(), it.value(), path, data_start, size_ - data_start));
+  }
+  const auto sorted = check_coverage(entries_, data_start, size_, path);
+  crc_block_ = read_block_crcs(metadata_, sorted, path, crcs_);
+  check_header_crc(metadata_, lenbuf, text, path);
 }
 
 const TensorEntry* SafetensorsReader::find(const std::string& name) const {

@@ -138,6 +138,180 @@ Index read_index(const std::string& dir) {
   return ix;
 }
 
+// Reading a directory, in phases: which shards to read (the index's weight map, or the
+// single file), every shard's header, the weight map against the shards, the checksum
+// blocks, then the checkpoint's description. Problems are collected across the phases and
+// thrown together (HfDirectoryError), so that one error names every disagreement.
+class HfDirectoryRead {
+ public:
+  explicit HfDirectoryRead(const std::string& dir)
+      : dir_(dir), iq_(concat("'", join_path(dir, kHfIndexFile), "'")) {}
+
+  HfDirectory run() {
+    out_.has_index = path_exists(join_path(dir_, kHfIndexFile));
+    if (out_.has_index) map_shards_from_index();
+    else by_file_[kHfSingleFile] = {};
+    open_shards();
+    check_shards_against_map();
+    check_crc_blocks();
+    throw_problems();
+    describe();
+    return std::move(out_);
+  }
+
+ private:
+  // The shards the weight map names, and those of the same series it does not.
+  void map_shards_from_index() {
+    ix_ = read_index(dir_);
+    out_.total_size = ix_.total_size;
+    if (!ix_.bad_total_size.empty())
+      out_.notes.push_back(concat(iq_, ": metadata.total_size is ", ix_.bad_total_size, ", not a byte count: ignored ",
+                                  "(not an error: Hugging Face's readers do not use it)"));
+    for (const auto& [t, f] : ix_.weight_map) {
+      if (plain_name(f)) by_file_[f].push_back(t);
+      else problems_.push_back(concat(iq_, ": tensor '", t, "' is mapped to '", escape_path(f),
+                                      "', which is not a plain file name inside the directory"));
+    }
+    TESSERA_CHECK(by_file_.count(kHfSingleFile) || !path_exists(join_path(dir_, kHfSingleFile)), "'", dir_,
+                  "' holds both ", kHfSingleFile, " and ", kHfIndexFile, ", whose weight map does not name it: ",
+                  "which of them is the model is ambiguous (transformers would read ", kHfSingleFile,
+                  "); remove the stale one");
+    // A shard of the same series that the map does not name (model-00002-of-00003 when
+    // the map names 00001 and 00003) is read too: its tensors are unmapped.
+    std::set<std::string> series;
+    for (const auto& [f, tensors] : by_file_)
+      if (!series_of(f).empty()) series.insert(series_of(f));
+    if (!series.empty()) {
+      std::vector<std::string> names = list_dir(dir_);
+      std::sort(names.begin(), names.end());
+      for (const auto& n : names)
+        if (!by_file_.count(n) && series.count(series_of(n))) by_file_[n] = {};
+    }
+  }
+
+  // Every shard's header, parsed and checked; its descriptor closed at once (a model of
+  // thousands of shards is opened one file at a time).
+  void open_shards() {
+    for (const auto& [f, tensors] : by_file_) {
+      const std::string path = join_path(dir_, f);
+      if (!path_exists(path)) {  // (a shard found by listing the directory has no tensor mapped)
+        problems_.push_back(tensors.empty() ? concat("'", path, "' does not exist")
+                                            : concat(iq_, ": shard '", f, "' is missing (the weight map puts ",
+                                                     tensors.size(), " tensor(s) there, e.g. '", tensors.front(), "')"));
+        continue;
+      }
+      const std::string bad = file_problem(dir_, f);
+      if (!bad.empty()) {
+        problems_.push_back(bad);
+        continue;
+      }
+      try {
+        auto r = std::make_unique<SafetensorsReader>(path);
+        r->close_file();
+        shards_.emplace(f, std::move(r));
+      } catch (const ResourceError&) {
+        throw;
+      } catch (const std::exception& e) {
+        problems_.push_back(e.what());
+      }
+    }
+  }
+
+  // The shards against each other (a tensor in two of them) and against the weight map
+  // when there is one (a tensor mapped to a shard that does not hold it, or held by a shard
+  // without being mapped).
+  void check_shards_against_map() {
+    std::map<std::string, std::vector<std::string>> holders;  // tensor -> the shards holding it
+    for (const auto& [f, r] : shards_)
+      for (const auto& t : r->entries()) holders[t.name].push_back(join_path(dir_, f));
+    for (const auto& [t, files] : holders)
+      if (files.size() > 1)
+        problems_.push_back(
+            concat("tensor '", t, "' is in ", files.size(), " shards, ", quoted_list(files), " (duplicated)"));
+    if (!out_.has_index) return;
+    for (const auto& [t, f] : ix_.weight_map) {
+      auto s = shards_.find(f);
+      if (s == shards_.end() || s->second->find(t) != nullptr) continue;
+      auto h = holders.find(t);
+      problems_.push_back(concat(iq_, ": tensor '", t, "' is mapped to '", f, "', but '", join_path(dir_, f),
+                                 "' does not hold it",
+                                 h == holders.end() ? "" : " (it is in " + quoted_list(h->second) + ")"));
+    }
+    for (const auto& [f, r] : shards_)
+      for (const TensorEntry* t : in_data_order(*r))
+        if (!ix_.weight_map.count(t->name))
+          problems_.push_back(concat("'", join_path(dir_, f), "': tensor '", t->name, "' is not in the weight map of ",
+                                     iq_, " (unmapped)"));
+  }
+
+  // Checksums (a Tessera export carries them): one block size for the whole directory.
+  void check_crc_blocks() {
+    CheckpointMetadata& m = out_.meta;
+    std::string crc_file;
+    for (const auto& [f, r] : shards_) {
+      if (r->crc_block() == 0) continue;
+      if (m.crc_block == 0) {
+        m.crc_block = r->crc_block();
+        crc_file = f;
+      } else if (r->crc_block() != m.crc_block) {
+        problems_.push_back(concat("'", join_path(dir_, f), "' has checksum blocks of ", r->crc_block(), " bytes, '",
+                                   join_path(dir_, crc_file), "' of ", m.crc_block, " (shards of different writers)"));
+      }
+    }
+  }
+
+  void throw_problems() {
+    if (problems_.empty()) return;
+    std::string msg = problems_.front();
+    for (size_t i = 1; i < problems_.size() && i < kMaxProblemsShown; ++i) msg += "; " + problems_[i];
+    if (problems_.size() > kMaxProblemsShown)
+      msg += concat("; and ", problems_.size() - kMaxProblemsShown, " more problem(s)");
+    throw HfDirectoryError(msg, std::move(problems_));
+  }
+
+  // The checkpoint: one whole-tensor entry per tensor, in each shard's data order.
+  void describe() {
+    CheckpointMetadata& m = out_.meta;
+    m.source_kind = "hf";
+    m.location = dir_;
+    m.world_size = 1;
+    for (const auto& [f, r] : shards_) {
+      m.files.emplace_back(f, r->file_size());
+      for (const TensorEntry* t : in_data_order(*r)) {
+        EntryInfo e;
+        e.kind = "tensor";
+        e.dtype = t->dtype;
+        e.shape = t->shape;
+        if (t->nbytes() > 0) {
+          ChunkInfo c;
+          c.box = sharding::full_box(t->shape);
+          c.file = f;
+          c.name = t->name;
+          c.begin = t->begin;
+          c.end = t->end;
+          if (const auto* crcs = r->crcs(t->name)) c.crcs = *crcs;
+          e.chunks.push_back(std::move(c));
+        }
+        out_.file_of[t->name] = f;
+        out_.tensor_bytes += t->nbytes();
+        m.keys.push_back(t->name);
+        m.entries.emplace(t->name, std::move(e));
+      }
+    }
+    if (out_.total_size && *out_.total_size != out_.tensor_bytes)
+      out_.notes.push_back(concat(iq_, ": metadata.total_size is ", *out_.total_size, " but the tensors hold ",
+                                  out_.tensor_bytes,
+                                  " bytes (not an error: Hugging Face's readers do not check it either)"));
+  }
+
+  const std::string dir_, iq_;  // iq_: "'DIR/model.safetensors.index.json'" for messages
+  HfDirectory out_;
+  Index ix_;
+  std::map<std::string, std::vector<std::string>> by_file_;  // file -> the tensors mapped there, sorted
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> shards_;
+  std::vector<std::string> problems_;
+};
+
 }  // namespace
 
 bool is_hf_directory(const std::string& dir) {
@@ -145,143 +319,7 @@ bool is_hf_directory(const std::string& dir) {
          (path_exists(join_path(dir, kHfIndexFile)) || path_exists(join_path(dir, kHfSingleFile)));
 }
 
-HfDirectory read_hf_directory(const std::string& dir) {
-  HfDirectory out;
-  const std::string index_path = join_path(dir, kHfIndexFile);
-  const std::string iq = concat("'", index_path, "'");
-  out.has_index = path_exists(index_path);
-  Index ix;
-  std::map<std::string, std::vector<std::string>> by_file;  // file -> the tensors mapped there, sorted
-  std::vector<std::string> problems;
-  if (out.has_index) {
-    ix = read_index(dir);
-    out.total_size = ix.total_size;
-    if (!ix.bad_total_size.empty())
-      out.notes.push_back(concat(iq, ": metadata.total_size is ", ix.bad_total_size, ", not a byte count: ignored ",
-                                 "(not an error: Hugging Face's readers do not use it)"));
-    for (const auto& [t, f] : ix.weight_map) {
-      if (plain_name(f)) by_file[f].push_back(t);
-      else problems.push_back(concat(iq, ": tensor '", t, "' is mapped to '", escape_path(f),
-                                     "', which is not a plain file name inside the directory"));
-    }
-    TESSERA_CHECK(by_file.count(kHfSingleFile) || !path_exists(join_path(dir, kHfSingleFile)), "'", dir,
-                  "' holds both ", kHfSingleFile, " and ", kHfIndexFile, ", whose weight map does not name it: ",
-                  "which of them is the model is ambiguous (transformers would read ", kHfSingleFile,
-                  "); remove the stale one");
-    // A shard of the same series that the map does not name (model-00002-of-00003 when
-    // the map names 00001 and 00003) is read too: its tensors are unmapped.
-    std::set<std::string> series;
-    for (const auto& [f, tensors] : by_file)
-      if (!series_of(f).empty()) series.insert(series_of(f));
-    if (!series.empty()) {
-      std::vector<std::string> names = list_dir(dir);
-      std::sort(names.begin(), names.end());
-      for (const auto& n : names)
-        if (!by_file.count(n) && series.count(series_of(n))) by_file[n] = {};
-    }
-  } else {
-    by_file[kHfSingleFile] = {};
-  }
-
-  // Every shard's header, parsed and checked; its descriptor closed at once (a model of
-  // thousands of shards is opened one file at a time).
-  std::map<std::string, std::unique_ptr<SafetensorsReader>> shards;
-  for (const auto& [f, tensors] : by_file) {
-    const std::string path = join_path(dir, f);
-    if (!path_exists(path)) {  // (a shard found by listing the directory has no tensor mapped)
-      problems.push_back(tensors.empty() ? concat("'", path, "' does not exist")
-                                         : concat(iq, ": shard '", f, "' is missing (the weight map puts ",
-                                                  tensors.size(), " tensor(s) there, e.g. '", tensors.front(), "')"));
-      continue;
-    }
-    const std::string bad = file_problem(dir, f);
-    if (!bad.empty()) {
-      problems.push_back(bad);
-      continue;
-    }
-    try {
-      auto r = std::make_unique<SafetensorsReader>(path);
-      r->close_file();
-      shards.emplace(f, std::move(r));
-    } catch (const ResourceError&) {
-      throw;
-    } catch (const std::exception& e) {
-      problems.push_back(e.what());
-    }
-  }
-
-  // The weight map against the shards.
-  std::map<std::string, std::vector<std::string>> holders;  // tensor -> the shards holding it
-  for (const auto& [f, r] : shards)
-    for (const auto& t : r->entries()) holders[t.name].push_back(join_path(dir, f));
-  for (const auto& [t, files] : holders)
-    if (files.size() > 1)
-      problems.push_back(concat("tensor '", t, "' is in ", files.size(), " shards, ", quoted_list(files), " (duplicated)"));
-  if (out.has_index) {
-    for (const auto& [t, f] : ix.weight_map) {
-      auto s = shards.find(f);
-      if (s == shards.end() || s->second->find(t) != nullptr) continue;
-      auto h = holders.find(t);
-      problems.push_back(concat(iq, ": tensor '", t, "' is mapped to '", f, "', but '", join_path(dir, f),
-                                "' does not hold it", h == holders.end() ? "" : " (it is in " + quoted_list(h->second) + ")"));
-    }
-    for (const auto& [f, r] : shards)
-      for (const TensorEntry* t : in_data_order(*r))
-        if (!ix.weight_map.count(t->name))
-          problems.push_back(concat("'", join_path(dir, f), "': tensor '", t->name, "' is not in the weight map of ", iq,
-                                    " (unmapped)"));
-  }
-  // Checksums (a Tessera export carries them): one block size for the whole directory.
-  CheckpointMetadata& m = out.meta;
-  std::string crc_file;
-  for (const auto& [f, r] : shards) {
-    if (r->crc_block() == 0) continue;
-    if (m.crc_block == 0) {
-      m.crc_block = r->crc_block();
-      crc_file = f;
-    } else if (r->crc_block() != m.crc_block) {
-      problems.push_back(concat("'", join_path(dir, f), "' has checksum blocks of ", r->crc_block(), " bytes, '",
-                                join_path(dir, crc_file), "' of ", m.crc_block, " (shards of different writers)"));
-    }
-  }
-  if (!problems.empty()) {
-    std::string msg = problems.front();
-    for (size_t i = 1; i < problems.size() && i < kMaxProblemsShown; ++i) msg += "; " + problems[i];
-    if (problems.size() > kMaxProblemsShown) msg += concat("; and ", problems.size() - kMaxProblemsShown, " more problem(s)");
-    throw HfDirectoryError(msg, std::move(problems));
-  }
-
-  m.source_kind = "hf";
-  m.location = dir;
-  m.world_size = 1;
-  for (const auto& [f, r] : shards) {
-    m.files.emplace_back(f, r->file_size());
-    for (const TensorEntry* t : in_data_order(*r)) {
-      EntryInfo e;
-      e.kind = "tensor";
-      e.dtype = t->dtype;
-      e.shape = t->shape;
-      if (t->nbytes() > 0) {
-        ChunkInfo c;
-        c.box = sharding::full_box(t->shape);
-        c.file = f;
-        c.name = t->name;
-        c.begin = t->begin;
-        c.end = t->end;
-        if (const auto* crcs = r->crcs(t->name)) c.crcs = *crcs;
-        e.chunks.push_back(std::move(c));
-      }
-      out.file_of[t->name] = f;
-      out.tensor_bytes += t->nbytes();
-      m.keys.push_back(t->name);
-      m.entries.emplace(t->name, std::move(e));
-    }
-  }
-  if (out.total_size && *out.total_size != out.tensor_bytes)
-    out.notes.push_back(concat(iq, ": metadata.total_size is ", *out.total_size, " but the tensors hold ",
-                               out.tensor_bytes, " bytes (not an error: Hugging Face's readers do not check it either)"));
-  return out;
-}
+HfDirectory read_hf_directory(const std::string& dir) { return HfDirectoryRead(dir).run(); }
 
 CheckpointMetadata open_hf_directory(const std::string& dir) { return read_hf_directory(dir).meta; }
 

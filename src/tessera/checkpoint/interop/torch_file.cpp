@@ -183,4 +183,21 @@ void TorchExportWriter::finish() {
   finished_ = true;
 }
 
+std::string pickle_file_reason(const std::string& path) {
+  // A pickle starts with PROTO (0x80) and its protocol (2 for torch.save's legacy format);
+  // read as a safetensors header length, those bytes and the next six give a number far
+  // beyond the file, which no safetensors file has.
+  File f(path, "r");
+  const uint64_t size = f.size();
+  if (size < 8) return "";
+  unsigned char b[8];
+  f.pread_exact(0, b, 8);
+  uint64_t n = 0;
+  for (int k = 7; k >= 0; --k) n = (n << 8) | b[k];
+  if (b[0] != 0x80 || b[1] < 2 || b[1] > 5 || n <= size - 8) return "";
+  return concat("'", path, "' is a Python pickle, not a zip archive or a safetensors file: the legacy (non-zip) ",
+                "torch.save format is not supported; re-save it with torch.save(obj, path, ",
+                "_use_new_zipfile_serialization=True) (the default since torch 1.6)");
+}
+
 }  // namespace tessera::checkpoint

@@ -27,6 +27,12 @@ namespace tessera::checkpoint {
 // The whole file's tensors are held in memory (chunks with `memory` set).
 CheckpointMetadata import_torch_file(const std::string& path);
 
+// "" for a file that may be a checkpoint; for a Python pickle in place of one (the legacy,
+// non-zip torch.save format, or a pickle.dump), an error message naming the file and how
+// to re-save it. open_checkpoint() throws it; `tessera ckpt verify` reports it as not a
+// checkpoint rather than a corrupt one.
+std::string pickle_file_reason(const std::string& path);
+
 // The name of the marker record (under the archive's folder) and what it holds.
 inline constexpr const char* kTorchExportRecord = "tessera-export";
 inline constexpr const char* kTorchExportMarker = "tessera-torch-export 1\n";

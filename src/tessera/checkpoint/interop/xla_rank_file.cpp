@@ -4,7 +4,7 @@
 // read here: each persistent id becomes a storage of the right dtype and element count
 // on the meta device (no memory), so the tensors the unpickler rebuilds on them carry
 // their geometry, and the storage they view says which record holds their bytes. Also:
-// which rank files an import INPUT names (xla_rank_files, xla_import.h).
+// which rank files an import INPUT names (xla_rank_files, xla_rank_file.h).
 #include "tessera/checkpoint/interop/xla_rank_file.h"
 
 #include <ATen/ATen.h>
@@ -19,9 +19,8 @@
 
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/interop/pickle_reader.h"
-#include "tessera/checkpoint/interop/xla_import.h"
+#include "tessera/checkpoint/interop/torch_file.h"
 #include "tessera/checkpoint/interop/zip_index.h"
-#include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 

@@ -1,8 +1,8 @@
-// One rank file of a torch_xla FSDP checkpoint (xla_import.h), read without its tensor
+// One rank file of a torch_xla FSDP checkpoint (offline/xla_import.h), read without its tensor
 // data: the zip's records are located (zip_index.h), data.pkl is unpickled by the
 // restricted unpickler (pickle_reader.h) with storages that hold no bytes, and every tensor
 // becomes a TensorRef (its record's file offset, dtype, shape, strides), read later one
-// piece at a time. Internal to the checkpoint layer.
+// piece at a time. Beneath the import (offline/xla_import.h), which is its one user.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -87,3 +87,12 @@ bool parse_rank_name(const std::string& path, RankName& n);
 std::string at_key(const std::string& path, const std::string& key);
 
 }  // namespace tessera::checkpoint::xla
+
+namespace tessera::checkpoint {
+
+// The rank files INPUT names: a directory (its files NAME_rank-XXXXXXXX-of-YYYYYYYY.pth, one
+// such set), a glob pattern (quoted, expanded here), or one file. Errors name what is
+// missing: a rank file of the set, or any file at all.
+std::vector<std::string> xla_rank_files(const std::string& input);
+
+}  // namespace tessera::checkpoint

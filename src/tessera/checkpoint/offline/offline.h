@@ -1,10 +1,14 @@
 // Offline checkpoint operations behind `tessera ckpt` (no process group needed):
-// inspect, verify, consolidate, reshard and export. Each streams one tensor (or one
+// inspect, verify (verify.h), consolidate, reshard and export. Each streams one tensor (or one
 // piece) at a time, so memory stays bounded by the largest tensor.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
+
+// verify sits below the offline operations (the collective resume uses it too); declared
+// there, and available through this header as before.
+#include "tessera/checkpoint/verify.h"
 
 namespace tessera::checkpoint {
 
@@ -12,28 +16,6 @@ namespace tessera::checkpoint {
 // dtype, shape, chunks, bytes; plain values shown inline; the shard file of each tensor of
 // a Hugging Face directory).
 std::string inspect(const std::string& path);
-
-struct VerifyReport {
-  bool ok = true;
-  std::vector<std::string> problems;  // each names the file and/or key; the first 100 (offline.cpp)
-  int64_t more_problems = 0;          // found past those, counted only ("and K more problem(s)")
-  int64_t chunks_checked = 0;
-  uint64_t bytes_checked = 0;
-  bool has_checksums = true;          // false for foreign safetensors / torch files
-  std::string kind;                   // the source's kind ("sharded", ..., "hf"); "" when it could not be opened
-  std::vector<std::string> notes;     // remarks that are no problem (an "hf" index's total_size)
-};
-// Completeness (metadata, every data file present with its size, headers valid,
-// chunks tiling every tensor) and every checksum. A Hugging Face directory (interop/hf_dir.h)
-// has none: its weight map is checked against the shards and every byte is read. Never
-// throws for a bad checkpoint; throws ResourceError (safetensors.h) when this process runs
-// out of a resource (descriptors) that says nothing about the checkpoint.
-VerifyReport verify(const std::string& path);
-// One part of that work, for `parts` processes verifying one checkpoint together (the
-// collective checkpoint::find_resumable): every part opens the metadata and checks it; part
-// `part` checks the data files r and the chunks i with r, i = part (mod parts). The parts'
-// problems together are verify(path)'s.
-VerifyReport verify(const std::string& path, int part, int parts);
 
 // The most ranks `reshard` writes a checkpoint for (one data file per rank).
 constexpr int kMaxReshardWorldSize = 65536;

@@ -10,7 +10,7 @@
 //  - shard_metadata.shard_info[M's name][shard name] = {_orig_size, _orig_name}; state dict
 //    keys drop the "_fpw_module." levels, the original names keep them, and neither keeps
 //    "_fsdp_wrapped_module" once consolidated.
-#include "tessera/checkpoint/interop/xla_import.h"
+#include "tessera/checkpoint/offline/xla_import.h"
 
 #include <ATen/ATen.h>
 #include <stdlib.h>

@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "tessera/checkpoint/interop/xla_rank_file.h"
+
 namespace tessera::checkpoint {
 
 struct XlaImportOptions {
@@ -44,10 +46,7 @@ struct XlaImportResult {
   std::vector<std::pair<std::string, std::string>> skipped;  // (key, why) of values left out
 };
 
-// The rank files INPUT names: a directory (its files NAME_rank-XXXXXXXX-of-YYYYYYYY.pth, one
-// such set), a glob pattern (quoted, expanded here), or one file. Errors name what is
-// missing: a rank file of the set, or any file at all.
-std::vector<std::string> xla_rank_files(const std::string& input);
+// xla_rank_files(INPUT), the rank files an INPUT names: interop/xla_rank_file.h.
 
 // Reads the torch_xla FSDP checkpoint INPUT names and writes the Tessera sharded checkpoint
 // `out` (through a temporary sibling, committed atomically; an existing `out` is replaced

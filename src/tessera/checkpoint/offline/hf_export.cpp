@@ -1,4 +1,4 @@
-#include "tessera/checkpoint/interop/hf_export.h"
+#include "tessera/checkpoint/offline/hf_export.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -179,74 +179,91 @@ std::vector<std::vector<size_t>> plan_hf_shards(const std::vector<uint64_t>& siz
   return files;
 }
 
-HfExportResult export_hf(const std::string& src, const std::string& out_arg, const HfExportOptions& options,
-                         bool force) {
-  std::string out = out_arg;  // "dir/" names "dir"
-  while (out.size() > 1 && out.back() == '/') out.pop_back();
-  TESSERA_CHECK(options.max_shard_size >= 1, "the max shard size must be at least 1 byte");
-  CheckpointMetadata m = open_checkpoint(src);
-  ChunkReader(m).check_structure();  // what verify checks of the structure, before anything is read
-  offline_check_not_source(src, m, out);
+namespace {
 
-  // Which tensors, under which names.
-  HfExportResult res;
-  if (options.prefix) {
-    res.prefix = *options.prefix;
-    if (!res.prefix.empty() && res.prefix.back() != '.') res.prefix += '.';
-  } else {
-    res.prefix = "model.";
-    const bool any = std::any_of(m.keys.begin(), m.keys.end(), [&](const std::string& k) {
-      return m.entries.at(k).is_tensor() && k.compare(0, res.prefix.size(), res.prefix) == 0;
-    });
-    if (!any) res.prefix.clear();
+// One export, in the order of its phases: open and check the source, choose the tensors
+// and their names, cut them into shard files, write the files (published together).
+class HfExport {
+ public:
+  HfExport(const std::string& src, const HfExportOptions& options) : src_(src), options_(options) {}
+
+  HfExportResult run(const std::string& out, bool force) {
+    TESSERA_CHECK(options_.max_shard_size >= 1, "the max shard size must be at least 1 byte");
+    m_ = open_checkpoint(src_);
+    ChunkReader(m_).check_structure();  // what verify checks of the structure, before anything is read
+    offline_check_not_source(src_, m_, out);
+    choose_prefix();
+    select_tensors();
+    check_hf_output(out, force);
+    plan_files();
+    offline_publish(out, true, [&](const std::string& tmp) { write(tmp); });
+    return std::move(res_);
   }
-  std::vector<Item> items;
-  uint64_t largest_in = 0, largest_out = 0;
-  bool converts = false;
-  for (const auto& k : m.keys) {
-    const EntryInfo& e = m.entries.at(k);
-    if (!e.is_tensor() || k.compare(0, res.prefix.size(), res.prefix) != 0) continue;
-    Item it{k, k.substr(res.prefix.size()), output_dtype(e.dtype, options.dtype), 0};
-    TESSERA_CHECK(!it.name.empty(), "key '", k, "' of '", src, "' is empty once the prefix '", res.prefix,
-                  "' is removed");
-    it.bytes = byte_size(e.shape, it.out_dtype, k);
-    largest_in = std::max(largest_in, byte_size(e.shape, e.dtype, k));
-    if (it.out_dtype != e.dtype) {
-      converts = true;
-      largest_out = std::max(largest_out, it.bytes);
+
+ private:
+  // The prefix removed from the keys: --prefix, else "model." when some tensor key has it.
+  void choose_prefix() {
+    if (options_.prefix) {
+      res_.prefix = *options_.prefix;
+      if (!res_.prefix.empty() && res_.prefix.back() != '.') res_.prefix += '.';
+      return;
     }
-    res.total_size += it.bytes;
-    items.push_back(std::move(it));
+    res_.prefix = "model.";
+    const bool any = std::any_of(m_.keys.begin(), m_.keys.end(), [&](const std::string& k) {
+      return m_.entries.at(k).is_tensor() && k.compare(0, res_.prefix.size(), res_.prefix) == 0;
+    });
+    if (!any) res_.prefix.clear();
   }
-  if (items.empty()) {
-    TESSERA_CHECK(options.prefix.has_value(), "'", src, "' holds no tensor to export");
-    throw Error(concat("--prefix '", *options.prefix, "' matches no tensor of '", src, "' (tensor keys begin with ",
-                       key_heads(m), ")"));
+
+  // The tensors under the prefix, their names and dtypes in the export, and the largest
+  // tensor as saved and as converted (what the buffers hold).
+  void select_tensors() {
+    for (const auto& k : m_.keys) {
+      const EntryInfo& e = m_.entries.at(k);
+      if (!e.is_tensor() || k.compare(0, res_.prefix.size(), res_.prefix) != 0) continue;
+      Item it{k, k.substr(res_.prefix.size()), output_dtype(e.dtype, options_.dtype), 0};
+      TESSERA_CHECK(!it.name.empty(), "key '", k, "' of '", src_, "' is empty once the prefix '", res_.prefix,
+                    "' is removed");
+      it.bytes = byte_size(e.shape, it.out_dtype, k);
+      largest_in_ = std::max(largest_in_, byte_size(e.shape, e.dtype, k));
+      if (it.out_dtype != e.dtype) {
+        converts_ = true;
+        largest_out_ = std::max(largest_out_, it.bytes);
+      }
+      res_.total_size += it.bytes;
+      items_.push_back(std::move(it));
+    }
+    if (items_.empty()) {
+      TESSERA_CHECK(options_.prefix.has_value(), "'", src_, "' holds no tensor to export");
+      throw Error(concat("--prefix '", *options_.prefix, "' matches no tensor of '", src_,
+                         "' (tensor keys begin with ", key_heads(m_), ")"));
+    }
+    res_.tensors = items_.size();
   }
-  res.tensors = items.size();
-  check_hf_output(out, force);
 
-  std::vector<uint64_t> sizes;
-  for (const auto& it : items) sizes.push_back(it.bytes);
-  const auto plan = plan_hf_shards(sizes, options.max_shard_size);
-  for (size_t f = 0; f < plan.size(); ++f)
-    res.files.push_back(plan.size() == 1 ? std::string(kSingleFile) : shard_file_name(f + 1, plan.size()));
-  if (plan.size() > 1) res.files.push_back(kIndexFile);
+  void plan_files() {
+    std::vector<uint64_t> sizes;
+    for (const auto& it : items_) sizes.push_back(it.bytes);
+    plan_ = plan_hf_shards(sizes, options_.max_shard_size);
+    for (size_t f = 0; f < plan_.size(); ++f)
+      res_.files.push_back(plan_.size() == 1 ? std::string(kSingleFile) : shard_file_name(f + 1, plan_.size()));
+    if (plan_.size() > 1) res_.files.push_back(kIndexFile);
+  }
 
-  offline_publish(out, true, [&](const std::string& tmp) {
-    ChunkReader reader(m);
+  void write(const std::string& tmp) {
+    ChunkReader reader(m_);
     // One buffer for the largest saved tensor takes each tensor in turn (chunks read
     // straight into it), and one for the largest converted tensor: memory stays at the
     // largest tensor whatever the model's size.
     const auto bytes_opt = at::TensorOptions().dtype(at::kByte);
-    at::Tensor in_buf = at::empty({static_cast<int64_t>(largest_in)}, bytes_opt);
-    at::Tensor out_buf = at::empty({static_cast<int64_t>(converts ? largest_out : 0)}, bytes_opt);
+    at::Tensor in_buf = at::empty({static_cast<int64_t>(largest_in_)}, bytes_opt);
+    at::Tensor out_buf = at::empty({static_cast<int64_t>(converts_ ? largest_out_ : 0)}, bytes_opt);
     // The tensors in the order they are written; the kernel reads ahead of that order.
     std::vector<size_t> order;
-    for (const auto& p : plan) order.insert(order.end(), p.begin(), p.end());
+    for (const auto& p : plan_) order.insert(order.end(), p.begin(), p.end());
     ReadAhead ahead(order.size(), [&](size_t k) {
-      const Item& it = items[order[k]];
-      const EntryInfo& e = m.entries.at(it.key);
+      const Item& it = items_[order[k]];
+      const EntryInfo& e = m_.entries.at(it.key);
       uint64_t n = 0;
       const sharding::Box whole = sharding::full_box(e.shape);
       for (const auto& c : reader.chunks(it.key, e, whole)) n += reader.prefetch(it.key, e, c, whole);
@@ -254,18 +271,18 @@ HfExportResult export_hf(const std::string& src, const std::string& out_arg, con
     });
     size_t written = 0;
     nlohmann::json weight_map = nlohmann::json::object();
-    for (size_t f = 0; f < plan.size(); ++f) {
+    for (size_t f = 0; f < plan_.size(); ++f) {
       std::vector<SafetensorsWriter::Spec> specs;
-      for (size_t i : plan[f]) {
-        const Item& it = items[i];
-        specs.push_back({it.name, it.out_dtype, m.entries.at(it.key).shape});
-        weight_map[it.name] = res.files[f];
+      for (size_t i : plan_[f]) {
+        const Item& it = items_[i];
+        specs.push_back({it.name, it.out_dtype, m_.entries.at(it.key).shape});
+        weight_map[it.name] = res_.files[f];
       }
-      SafetensorsWriter w(join_path(tmp, res.files[f]), specs, {{"format", "pt"}});
-      for (size_t i : plan[f]) {
+      SafetensorsWriter w(join_path(tmp, res_.files[f]), specs, {{"format", "pt"}});
+      for (size_t i : plan_[f]) {
         ahead.before(written++);
-        const Item& it = items[i];
-        const EntryInfo& e = m.entries.at(it.key);
+        const Item& it = items_[i];
+        const EntryInfo& e = m_.entries.at(it.key);
         const sharding::Box box = sharding::full_box(e.shape);
         at::Tensor t = in_buf.narrow(0, 0, static_cast<int64_t>(byte_size(e.shape, e.dtype, it.key)))
                            .view(e.dtype)
@@ -273,8 +290,7 @@ HfExportResult export_hf(const std::string& src, const std::string& out_arg, con
         reader.fill_box(it.key, e, t, box, "the export");  // every element read before it is written
         if (it.out_dtype != e.dtype) {
           // copy_ converts as Tensor.to() does (round to nearest even).
-          at::Tensor o =
-              out_buf.narrow(0, 0, static_cast<int64_t>(it.bytes)).view(it.out_dtype).view(e.shape);
+          at::Tensor o = out_buf.narrow(0, 0, static_cast<int64_t>(it.bytes)).view(it.out_dtype).view(e.shape);
           o.copy_(t);
           t = o;
         }
@@ -282,16 +298,35 @@ HfExportResult export_hf(const std::string& src, const std::string& out_arg, con
       }
       w.finish();
     }
-    if (plan.size() > 1) {
-      nlohmann::json index = {{"metadata", {{"total_size", res.total_size}}}, {"weight_map", weight_map}};
-      const std::string text = index.dump(2, ' ', true) + "\n";  // json.dumps(indent=2, sort_keys=True)
-      File idx(join_path(tmp, kIndexFile), "w");
-      idx.write_all(text.data(), text.size());
-      idx.fsync();
-    }
+    if (plan_.size() > 1) write_index(tmp, weight_map);
     fsync_dir(tmp);
-  });
-  return res;
+  }
+
+  void write_index(const std::string& tmp, const nlohmann::json& weight_map) {
+    nlohmann::json index = {{"metadata", {{"total_size", res_.total_size}}}, {"weight_map", weight_map}};
+    const std::string text = index.dump(2, ' ', true) + "\n";  // json.dumps(indent=2, sort_keys=True)
+    File idx(join_path(tmp, kIndexFile), "w");
+    idx.write_all(text.data(), text.size());
+    idx.fsync();
+  }
+
+  const std::string src_;
+  const HfExportOptions& options_;
+  CheckpointMetadata m_;
+  HfExportResult res_;
+  std::vector<Item> items_;
+  uint64_t largest_in_ = 0, largest_out_ = 0;
+  bool converts_ = false;
+  std::vector<std::vector<size_t>> plan_;  // per file, the items it holds
+};
+
+}  // namespace
+
+HfExportResult export_hf(const std::string& src, const std::string& out_arg, const HfExportOptions& options,
+                         bool force) {
+  std::string out = out_arg;  // "dir/" names "dir"
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  return HfExport(src, options).run(out, force);
 }
 
 }  // namespace tessera::checkpoint

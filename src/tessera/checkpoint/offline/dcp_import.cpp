@@ -11,7 +11,7 @@
 //    [offset, offset + length) is, with the default serialization (torch_save) and no
 //    stream transforms (the default), the torch.save archive (zip, pickle protocol 2) of
 //    one tensor chunk or of one non-tensor value.
-#include "tessera/checkpoint/interop/dcp_import.h"
+#include "tessera/checkpoint/offline/dcp_import.h"
 
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
@@ -226,12 +226,9 @@ class ItemReader {
   std::map<std::string, std::unique_ptr<File>> files_;
 };
 
-// A non-tensor value as Tessera plain values: scalars as they are, lists, tuples and
-// dicts flattened below `key` ("key.0", "key.name"), None skipped. Returns "" or why
-// the value is not plain.
-// The plain values (None, bool, int, float, str, bytes, and containers of them) of an
-// unpickled value under dotted keys below `key`; empty containers as empty dicts. Returns
-// "" or why the value is not plain.
+// A non-tensor value as Tessera plain values: None, bool, int, float, str and bytes as they
+// are, lists, tuples and dicts flattened below `key` ("key.0", "key.name"), None skipped,
+// empty containers as empty dicts. Returns "" or why the value is not plain.
 std::string flatten_plain(const std::string& key, const Py& v, std::vector<std::pair<std::string, state::Value>>& out) {
   return pickle::flatten(
       v, key,
@@ -256,104 +253,126 @@ struct TensorPlan {
   std::vector<std::pair<sharding::Box, ItemLoc>> chunks;  // non-empty, as DCP wrote them
 };
 
-}  // namespace
+// One import, in the order of its phases: read .metadata (where every item lies, then what
+// each key holds), check the data files it uses and number the output's, write the
+// checkpoint. Errors name .metadata, the key, or the data file and the chunk.
+class DcpImport {
+ public:
+  DcpImport(const std::string& dir, const DcpImportOptions& options)
+      : dir_(dir), mw_("'" + join_path(dir, ".metadata") + "'"), options_(options), items_(dir) {}
 
-DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool force,
-                           const DcpImportOptions& options) {
-  TESSERA_CHECK(is_directory(dir), "'", dir, "' is not a directory (a DCP checkpoint is one)");
-  const std::string meta_path = join_path(dir, ".metadata");
-  struct stat st;
-  TESSERA_CHECK(::lstat(meta_path.c_str(), &st) == 0, "'", dir, "' is not a DCP checkpoint: it has no .metadata");
-  dcp_file(dir, ".metadata", "DCP metadata");
-  // 256 MiB: the unpickler may use up to 128 bytes per byte of it (pickle_reader.h)
-  const std::string text = read_small_file(meta_path, 256ull << 20);
-  const std::string mw = "'" + meta_path + "'";
-  const PyPtr root = pickle::unpickle(mw, text, metadata_globals());
-  const Py& md = attrs(root, kMeta + "Metadata", mw);
+  DcpImportResult run(const std::string& out, bool force) {
+    const PyPtr root = read_metadata();
+    const Py& md = attrs(root, kMeta + "Metadata", mw_);
+    read_storage_data(md);
+    read_state_dict_metadata(md);
+    check_data_files();
+    number_output_files();
+    write(out, force);
+    return std::move(res_);
+  }
+
+ private:
+  PyPtr read_metadata() {
+    TESSERA_CHECK(is_directory(dir_), "'", dir_, "' is not a directory (a DCP checkpoint is one)");
+    const std::string meta_path = join_path(dir_, ".metadata");
+    struct stat st;
+    TESSERA_CHECK(::lstat(meta_path.c_str(), &st) == 0, "'", dir_, "' is not a DCP checkpoint: it has no .metadata");
+    dcp_file(dir_, ".metadata", "DCP metadata");
+    // 256 MiB: the unpickler may use up to 128 bytes per byte of it (pickle_reader.h)
+    const std::string text = read_small_file(meta_path, 256ull << 20);
+    return pickle::unpickle(mw_, text, metadata_globals());
+  }
 
   // storage_data: (fqn, chunk offsets) -> where the item lies.
-  std::map<std::pair<std::string, std::vector<int64_t>>, ItemLoc> locs;
-  const PyPtr storage = attr(md, "storage_data", mw);
-  TESSERA_CHECK(storage->kind == Py::Dict, mw, ": storage_data is a ", kind_text(*storage), ", not a dict");
-  for (const auto& [k, v] : storage->dict) {
-    const Py& idx = attrs(k, kMeta + "MetadataIndex", mw + " storage_data key");
-    const PyPtr fqn = attr(idx, "fqn", mw);
-    TESSERA_CHECK(fqn->kind == Py::Str, mw, ": a MetadataIndex fqn is a ", kind_text(*fqn));
-    const std::string where = concat(mw, " storage_data['", fqn->s, "']");
-    const PyPtr off = attr(idx, "offset", where, false);
-    std::vector<int64_t> offsets;
-    if (off && off->kind != Py::None) offsets = int_list(off, where);
-    const Py& info = attrs(v, "torch.distributed.checkpoint.filesystem._StorageInfo", where);
-    const PyPtr rel = attr(info, "relative_path", where);
-    TESSERA_CHECK(rel->kind == Py::Str, where, ": relative_path is a ", kind_text(*rel));
-    const PyPtr transforms = attr(info, "transform_descriptors", where, false);
-    TESSERA_CHECK(!transforms || transforms->kind == Py::None ||
-                      ((transforms->kind == Py::List || transforms->kind == Py::Tuple) && transforms->items.empty()),
-                  where, ": stored through stream transforms (transform_descriptors), which this importer does not "
-                         "decode; save without storage extensions");
-    ItemLoc loc;
-    loc.file = rel->s;
-    check_plain_name(loc.file, where);
-    loc.writer = writer_of(loc.file);
-    TESSERA_CHECK(loc.writer >= 0 && loc.writer < (1 << 20), where, ": data file '", loc.file,
-                  "' is not named __<rank>_<n>.distcp as FileSystemWriter names them");
-    const int64_t o = int_value(attr(info, "offset", where), where), n = int_value(attr(info, "length", where), where);
-    TESSERA_CHECK(o >= 0 && n >= 0, where, ": negative offset or length");
-    loc.offset = static_cast<uint64_t>(o);
-    loc.length = static_cast<uint64_t>(n);
-    TESSERA_CHECK(locs.emplace(std::make_pair(fqn->s, offsets), loc).second, where, ": listed twice");
+  void read_storage_data(const Py& md) {
+    const PyPtr storage = attr(md, "storage_data", mw_);
+    TESSERA_CHECK(storage->kind == Py::Dict, mw_, ": storage_data is a ", kind_text(*storage), ", not a dict");
+    for (const auto& [k, v] : storage->dict) {
+      const Py& idx = attrs(k, kMeta + "MetadataIndex", mw_ + " storage_data key");
+      const PyPtr fqn = attr(idx, "fqn", mw_);
+      TESSERA_CHECK(fqn->kind == Py::Str, mw_, ": a MetadataIndex fqn is a ", kind_text(*fqn));
+      const std::string where = concat(mw_, " storage_data['", fqn->s, "']");
+      const PyPtr off = attr(idx, "offset", where, false);
+      std::vector<int64_t> offsets;
+      if (off && off->kind != Py::None) offsets = int_list(off, where);
+      const Py& info = attrs(v, "torch.distributed.checkpoint.filesystem._StorageInfo", where);
+      const PyPtr rel = attr(info, "relative_path", where);
+      TESSERA_CHECK(rel->kind == Py::Str, where, ": relative_path is a ", kind_text(*rel));
+      const PyPtr transforms = attr(info, "transform_descriptors", where, false);
+      TESSERA_CHECK(!transforms || transforms->kind == Py::None ||
+                        ((transforms->kind == Py::List || transforms->kind == Py::Tuple) && transforms->items.empty()),
+                    where, ": stored through stream transforms (transform_descriptors), which this importer does not "
+                           "decode; save without storage extensions");
+      ItemLoc loc;
+      loc.file = rel->s;
+      check_plain_name(loc.file, where);
+      loc.writer = writer_of(loc.file);
+      TESSERA_CHECK(loc.writer >= 0 && loc.writer < (1 << 20), where, ": data file '", loc.file,
+                    "' is not named __<rank>_<n>.distcp as FileSystemWriter names them");
+      const int64_t o = int_value(attr(info, "offset", where), where), n = int_value(attr(info, "length", where), where);
+      TESSERA_CHECK(o >= 0 && n >= 0, where, ": negative offset or length");
+      loc.offset = static_cast<uint64_t>(o);
+      loc.length = static_cast<uint64_t>(n);
+      TESSERA_CHECK(locs_.emplace(std::make_pair(fqn->s, offsets), loc).second, where, ": listed twice");
+    }
   }
-  // The data files the import reads: those .metadata places a value or a non-empty chunk
-  // in (never what the directory's file names suggest), and the ranks that wrote them.
-  std::map<std::string, int> used;  // file -> writer rank
 
   // state_dict_metadata: tensors (their chunks) and non-tensor values, in DCP's order.
-  const PyPtr sdm = attr(md, "state_dict_metadata", mw);
-  TESSERA_CHECK(sdm->kind == Py::Dict, mw, ": state_dict_metadata is a ", kind_text(*sdm), ", not a dict");
-  ItemReader items(dir);
-  DcpImportResult res;
-  std::vector<TensorPlan> tensors;
-  CheckpointMetadata o;
-  o.crc_block = kCrcBlock;
-  auto add_key = [&](const std::string& key, EntryInfo e) {
-    TESSERA_CHECK(o.entries.emplace(key, std::move(e)).second, mw, ": key '", key,
-                  "' appears twice (a value flattened onto another key)");
-    o.keys.push_back(key);
-  };
-  for (const auto& [k, v] : sdm->dict) {
-    TESSERA_CHECK(k->kind == Py::Str, mw, ": a state_dict_metadata key is a ", kind_text(*k));
-    const std::string& fqn = k->s;
-    const std::string where = concat(mw, " key '", fqn, "'");
-    TESSERA_CHECK(!fqn.empty(), mw, ": an empty key");
-    if (v->kind == Py::Object && v->s == kMeta + "BytesStorageMetadata") {
-      auto it = locs.find({fqn, {}});
-      TESSERA_CHECK(it != locs.end(), where, ": no storage_data entry for this value");
-      used.emplace(it->second.file, it->second.writer);
-      PyPtr value;
-      std::vector<std::pair<std::string, state::Value>> flat;
-      std::string why;
-      try {
-        value = items.read(it->second, fqn);
-        why = flatten_plain(fqn, *value, flat);
-      } catch (const ForbiddenGlobal& e) {
-        why = e.what();
-      }
-      if (!why.empty()) {
-        TESSERA_CHECK(options.skip_non_tensors, "'", join_path(dir, it->second.file), "': the value of '", fqn,
-                      "' is not a plain Python value (", why,
-                      "); pass --skip-non-tensors to import the checkpoint without it");
-        res.skipped.emplace_back(fqn, why);
-        continue;
-      }
-      for (auto& [key, val] : flat) {
-        EntryInfo e;
-        e.kind = state::kind_name(val);
-        e.value = std::move(val);
-        add_key(key, std::move(e));
-        ++res.values;
-      }
-      continue;
+  void read_state_dict_metadata(const Py& md) {
+    const PyPtr sdm = attr(md, "state_dict_metadata", mw_);
+    TESSERA_CHECK(sdm->kind == Py::Dict, mw_, ": state_dict_metadata is a ", kind_text(*sdm), ", not a dict");
+    o_.crc_block = kCrcBlock;
+    for (const auto& [k, v] : sdm->dict) {
+      TESSERA_CHECK(k->kind == Py::Str, mw_, ": a state_dict_metadata key is a ", kind_text(*k));
+      const std::string& fqn = k->s;
+      TESSERA_CHECK(!fqn.empty(), mw_, ": an empty key");
+      if (v->kind == Py::Object && v->s == kMeta + "BytesStorageMetadata") add_value(fqn);
+      else add_tensor(fqn, v);
     }
+  }
+
+  void add_key(const std::string& key, EntryInfo e) {
+    TESSERA_CHECK(o_.entries.emplace(key, std::move(e)).second, mw_, ": key '", key,
+                  "' appears twice (a value flattened onto another key)");
+    o_.keys.push_back(key);
+  }
+
+  // A non-tensor value: read now (it is small) and kept as plain values, or skipped with
+  // --skip-non-tensors when it is not plain.
+  void add_value(const std::string& fqn) {
+    const std::string where = concat(mw_, " key '", fqn, "'");
+    auto it = locs_.find({fqn, {}});
+    TESSERA_CHECK(it != locs_.end(), where, ": no storage_data entry for this value");
+    used_.emplace(it->second.file, it->second.writer);
+    PyPtr value;
+    std::vector<std::pair<std::string, state::Value>> flat;
+    std::string why;
+    try {
+      value = items_.read(it->second, fqn);
+      why = flatten_plain(fqn, *value, flat);
+    } catch (const ForbiddenGlobal& e) {
+      why = e.what();
+    }
+    if (!why.empty()) {
+      TESSERA_CHECK(options_.skip_non_tensors, "'", join_path(dir_, it->second.file), "': the value of '", fqn,
+                    "' is not a plain Python value (", why,
+                    "); pass --skip-non-tensors to import the checkpoint without it");
+      res_.skipped.emplace_back(fqn, why);
+      return;
+    }
+    for (auto& [key, val] : flat) {
+      EntryInfo e;
+      e.kind = state::kind_name(val);
+      e.value = std::move(val);
+      add_key(key, std::move(e));
+      ++res_.values;
+    }
+  }
+
+  // A tensor: its dtype and shape, and its chunks, which must tile it; read at write time.
+  void add_tensor(const std::string& fqn, const PyPtr& v) {
+    const std::string where = concat(mw_, " key '", fqn, "'");
     const Py& tsm = attrs(v, kMeta + "TensorStorageMetadata", where);
     TensorPlan p;
     p.fqn = fqn;
@@ -385,93 +404,127 @@ DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool 
                           box.sizes[d] <= p.entry.shape[d] - box.offsets[d],
                       where, ": chunk ", box.to_string(), " lies outside the shape");
       if (box.empty()) continue;
-      auto it = locs.find({fqn, box.offsets});
-      TESSERA_CHECK(it != locs.end(), where, ": no storage_data entry for chunk ", box.to_string());
+      auto it = locs_.find({fqn, box.offsets});
+      TESSERA_CHECK(it != locs_.end(), where, ": no storage_data entry for chunk ", box.to_string());
       ChunkInfo ci;
       ci.box = box;
       tiling.chunks.push_back(ci);
       p.chunks.emplace_back(box, it->second);
-      used.emplace(it->second.file, it->second.writer);
+      used_.emplace(it->second.file, it->second.writer);
     }
     try {
       check_tiling(fqn, tiling);
     } catch (const Error& e) {
-      throw Error(concat(mw, ": ", e.what()));
+      throw Error(concat(mw_, ": ", e.what()));
     }
     p.entry.kind = p.chunks.size() == 1 && p.chunks[0].first == sharding::full_box(p.entry.shape) ? "tensor" : "sharded";
     add_key(fqn, p.entry);
-    ++res.tensors;
-    tensors.push_back(std::move(p));
+    ++res_.tensors;
+    tensors_.push_back(std::move(p));
   }
 
-  // Every file .metadata uses must be there (all missing ones named at once); the output
-  // has one data file per rank that wrote one of them, in rank order (a gap in the ranks,
-  // a writer left with nothing after DCP's deduplication, leaves no empty file behind), so
-  // that the number of files written is bounded by what the metadata uses, never by a
-  // file name. .distcp files the metadata does not use are left alone and reported.
-  std::vector<std::string> missing;
-  for (const auto& [file, w] : used) {
-    struct stat fst;
-    if (::lstat(join_path(dir, file).c_str(), &fst) != 0) missing.push_back(file);
-  }
-  if (!missing.empty()) {
-    std::string names;
-    for (size_t k = 0; k < missing.size() && k < 10; ++k) names += concat(k ? ", " : "", "'", missing[k], "'");
-    if (missing.size() > 10) names += concat(" and ", missing.size() - 10, " more");
-    throw Error(concat(mw, " places data in ", missing.size(), " file(s) that do not exist in '", dir, "': ", names));
-  }
-  for (const auto& [file, w] : used) dcp_file(dir, file, "DCP data file");
-  std::map<int, int> out_rank;  // DCP writer rank -> output data file
-  for (const auto& [file, w] : used) out_rank.emplace(w, 0);
-  int world_size = 0;
-  for (auto& [w, r] : out_rank) r = world_size++;
-  world_size = std::max(world_size, 1);
-  res.world_size = world_size;
-  o.world_size = world_size;
-  o.save_id = new_save_id();
-  for (const auto& name : list_dir(dir)) {
-    const std::string suffix = ".distcp";
-    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-        !used.count(name))
-      res.ignored.push_back(name);
-  }
-  std::sort(res.ignored.begin(), res.ignored.end());
-
-  CheckpointMetadata src;
-  src.location = dir;
-  offline_check_not_source(dir, src, out);
-  if (check_output_path(out, force, OutputKind::Directory, "import-dcp")) check_replaceable(out);
-  offline_publish(out, true, [&](const std::string& tmp) {
-    for (int r = 0; r < world_size; ++r) {
-      std::vector<Piece> pieces;
-      for (const auto& p : tensors) {
-        for (const auto& [box, loc] : p.chunks) {
-          if (out_rank.at(loc.writer) != r) continue;
-          const TensorPlan* plan = &p;
-          const sharding::Box b = box;
-          const ItemLoc l = loc;
-          pieces.push_back({p.fqn, p.entry.dtype, box, [&items, plan, b, l, &dir] {
-                              const PyPtr v = items.read(l, plan->fqn);
-                              const std::string where = concat("'", join_path(dir, l.file), "' (chunk ", b.to_string(),
-                                                               " of '", plan->fqn, "')");
-                              TESSERA_CHECK(v->kind == Py::Tensor, where, ": holds a ", kind_text(*v), ", not a tensor");
-                              TESSERA_CHECK(v->t.scalar_type() == plan->entry.dtype, where, ": dtype ",
-                                            v->t.scalar_type(), ", the metadata says ", plan->entry.dtype);
-                              TESSERA_CHECK(v->t.sizes().vec() == b.sizes, where, ": shape ", v->t.sizes(),
-                                            ", the metadata says ", b.to_string());
-                              return v->t.contiguous();
-                            }});
-          ++res.chunks;
-          res.bytes += byte_size(box.sizes, p.entry.dtype, p.fqn);
-        }
-      }
-      DataFileResult d = write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id));
-      for (auto& [fqn, c] : d.chunks) o.entries.at(fqn).chunks.push_back(std::move(c));
+  // Every file .metadata uses must be there (all missing ones named at once) and be a
+  // plain file of the directory.
+  void check_data_files() {
+    std::vector<std::string> missing;
+    for (const auto& [file, w] : used_) {
+      struct stat fst;
+      if (::lstat(join_path(dir_, file).c_str(), &fst) != 0) missing.push_back(file);
     }
-    layouts_from_chunks(o);
-    write_metadata_file(tmp, o);
-  });
-  return res;
+    if (!missing.empty()) {
+      std::string names;
+      for (size_t k = 0; k < missing.size() && k < 10; ++k) names += concat(k ? ", " : "", "'", missing[k], "'");
+      if (missing.size() > 10) names += concat(" and ", missing.size() - 10, " more");
+      throw Error(concat(mw_, " places data in ", missing.size(), " file(s) that do not exist in '", dir_, "': ", names));
+    }
+    for (const auto& [file, w] : used_) dcp_file(dir_, file, "DCP data file");
+  }
+
+  // The output has one data file per rank that wrote a file the metadata uses, in rank
+  // order (a gap in the ranks, a writer left with nothing after DCP's deduplication,
+  // leaves no empty file behind), so that the number of files written is bounded by what
+  // the metadata uses, never by a file name. .distcp files the metadata does not use are
+  // left alone and reported.
+  void number_output_files() {
+    for (const auto& [file, w] : used_) out_rank_.emplace(w, 0);
+    int world_size = 0;
+    for (auto& [w, r] : out_rank_) r = world_size++;
+    world_size = std::max(world_size, 1);
+    res_.world_size = world_size;
+    o_.world_size = world_size;
+    o_.save_id = new_save_id();
+    for (const auto& name : list_dir(dir_)) {
+      const std::string suffix = ".distcp";
+      if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+          !used_.count(name))
+        res_.ignored.push_back(name);
+    }
+    std::sort(res_.ignored.begin(), res_.ignored.end());
+  }
+
+  // Each output data file holds its DCP writer's chunks, read one at a time as it is
+  // written; published through a temporary sibling.
+  void write(const std::string& out, bool force) {
+    CheckpointMetadata src;
+    src.location = dir_;
+    offline_check_not_source(dir_, src, out);
+    if (check_output_path(out, force, OutputKind::Directory, "import-dcp")) check_replaceable(out);
+    offline_publish(out, true, [&](const std::string& tmp) {
+      for (int r = 0; r < o_.world_size; ++r) {
+        DataFileResult d = write_data_file(tmp, data_file_name(r), pieces_of(r), data_file_identity(r, o_.save_id));
+        for (auto& [fqn, c] : d.chunks) o_.entries.at(fqn).chunks.push_back(std::move(c));
+      }
+      layouts_from_chunks(o_);
+      write_metadata_file(tmp, o_);
+    });
+  }
+
+  // The pieces of output file `r`: every chunk its DCP writer wrote, each read (and checked
+  // against the metadata) when the writer asks for its bytes.
+  std::vector<Piece> pieces_of(int r) {
+    std::vector<Piece> pieces;
+    for (const auto& p : tensors_) {
+      for (const auto& [box, loc] : p.chunks) {
+        if (out_rank_.at(loc.writer) != r) continue;
+        const TensorPlan* plan = &p;
+        const sharding::Box b = box;
+        const ItemLoc l = loc;
+        pieces.push_back({p.fqn, p.entry.dtype, box, [this, plan, b, l] {
+                            const PyPtr v = items_.read(l, plan->fqn);
+                            const std::string where = concat("'", join_path(dir_, l.file), "' (chunk ", b.to_string(),
+                                                             " of '", plan->fqn, "')");
+                            TESSERA_CHECK(v->kind == Py::Tensor, where, ": holds a ", kind_text(*v), ", not a tensor");
+                            TESSERA_CHECK(v->t.scalar_type() == plan->entry.dtype, where, ": dtype ",
+                                          v->t.scalar_type(), ", the metadata says ", plan->entry.dtype);
+                            TESSERA_CHECK(v->t.sizes().vec() == b.sizes, where, ": shape ", v->t.sizes(),
+                                          ", the metadata says ", b.to_string());
+                            return v->t.contiguous();
+                          }});
+        ++res_.chunks;
+        res_.bytes += byte_size(box.sizes, p.entry.dtype, p.fqn);
+      }
+    }
+    return pieces;
+  }
+
+  const std::string dir_, mw_;  // mw_: "'DIR/.metadata'" for messages
+  const DcpImportOptions& options_;
+  ItemReader items_;
+  std::map<std::pair<std::string, std::vector<int64_t>>, ItemLoc> locs_;  // storage_data
+  // The data files the import reads: those .metadata places a value or a non-empty chunk
+  // in (never what the directory's file names suggest), and the ranks that wrote them.
+  std::map<std::string, int> used_;  // file -> writer rank
+  std::map<int, int> out_rank_;      // DCP writer rank -> output data file
+  std::vector<TensorPlan> tensors_;
+  CheckpointMetadata o_;             // the output's metadata
+  DcpImportResult res_;
+};
+
+}  // namespace
+
+DcpImportResult import_dcp(const std::string& dir, const std::string& out, bool force,
+                           const DcpImportOptions& options) {
+  return DcpImport(dir, options).run(out, force);
 }
 
 }  // namespace tessera::checkpoint
