@@ -496,7 +496,7 @@ SCENARIO("restart_then_reduce") {
 // fail_after_done BAD FAIL_ROUNDS: one rank per node, under launchers with --max-restarts:
 // every rank meets the others (sums its rank); in the first FAIL_ROUNDS rounds the others
 // exit 0 at once, and rank BAD exits 5 only once another node's launcher has counted its
-// ranks done in the launchers' store (the round's "done" key, launch_rounds.h): a failure
+// ranks done in the launchers' store (the round's "done" key, distributed/launch/rounds.h): a failure
 // that comes after another node finished the round. Later rounds exit 0 after the sum.
 SCENARIO("fail_after_done") {
   const int bad = static_cast<int>(args.int_arg(0, 1));

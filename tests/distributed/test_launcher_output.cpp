@@ -17,7 +17,7 @@
 #include "support/build_paths.h"
 #include "support/child_process.h"
 #include "support/test_util.h"
-#include "tessera/distributed/launcher.h"
+#include "tessera/distributed/launch/launcher.h"
 
 using tessera::testing::Measured;
 using tessera::testing::read_bytes;

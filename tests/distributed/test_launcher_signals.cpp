@@ -19,7 +19,7 @@
 #include "support/build_paths.h"
 #include "reliability/reliability_util.h"
 #include "support/test_util.h"
-#include "tessera/distributed/launcher.h"
+#include "tessera/distributed/launch/launcher.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "support/build_paths.h"
-#include "tessera/distributed/launcher.h"
+#include "tessera/distributed/launch/launcher.h"
 
 namespace tessera::testing {
 

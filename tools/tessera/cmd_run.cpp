@@ -4,7 +4,7 @@
 
 #include "commands.h"
 #include "tessera/core/cli_checks.h"
-#include "tessera/distributed/launcher.h"
+#include "tessera/distributed/launch/launcher.h"
 
 namespace tessera::cli {
 

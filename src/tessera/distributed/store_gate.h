@@ -1,5 +1,5 @@
 // A rendezvous store that asks for a shared token (internal to the distributed layer; used
-// by rendezvous.cpp for rank 0's store and by launch_rounds.cpp for the launchers' store).
+// by rendezvous.cpp for rank 0's store and by launch/rounds.cpp for the launchers' store).
 //
 // c10d's TCPStore answers any client that connects, and its client cannot present a
 // credential. When the job has a token (rendezvous_token()), the store is therefore split:

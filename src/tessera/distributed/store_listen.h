@@ -1,6 +1,6 @@
 // Keeping a rendezvous store off the network it does not need (internal to the
 // distributed layer; used where this process starts a c10d TCPStore server: rank 0 in
-// rendezvous.cpp, node 0's launcher in launch_rounds.cpp).
+// rendezvous.cpp, node 0's launcher in launch/rounds.cpp).
 //
 // c10d's TCPStore server listens on every interface of the host (1.13 binds the
 // wildcard address, IPv4 and IPv6; its TCPStoreOptions name a port, never an address or a

@@ -15,7 +15,7 @@
 #include "tessera/core/device.h"
 #include "tessera/core/env.h"
 #include "tessera/core/log.h"
-#include "tessera/distributed/launcher.h"
+#include "tessera/distributed/launch/launcher.h"
 #include "tessera/strategy/factory.h"
 
 namespace tessera::fabric {

@@ -1,6 +1,6 @@
-// The launcher's guard process (launch_guard.h): started before the ranks, it kills their
+// The launcher's guard process (guard.h): started before the ranks, it kills their
 // process groups if the launcher disappears without saying goodbye.
-#include "tessera/distributed/launch_guard.h"
+#include "tessera/distributed/launch/guard.h"
 
 #include <pthread.h>
 #include <signal.h>

@@ -1,4 +1,4 @@
-#include "tessera/distributed/launcher.h"
+#include "tessera/distributed/launch/launcher.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -21,9 +21,9 @@
 #endif
 
 #include "tessera/core/error.h"
-#include "tessera/distributed/launch_guard.h"
-#include "tessera/distributed/launch_output.h"
-#include "tessera/distributed/launch_rounds.h"
+#include "tessera/distributed/launch/guard.h"
+#include "tessera/distributed/launch/output.h"
+#include "tessera/distributed/launch/rounds.h"
 #include "tessera/distributed/rendezvous.h"  // find_free_port
 
 extern char** environ;

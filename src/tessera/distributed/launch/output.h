@@ -9,7 +9,7 @@
 #include <cstddef>
 #include <string>
 
-#include "tessera/distributed/launcher.h"
+#include "tessera/distributed/launch/launcher.h"
 
 namespace tessera::distributed::launch_output {
 

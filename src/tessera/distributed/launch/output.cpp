@@ -1,4 +1,4 @@
-#include "tessera/distributed/launch_output.h"
+#include "tessera/distributed/launch/output.h"
 
 #include <unistd.h>
 

@@ -1,4 +1,4 @@
-#include "tessera/distributed/launch_rounds.h"
+#include "tessera/distributed/launch/rounds.h"
 
 #include <c10/util/Logging.h>
 #include <pthread.h>

@@ -3,13 +3,13 @@
 // SIGTERM are forwarded, and the first rank to fail (non-zero exit or a signal)
 // brings the others down (TERM, then KILL after a grace period). With max_restarts K,
 // the job is then started again, up to K times (torchrun's --max-restarts): every
-// node's launcher meets the others in a new round (launch_rounds.h) and starts its
+// node's launcher meets the others in a new round (rounds.h) and starts its
 // ranks with TORCHELASTIC_RESTART_COUNT set to the round. Used by `tessera run`, by
 // Fabric's self-launch and by the multi-process tests.
 //
 // Inside (launcher.cpp): a RankGroup is one generation of ranks (start, poll, signal,
 // close, as torch elastic's PContext), supervise() watches one until it ends, and
-// launch() runs the rounds; launch_output.cpp writes the ranks' output.
+// launch() runs the rounds; output.cpp writes the ranks' output.
 #pragma once
 #include <chrono>
 #include <functional>
