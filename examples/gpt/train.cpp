@@ -278,7 +278,7 @@ int64_t adopt_checkpoint_settings(TrainArgs& a, const std::string& path, fabric:
   a.seq_len = stored.seq_len;
   a.tie_weights = stored.tie_weights;
   if (!adopted.empty()) f.print("gpt: resuming with the checkpoint's ", adopted);
-  auto step = meta.entries.find("global_step");
+  auto step = meta.entries.find(checkpoint::kGlobalStepKey);
   const int64_t* s = step == meta.entries.end() ? nullptr : std::get_if<int64_t>(&step->second.value);
   if (!s) throw std::runtime_error("--resume: '" + path + "' has no integer global_step (not a checkpoint of gpt train)");
   return *s;

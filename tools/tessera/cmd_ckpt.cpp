@@ -121,7 +121,7 @@ Subcommand add_verify(CLI::App& ckpt) {
             if (r.ok) {
               std::cout << "OK: " << *path << ": " << r.chunks_checked << " chunks, " << r.bytes_checked << " bytes";
               if (r.has_checksums) std::cout << " verified\n";
-              else if (r.kind == "hf") std::cout << " read (" << ck::kHfVerifyChecked << ")\n";
+              else if (r.kind == ck::kSourceHf) std::cout << " read (" << ck::kHfVerifyChecked << ")\n";
               else std::cout << " read (this file carries no checksums)\n";
               return 0;
             }

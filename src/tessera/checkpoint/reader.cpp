@@ -37,7 +37,7 @@ CheckpointMetadata from_safetensors(const std::string& path) {
   SafetensorsReader r(path);
   CheckpointMetadata m;
   const std::string fmt = r.meta("tessera.format");
-  m.source_kind = fmt == "tessera-consolidated" ? "consolidated" : "safetensors";
+  m.source_kind = fmt == "tessera-consolidated" ? kSourceConsolidated : kSourceSafetensors;
   m.location = path;
   m.crc_block = r.crc_block();
   nlohmann::json kinds = nlohmann::json::object(), values = nlohmann::json::object(), keys = nlohmann::json::array();
@@ -56,8 +56,8 @@ CheckpointMetadata from_safetensors(const std::string& path) {
                 "': malformed Tessera __metadata__ (kinds/values/keys)");
   for (const auto& t : r.entries()) {
     EntryInfo e;
-    e.kind = kinds.contains(t.name) && kinds[t.name].is_string() ? kinds[t.name].get<std::string>() : "tensor";
-    TESSERA_CHECK(e.kind == "tensor" || e.kind == "sharded", "'", path, "' key '", t.name, "': bad kind '", e.kind, "'");
+    e.kind = kinds.contains(t.name) && kinds[t.name].is_string() ? kinds[t.name].get<std::string>() : std::string(kTensorKind);
+    TESSERA_CHECK(e.kind == kTensorKind || e.kind == kShardedKind, "'", path, "' key '", t.name, "': bad kind '", e.kind, "'");
     e.dtype = t.dtype;
     e.shape = t.shape;
     if (t.nbytes() > 0) {
@@ -230,7 +230,7 @@ const SafetensorsReader& ChunkReader::reader(const std::string& file) {
       it->second->file();  // opens it again: the same file, or an error
       return;
     }
-    const std::string p = meta_.source_kind == "sharded" || meta_.source_kind == "hf" ? join_path(meta_.location, file)
+    const std::string p = meta_.source_kind == kSourceSharded || meta_.source_kind == kSourceHf ? join_path(meta_.location, file)
                                                                                    : meta_.location;
     auto r = std::make_unique<SafetensorsReader>(p);
     it = readers_.emplace(file, std::move(r)).first;
@@ -333,7 +333,7 @@ void ChunkReader::check_contents(int64_t rank, const SafetensorsReader& r, const
 void ChunkReader::check_structure(int part, int parts) {
   TESSERA_CHECK(parts >= 1 && part >= 0 && part < parts, "check_structure: part ", part, " of ", parts,
                 " is out of range");
-  if (meta_.source_kind != "sharded") return;  // one file, validated when it was opened
+  if (meta_.source_kind != kSourceSharded) return;  // one file, validated when it was opened
   if (meta_.version >= 2) {
     for (int64_t r = part; r < meta_.world_size; r += parts) data_file(r);
     return;

@@ -159,7 +159,7 @@ std::vector<Candidate> ordered_candidates(const std::vector<std::string>& dirs, 
       const std::string path = (fs::path(dirs[d]) / name).string();
       try {
         const CheckpointMetadata meta = open_checkpoint(path);
-        auto it = meta.entries.find("global_step");
+        auto it = meta.entries.find(kGlobalStepKey);
         const int64_t* step = it == meta.entries.end() ? nullptr : std::get_if<int64_t>(&it->second.value);
         if (!step) {
           unread.push_back({path, "no integer global_step (not a training checkpoint)", false});

@@ -29,6 +29,9 @@ using ResumeReport = std::function<void(const std::string&)>;
 enum class Skipped { Leave, SetAside };
 // The tag of a set-aside name; a name holding it is never a candidate.
 constexpr const char* kUnverifiedTag = ".unverified-";
+// The plain integer value by which candidates are ordered: the training step a checkpoint
+// was saved at. The Trainer saves it under this key; any program may (the GPT example does).
+constexpr const char* kGlobalStepKey = "global_step";
 
 struct ResumeChoice {
   std::string path;          // the checkpoint to resume from; "" when none verifies (start fresh)

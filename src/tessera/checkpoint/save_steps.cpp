@@ -56,13 +56,13 @@ EntryInfo describe_entry(const std::string& fqn, const state::Value& v) {
   EntryInfo e;
   if (auto t = std::get_if<at::Tensor>(&v)) {
     TESSERA_CHECK(t->defined(), "cannot save key '", fqn, "': undefined tensor");
-    e.kind = "tensor";
+    e.kind = kTensorKind;
     e.dtype = t->scalar_type();
     e.shape = t->sizes().vec();
     dtype_name(e.dtype);  // throws for unsupported dtypes
   } else if (auto s = std::get_if<sharding::ShardedTensor>(&v)) {
     TESSERA_CHECK(s->defined(), "cannot save key '", fqn, "': undefined sharded tensor");
-    e.kind = "sharded";
+    e.kind = kShardedKind;
     e.dtype = s->dtype();
     e.shape = s->shape();
     dtype_name(e.dtype);

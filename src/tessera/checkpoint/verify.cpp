@@ -112,7 +112,7 @@ VerifyReport verify(const std::string& path, int part, int parts) {
   rep.kind = m.source_kind;
   ChunkReader reader(m);
   std::vector<bool> present;  // version 2: per rank, whether its data file is there
-  if (m.source_kind == "sharded" && m.version >= 2) {
+  if (m.source_kind == kSourceSharded && m.version >= 2) {
     // The files present against world_size first (part 0 reports it); a missing file is
     // that one problem, never opened, nor are its pieces. Every data file present: of this
     // save and rank, holding exactly the pieces the layouts place there, each at its place
@@ -131,7 +131,7 @@ VerifyReport verify(const std::string& path, int part, int parts) {
         add_problem(rep, e.what());
       }
     }
-  } else if (m.source_kind == "sharded") {
+  } else if (m.source_kind == kSourceSharded) {
     int64_t index = 0;
     for (const auto& [name, size] : m.files) {
       if (index++ % parts != part) continue;
@@ -145,9 +145,9 @@ VerifyReport verify(const std::string& path, int part, int parts) {
     }
   }
   // A plain safetensors file Tessera wrote (an `export --format hf` file) has them too.
-  rep.has_checksums = m.source_kind == "sharded" || m.source_kind == "consolidated" || m.crc_block > 0;
+  rep.has_checksums = m.source_kind == kSourceSharded || m.source_kind == kSourceConsolidated || m.crc_block > 0;
   // A Hugging Face directory: checksummed only when every shard is (a Tessera export).
-  if (m.source_kind == "hf")
+  if (m.source_kind == kSourceHf)
     for (const auto& [k, e] : m.entries)
       for (const auto& c : e.chunks) rep.has_checksums &= !c.crcs.empty();
   std::vector<char> through;  // read_through's window

@@ -16,7 +16,7 @@ struct VerifyReport {
   int64_t chunks_checked = 0;
   uint64_t bytes_checked = 0;
   bool has_checksums = true;          // false for foreign safetensors / torch files
-  std::string kind;                   // the source's kind ("sharded", ..., "hf"); "" when it could not be opened
+  std::string kind;                   // the source's kind (kSourceSharded, ..., kSourceHf: format/metadata.h); "" when it could not be opened
   std::vector<std::string> notes;     // remarks that are no problem (an "hf" index's total_size)
 };
 // Completeness (metadata, every data file present with its size, headers valid,

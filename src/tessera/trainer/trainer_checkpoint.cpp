@@ -54,7 +54,7 @@ fabric::FabricState Trainer::make_state() {
   fabric::FabricState st;
   st.set("model", module_->model_);
   for (size_t i = 0; i < optimizers_.size(); ++i) st.set("optimizer_" + std::to_string(i), optimizers_[i]);
-  st.set("global_step", global_step_).set("epoch", epoch_);
+  st.set(checkpoint::kGlobalStepKey, global_step_).set("epoch", epoch_);
   if (sampler_) st.set("sampler", sampler_->state());
   return st;
 }
@@ -182,7 +182,7 @@ void Trainer::load_checkpoint(const std::string& path, bool weights_only) {
   fabric::FabricState st;
   st.set("model", module_->model_);
   for (size_t i = 0; i < optimizers_.size(); ++i) st.set("optimizer_" + std::to_string(i), optimizers_[i]);
-  st.set("global_step", global_step_);
+  st.set(checkpoint::kGlobalStepKey, global_step_);
   state::StateDict rest = f.load(path, st);
   if (prefixed_leftovers(rest, "sampler").empty() && prefixed_leftovers(rest, "loop").empty()) {
     restore_from_step(path, st);
@@ -207,7 +207,7 @@ void Trainer::restore_from_step(const std::string& path, const fabric::FabricSta
   TESSERA_CHECK(options_.accumulate_grad_batches == 1, "Trainer: checkpoint '", path, "' has no loop state ",
                 "(no sampler.* or loop.* keys: written outside the Trainer) and TrainerOptions.accumulate_grad_batches ",
                 "is ", options_.accumulate_grad_batches, ": the data position cannot follow from global_step alone");
-  global_step_ = checked_counter(path, st.values(), "global_step", "global_step", 0, kMaxCheckpointCounter);
+  global_step_ = checked_counter(path, st.values(), checkpoint::kGlobalStepKey, checkpoint::kGlobalStepKey, 0, kMaxCheckpointCounter);
   epoch_ = global_step_ / num_training_batches_;
   const int64_t batch = global_step_ % num_training_batches_;
   state::StateDict ss = sampler_->state();
@@ -230,7 +230,7 @@ void Trainer::restore_from_step(const std::string& path, const fabric::FabricSta
 // size changed) and the loop flags.
 void Trainer::restore_loop(const std::string& path, const fabric::FabricState& st, const state::StateDict& rest) {
   auto& f = *fabric_;
-  global_step_ = checked_counter(path, st.values(), "global_step", "global_step", 0, kMaxCheckpointCounter);
+  global_step_ = checked_counter(path, st.values(), checkpoint::kGlobalStepKey, checkpoint::kGlobalStepKey, 0, kMaxCheckpointCounter);
   epoch_ = checked_counter(path, rest, "epoch", "epoch", 0, kMaxCheckpointCounter);
 
   state::StateDict ss = prefixed_leftovers(rest, "sampler");

@@ -630,7 +630,7 @@ void parse_entries(const json& j, CheckpointMetadata& m, const std::string& wher
     TESSERA_CHECK(je.is_object() && je.contains("kind") && field(je, "kind").is_string(), what, ": no kind");
     EntryInfo e;
     e.kind = field(je, "kind").get<std::string>();
-    if (e.kind != "tensor" && e.kind != "sharded") {
+    if (e.kind != kTensorKind && e.kind != kShardedKind) {
       e.value = value_from_json(je, what);
     } else {
       const json& dt = field(je, "dtype");
@@ -671,7 +671,7 @@ CheckpointMetadata parse_metadata(const std::string& text, const std::string& di
   TESSERA_CHECK(j.is_object() && j.value("format", "") == "tessera-checkpoint", where,
                 ": not Tessera checkpoint metadata (no \"format\": \"tessera-checkpoint\")");
   CheckpointMetadata m;
-  m.source_kind = "sharded";
+  m.source_kind = kSourceSharded;
   m.location = dir;
   try {
     TESSERA_CHECK(j.contains("version") && j["version"].is_number_integer(), where, ": no integer version");

@@ -41,8 +41,22 @@ struct ChunkInfo {
   at::Tensor memory;            // set instead of a file for in-memory sources
 };
 
+// EntryInfo::kind of a tensor saved whole and of one saved in pieces; a plain value's kind is
+// its state::kind_name ("int", "float", ...). These strings are also the format's (the
+// metadata's "kind" field), so they are compared against these names, never spelled out.
+inline constexpr const char* kTensorKind = "tensor";
+inline constexpr const char* kShardedKind = "sharded";
+
+// CheckpointMetadata::source_kind: what open_checkpoint found at the path (also what
+// `tessera ckpt inspect` prints and VerifyReport::kind holds).
+inline constexpr const char* kSourceSharded = "sharded";            // a checkpoint directory
+inline constexpr const char* kSourceConsolidated = "consolidated";  // Tessera's one safetensors file
+inline constexpr const char* kSourceSafetensors = "safetensors";    // another writer's safetensors file
+inline constexpr const char* kSourceTorch = "torch";                // a torch.save zip archive
+inline constexpr const char* kSourceHf = "hf";                      // a Hugging Face model directory
+
 struct EntryInfo {
-  std::string kind;  // "tensor", "sharded" or a plain kind ("int", "float", ...)
+  std::string kind;  // kTensorKind, kShardedKind or a plain value's kind
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
   // Version 1 (and the single-file sources): every chunk, located. Version 2: empty; the
@@ -51,11 +65,11 @@ struct EntryInfo {
   std::vector<ChunkInfo> chunks;
   std::optional<sharding::Layout> layout;
   state::Value value;  // plain values only
-  bool is_tensor() const { return kind == "tensor" || kind == "sharded"; }
+  bool is_tensor() const { return kind == kTensorKind || kind == kShardedKind; }
 };
 
 struct CheckpointMetadata {
-  std::string source_kind;  // "sharded", "consolidated", "safetensors", "torch"
+  std::string source_kind;  // kSourceSharded, kSourceConsolidated, kSourceSafetensors, kSourceTorch or kSourceHf
   std::string location;     // directory or file path
   int version = kFormatVersion;
   int world_size = 1;

@@ -272,14 +272,14 @@ class HfDirectoryRead {
   // The checkpoint: one whole-tensor entry per tensor, in each shard's data order.
   void describe() {
     CheckpointMetadata& m = out_.meta;
-    m.source_kind = "hf";
+    m.source_kind = kSourceHf;
     m.location = dir_;
     m.world_size = 1;
     for (const auto& [f, r] : shards_) {
       m.files.emplace_back(f, r->file_size());
       for (const TensorEntry* t : in_data_order(*r)) {
         EntryInfo e;
-        e.kind = "tensor";
+        e.kind = kTensorKind;
         e.dtype = t->dtype;
         e.shape = t->shape;
         if (t->nbytes() > 0) {

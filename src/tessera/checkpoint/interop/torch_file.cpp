@@ -26,7 +26,7 @@ void flatten_obj(const std::string& path, const PyPtr& root, CheckpointMetadata&
     switch (o.kind) {
       case Py::None: return "";  // carries no state
       case Py::Tensor:
-        e.kind = "tensor";
+        e.kind = kTensorKind;
         e.dtype = o.t.scalar_type();
         e.shape = o.t.sizes().vec();
         if (o.t.numel() > 0) {
@@ -103,7 +103,7 @@ CheckpointMetadata import_torch_file(const std::string& path) {
   }
   TESSERA_CHECK(root->kind == Py::Dict, "'", path, "' does not hold a dict (a state_dict) at the top level");
   CheckpointMetadata m;
-  m.source_kind = "torch";
+  m.source_kind = kSourceTorch;
   m.location = path;
   flatten_obj(path, root, m);
   return m;

@@ -417,7 +417,7 @@ class DcpImport {
     } catch (const Error& e) {
       throw Error(concat(mw_, ": ", e.what()));
     }
-    p.entry.kind = p.chunks.size() == 1 && p.chunks[0].first == sharding::full_box(p.entry.shape) ? "tensor" : "sharded";
+    p.entry.kind = p.chunks.size() == 1 && p.chunks[0].first == sharding::full_box(p.entry.shape) ? kTensorKind : kShardedKind;
     add_key(fqn, p.entry);
     ++res_.tensors;
     tensors_.push_back(std::move(p));

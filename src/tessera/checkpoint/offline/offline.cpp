@@ -195,12 +195,12 @@ std::string inspect(const std::string& path) {
   }
   os << "checkpoint: " << path << "\n";
   os << "kind: " << m.source_kind;
-  if (m.source_kind == "sharded" || m.source_kind == "consolidated")
+  if (m.source_kind == kSourceSharded || m.source_kind == kSourceConsolidated)
     os << " (format version " << m.version << ", world size at save " << m.world_size << ")";
   if (hf && hf->has_index) os << " (a Hugging Face model directory: " << kHfIndexFile << " and " << m.files.size() << " shard file(s))";
   else if (hf) os << " (a Hugging Face model directory: " << kHfSingleFile << ")";
   os << "\n";
-  if (m.source_kind == "sharded") os << "data files: " << (m.version >= 2 ? static_cast<size_t>(m.world_size) : m.files.size()) << "\n";
+  if (m.source_kind == kSourceSharded) os << "data files: " << (m.version >= 2 ? static_cast<size_t>(m.world_size) : m.files.size()) << "\n";
   if (hf && hf->total_size) os << "index total_size: " << *hf->total_size << "\n";
   if (hf)
     for (const auto& n : hf->notes) os << "note: " << n << "\n";
@@ -332,16 +332,16 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
       EntryInfo e = m.entries.at(k);
       e.chunks.clear();
       e.layout.reset();
-      if (e.kind == "sharded" && e.shape.empty()) e.kind = "tensor";
+      if (e.kind == kShardedKind && e.shape.empty()) e.kind = kTensorKind;
       // An FSDP tensor keeps FSDP's rule (its unit's flat vector, cut over the new world
       // size): the layout an FSDP save at that size writes, with about one piece per rank
       // and unit instead of one per rank and tensor. Others are chunked along the
       // dimension they were split on.
       const EntryInfo& saved = m.entries.at(k);
-      if (e.kind == "sharded" && saved.layout && saved.layout->rule == sharding::Layout::Rule::Flat)
+      if (e.kind == kShardedKind && saved.layout && saved.layout->rule == sharding::Layout::Rule::Flat)
         e.layout = sharding::Layout::flat(saved.layout->flat_numel, saved.layout->flat_offset, world_size);
-      else if (e.kind == "sharded") e.layout = sharding::Layout::chunk(split_dim(saved), world_size);
-      else if (e.kind == "tensor") e.layout = sharding::Layout::whole(0);
+      else if (e.kind == kShardedKind) e.layout = sharding::Layout::chunk(split_dim(saved), world_size);
+      else if (e.kind == kTensorKind) e.layout = sharding::Layout::whole(0);
       o.entries.emplace(k, std::move(e));
     }
     // Written before any data, so an output no reader would take fails here.
@@ -352,7 +352,7 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
         const EntryInfo& e = m.entries.at(k);
         if (!e.is_tensor()) continue;
         sharding::Box box;
-        if (o.entries.at(k).kind == "sharded") {
+        if (o.entries.at(k).kind == kShardedKind) {
           box = o.entries.at(k).layout->box(e.shape, r);
         } else if (r == 0) {
           box = sharding::full_box(e.shape);

@@ -411,13 +411,13 @@ class Planner {
       EntryInfo& e = o.entry;
       e.dtype = o.dtype;
       e.shape = o.shape;
-      e.kind = "tensor";
+      e.kind = kTensorKind;
       if (!o.sharded || W_ == 1 || o.shape.empty() || numel_of(o.shape) == 0) {
         // one piece: a buffer in rank 0's file, a parameter in the file of the rank holding its first element
         const int64_t holder = o.sharded ? std::min(W_ - 1, o.offset / std::max<int64_t>(o.per, 1)) : o.from;
         e.layout = sharding::Layout::whole(holder);
       } else {
-        e.kind = "sharded";
+        e.kind = kShardedKind;
         e.layout = o.dim0 ? sharding::Layout::chunk(0, W_) : sharding::Layout::flat(o.per * W_, o.offset, W_);
       }
       e.layout->validate(e.shape, W_, concat("key '", o.key, "'"));
@@ -556,7 +556,7 @@ XlaImportResult import_xla(const std::string& input, const std::string& out, boo
       for (const Out& o : plan.outs) {
         const EntryInfo& e = o.entry;
         sharding::Box box;
-        if (e.kind == "sharded") {
+        if (e.kind == kShardedKind) {
           box = e.layout->box(e.shape, r);
         } else if (e.layout->file == r) {
           box = sharding::full_box(e.shape);
