@@ -3,7 +3,7 @@
 // with no tensor data. For each model, sharding and world size it measures what every
 // rank computes alone: the metadata text (to_json, identical on every rank), a sampled
 // rank's save planning (its CheckpointMetadata, plan_saved_layout of every tensor, the
-// pieces it stores, to_json and the digest agree() compares) and its load planning for a
+// pieces it stores, to_json and the digest RankAgreement::agree compares) and its load planning for a
 // resume at the same N (open_checkpoint: read, parse_metadata, checksum; then
 // ChunkReader::chunks for each of the rank's target boxes, which finds the overlapping
 // pieces with Layout::overlapping and reads the headers of the data files holding them,
@@ -51,6 +51,7 @@
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/save_plan.h"
 #include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/wire.h"
 #include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/writer.h"
@@ -345,10 +346,10 @@ int64_t ceil_log2(int64_t n) {
 }
 
 // Bytes a rank sends + receives in a successful save_sharded (save.cpp): one
-// broadcast_or_throw of rank 0's temporary path and save id (broadcast_bytes: an 8-byte
-// length, then the packed message), then three agree() calls (after planning, after
+// RankAgreement::from_rank0_or_throw of rank 0's temporary path and save id (broadcast_bytes: an 8-byte
+// length, then the packed message), then three RankAgreement::agree calls (after planning, after
 // writing, after the commit), each an all-reduce of 3 int64 (24 bytes). A load adds one
-// agree(). Two models of the collectives: "pipelined" (a ring all-reduce: each rank
+// agree. Two models of the collectives: "pipelined" (a ring all-reduce: each rank
 // sends and receives 2(N-1)/N of the buffer; a chain broadcast: each rank receives the
 // message once and forwards it once) and "tree" (what small messages get: recursive
 // doubling, log2 N exchanges of the whole buffer each way; a binomial-tree broadcast

@@ -13,7 +13,7 @@
 
 #include "support/scenario.h"
 #include "tessera/checkpoint/checkpoint.h"
-#include "tessera/checkpoint/save_steps.h"  // set_async_save_hook_for_tests
+#include "tessera/checkpoint/test_hooks.h"  // set_async_save_hook_for_tests
 #include "tessera/sharding/sharded_tensor.h"
 #include "tessera/state/state_dict.h"
 

@@ -15,7 +15,9 @@
 #include "support/test_util.h"
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/offline/offline.h"
-#include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/save_full_io.h"
+#include "tessera/checkpoint/test_hooks.h"
+#include "tessera/checkpoint/wire.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/state/state_dict.h"
 

@@ -17,7 +17,7 @@
 
 #include "support/proc_memory.h"
 #include "support/scenario.h"
-#include "tessera/checkpoint/save_steps.h"  // set_async_save_hook_for_tests
+#include "tessera/checkpoint/test_hooks.h"  // set_async_save_hook_for_tests
 #include "tessera/core/env.h"
 #include "tessera/fabric/fabric.h"
 #include "tessera/strategy/ddp.h"

@@ -7,8 +7,8 @@
 #include <set>
 
 #include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/rank_agreement.h"
 #include "tessera/checkpoint/reader.h"
-#include "tessera/checkpoint/save_steps.h"
 #include "tessera/core/error.h"
 #include "tessera/core/log.h"
 #include "tessera/core/strings.h"
@@ -218,7 +218,8 @@ LoadResult load(state::StateDict& target, const std::string& path, distributed::
   } catch (const std::exception& e) {
     err = e.what();
   }
-  const Agreement checked = agree(comm, err);
+  RankAgreement ranks(comm, concat("loading '", path, "'"));
+  const Agreement checked = ranks.agree(err);
   if (!err.empty()) throw Error(err);
   TESSERA_CHECK(checked.ok(), "loading '", path, "' failed on rank ", checked.failed_rank, ": ", checked.error,
                 " (nothing was loaded)");
@@ -228,8 +229,8 @@ LoadResult load(state::StateDict& target, const std::string& path, distributed::
   } catch (const std::exception& e) {
     err = e.what();
   }
-  // Every rank learns whether every rank loaded, for O(1) bytes each (save_steps.h).
-  const Agreement a = agree(comm, err);
+  // Every rank learns whether every rank loaded, for O(1) bytes each.
+  const Agreement a = ranks.agree(err);
   if (!err.empty()) throw Error(err);
   TESSERA_CHECK(a.ok(), "loading '", path, "' failed on rank ", a.failed_rank, ": ", a.error, " -- on this rank (",
                 comm.rank(), ") the target was overwritten from the checkpoint all the same: do not continue ",

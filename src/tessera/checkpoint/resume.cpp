@@ -14,7 +14,8 @@
 #include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/verify.h"
 #include "tessera/checkpoint/reader.h"
-#include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/rank_agreement.h"
+#include "tessera/checkpoint/wire.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
@@ -294,7 +295,7 @@ ResumeChoice find_resumable(const std::vector<std::string>& dirs, distributed::C
       error = e.what();
     }
   }
-  payload = broadcast_or_throw(comm, error, payload, "find_resumable on rank 0");
+  payload = RankAgreement(comm, "find_resumable on rank 0").from_rank0_or_throw(error, payload);
   std::vector<Candidate> candidates;
   {
     Unpacker u(payload, "find_resumable's candidate list from rank 0");

@@ -1,6 +1,7 @@
 // The sharded save (format 2: a data file per rank, and the metadata). The consolidated
-// save is in save_full.cpp, async saves and save() itself in save_async.cpp, the steps
-// every rank takes together (and what both saves share) in save_steps.cpp.
+// save is in save_full.cpp, async saves and save() itself in save_async.cpp, what both
+// saves share in save_steps.cpp, how the ranks learn each other's outcome in
+// rank_agreement.cpp.
 #include <ATen/ATen.h>
 
 #include <map>
@@ -11,7 +12,9 @@
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/save_plan.h"
+#include "tessera/checkpoint/rank_agreement.h"
 #include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/wire.h"
 #include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/error.h"
@@ -26,7 +29,7 @@ namespace {
 // knows every shard's box: ShardedTensor keeps them) and the pieces it stores
 // (save_plan.h); each writes its data file; the ranks compare a digest of what they save
 // (keys, order, kinds, dtypes, shapes and layouts: structure_of) and learn each other's
-// outcome through agree(), an all-reduce of three integers, so a save moves O(1) bytes
+// outcome through RankAgreement::agree, an all-reduce of three integers, so a save moves O(1) bytes
 // per rank whatever the world size (plus the temporary's path from rank 0). Ranks that
 // disagree on any of these are refused before anything is written, naming the first
 // rank that differs from rank 0; rank 0's metadata, plain values included, is written.
@@ -37,7 +40,7 @@ namespace {
 class ShardedSave {
  public:
   ShardedSave(const std::string& path, distributed::Communicator& comm)
-      : path_(path), comm_(comm), rank_(comm.rank()), what_(concat("saving '", path, "'")) {}
+      : path_(path), comm_(comm), rank_(comm.rank()), what_(concat("saving '", path, "'")), ranks_(comm, what_) {}
 
   void run(const state::StateDict& sd) {
     prepare();
@@ -56,7 +59,7 @@ class ShardedSave {
       err = prepare_target(path_, true, guard_.tmp);
       save_id_ = new_save_id();
     }
-    const std::string info = broadcast_or_throw(comm_, err, Packer().str(guard_.tmp).str(save_id_).bytes(), what_);
+    const std::string info = ranks_.from_rank0_or_throw(err, Packer().str(guard_.tmp).str(save_id_).bytes());
     Unpacker in(info, "rank 0's temporary");
     tmp_ = in.str();
     save_id_ = in.str();
@@ -136,7 +139,7 @@ class ShardedSave {
   // Every rank learns whether every rank planned, and whether all planned the same
   // structure; when not, the first rank that differs from rank 0 is named.
   void agree_on_plan() {
-    const Agreement planned = agree_or_throw(comm_, plan_err_, what_, structure_.digest());
+    const Agreement planned = ranks_.agree_or_throw(plan_err_, structure_.digest());
     if (planned.same_digest) return;
     // Only now (an error path): every rank's digest, and the first rank that differs.
     const auto all = comm_.all_gather_bytes(Packer().u64(structure_.digest()).bytes());
@@ -155,7 +158,7 @@ class ShardedSave {
     } catch (const std::exception& e) {
       err = e.what();
     }
-    agree_or_throw(comm_, err, what_);
+    ranks_.agree_or_throw(err);
   }
 
   // Rank 0 writes the metadata and renames the temporary into place; every rank learns
@@ -171,13 +174,14 @@ class ShardedSave {
         err = e.what();
       }
     }
-    agree_or_throw(comm_, err, what_);
+    ranks_.agree_or_throw(err);
   }
 
   const std::string path_;
   distributed::Communicator& comm_;
   const int rank_;
   const std::string what_;  // "saving 'PATH'", for messages
+  RankAgreement ranks_;     // every rank learning the outcome of each phase
   TempGuard guard_;         // rank 0's temporary, removed unless committed
   std::string tmp_, save_id_;
   CheckpointMetadata m_;

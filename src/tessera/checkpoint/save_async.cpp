@@ -12,6 +12,7 @@
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/test_hooks.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/device.h"
 #include "tessera/core/error.h"

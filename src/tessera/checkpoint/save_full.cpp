@@ -1,7 +1,9 @@
 // The consolidated save (one safetensors file), as a sequence of named phases: FullSave's
 // methods are the phases and its members what one phase hands the next. The sharded save
 // is in save.cpp, async saves and save() itself in save_async.cpp, the steps every rank
-// takes together (and what both saves share) in save_steps.cpp.
+// takes together in rank_agreement.cpp, what both saves share in save_steps.cpp, and this
+// save's own I/O (runs of one file written by several ranks, the read-back) in
+// save_full_io.cpp.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -18,7 +20,11 @@
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/safetensors.h"
+#include "tessera/checkpoint/rank_agreement.h"
+#include "tessera/checkpoint/save_full_io.h"
 #include "tessera/checkpoint/save_steps.h"
+#include "tessera/checkpoint/test_hooks.h"
+#include "tessera/checkpoint/wire.h"
 #include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/storage/stream_writer.h"
@@ -59,7 +65,7 @@ std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string
     for (size_t d = 0; d < p.box.offsets.size(); ++d)
       list.u64(static_cast<uint64_t>(p.box.offsets[d])).u64(static_cast<uint64_t>(p.box.sizes[d]));
   }
-  const AllOutcomes all = exchange_status(comm, {local_err, list.bytes()});
+  const AllOutcomes all = RankAgreement(comm, "").gather(local_err, list.bytes());
   err = all.errors();
   std::vector<bool> keep(mine.size(), false);
   if (!err.empty()) return keep;
@@ -166,6 +172,7 @@ class FullSave {
         path_(path),
         rank_(comm.rank()),
         what_(concat("saving '", path, "'")),
+        ranks_(comm, what_),
         flat_(sd.flatten()) {}
 
   void describe_and_agree();  // 1. every rank describes what it saves; all compare
@@ -200,6 +207,7 @@ class FullSave {
   const std::string& path_;
   const int rank_;
   const std::string what_;
+  RankAgreement ranks_;  // every rank learning the outcome of each phase
   const std::vector<std::pair<std::string, const Value*>> flat_;
   std::string err_;  // this rank's first error ("" while it has none)
 
@@ -279,7 +287,7 @@ void FullSave::describe_and_agree() {
   } catch (const std::exception& e) {
     err_ = e.what();
   }
-  const auto digests = exchange_or_throw(comm_, err_, Packer().u64(layout_list.digest()).bytes(), what_);
+  const auto digests = ranks_.gather_or_throw(err_, Packer().u64(layout_list.digest()).bytes());
   std::vector<uint64_t> d;
   for (size_t r = 0; r < digests.size(); ++r) d.push_back(Unpacker(digests[r], concat("rank ", r, "'s digest")).u64());
   check_same_layout(comm_, layout_list, d, path_, SaveMode::Full);
@@ -310,7 +318,7 @@ void FullSave::create_file() {
       err_ = e.what();
     }
   }
-  info = broadcast_or_throw(comm_, err_, info, what_);
+  info = ranks_.from_rank0_or_throw(err_, info);
   Unpacker in(info, "rank 0's file layout");
   tmp_ = in.str();
   data_start_ = in.u64();
@@ -349,8 +357,8 @@ void FullSave::choose_writers() {
     able = why_not.empty();
   }
   // With whether it writes, each rank says which kernel (page cache) it runs on.
-  const auto all_able = exchange_or_throw(comm_, rank_ == 0 ? err_ : "",
-                                          Packer().u64(able ? 1 : 0).str(kernel_identity()).bytes(), what_);
+  const auto all_able =
+      ranks_.gather_or_throw(rank_ == 0 ? err_ : "", Packer().u64(able ? 1 : 0).str(kernel_identity()).bytes());
   std::string kernel0;
   for (size_t r = 0; r < all_able.size(); ++r) {
     Unpacker a(all_able[r], concat("rank ", r, "'s status"));
@@ -494,8 +502,8 @@ void FullSave::write_sharded(const std::string& fqn, const sharding::ShardedTens
 // 5. Every rank learns every rank's checksum pieces and edges (or its error); rank 0
 //    joins the pieces into the header's block checksums and patches it.
 void FullSave::join_checksums() {
-  const auto parts = exchange_or_throw(
-      comm_, err_, Packer().str(pack_crc_pieces(my_pieces_)).str(pack_ranges(my_edges_)).bytes(), what_);
+  const auto parts =
+      ranks_.gather_or_throw(err_, Packer().str(pack_crc_pieces(my_pieces_)).str(pack_ranges(my_edges_)).bytes());
   pieces_of_.resize(parts.size());
   edges_of_.resize(parts.size());
   for (size_t r = 0; r < parts.size(); ++r) {
@@ -514,7 +522,7 @@ void FullSave::join_checksums() {
       f.close();
     });
   }
-  exchange_or_throw(comm_, err_, "", what_);
+  ranks_.gather_or_throw(err_);
 }
 
 // 6. With several writers, each rank reads back what the next rank wrote (read past
@@ -539,7 +547,7 @@ void FullSave::read_back() {
     });
     verify_s_ = log::seconds(t0, Clock::now());
   }
-  exchange_or_throw(comm_, err_, "", what_);
+  ranks_.gather_or_throw(err_);
 }
 
 // 7. The commit: rank 0 renames the file into place; every rank learns its outcome.
@@ -550,7 +558,7 @@ void FullSave::commit() {
       guard_.committed = true;
     });
   }
-  broadcast_or_throw(comm_, err_, "", what_);  // rank 0's outcome, thrown everywhere when an error
+  ranks_.from_rank0_or_throw(err_);  // rank 0's outcome, thrown everywhere when an error
 }
 
 }  // namespace

@@ -9,7 +9,7 @@
 #include <mutex>
 
 #include "tessera/checkpoint/reader.h"
-#include "tessera/checkpoint/save_steps.h"  // agree_or_throw: every rank learns every rank's outcome
+#include "tessera/checkpoint/rank_agreement.h"  // every rank learns every rank's outcome
 #include "tessera/core/error.h"
 #include "tessera/core/strings.h"
 #include "tessera/fabric/fabric.h"
@@ -116,8 +116,9 @@ void restore_rng_states(fabric::Fabric& f, const state::StateDict& rng, const st
   }
   // Taken by every rank whatever it found (O(1) bytes each): all fail together, naming
   // the lowest rank that failed and its error.
-  checkpoint::agree_or_throw(*f.comm(), err,
-                             concat("Trainer: restoring the random generator states from checkpoint '", path, "'"));
+  checkpoint::RankAgreement(*f.comm(),
+                            concat("Trainer: restoring the random generator states from checkpoint '", path, "'"))
+      .agree_or_throw(err);
 }
 
 }  // namespace tessera::trainer
