@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "tessera/core/error.h"
+#include "tessera/distributed/arrivals.h"  // format_duration
 #include "tessera/distributed/store_gate.h"
 #include "tessera/distributed/store_listen.h"
 
@@ -27,16 +28,6 @@ using Clock = std::chrono::steady_clock;
 
 // The key every rank adds 1 to once it has reached the store.
 const char* const kJoinedKey = "tessera/rendezvous/joined";
-
-std::string seconds(std::chrono::milliseconds ms) {
-  char buf[32];
-  if (ms.count() % 1000 == 0) {
-    std::snprintf(buf, sizeof buf, "%lld s", static_cast<long long>(ms.count() / 1000));
-  } else {
-    std::snprintf(buf, sizeof buf, "%.1f s", static_cast<double>(ms.count()) / 1000.0);
-  }
-  return buf;
-}
 
 std::string where(const World& w) { return concat(w.master_addr, ":", w.master_port); }
 
@@ -143,7 +134,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
     }
     if (timed_out) {
       throw CommError(concat("rank ", w.rank, " could not reach the rendezvous store at ", where(w),
-                             " (MASTER_ADDR:MASTER_PORT) within the timeout of ", seconds(timeout),
+                             " (MASTER_ADDR:MASTER_PORT) within the timeout of ", format_duration(timeout),
                              ": is rank 0 running, and is that its address?"));
     }
     throw CommError(concat("rank ", w.rank, " could not reach the rendezvous store at ", where(w),
@@ -163,13 +154,13 @@ void throw_join_failure(const World& w, c10d::Store& store, std::chrono::millise
   const std::string count =
       joined >= 0 ? concat(joined, " of ", w.world_size, " ranks joined") : std::string("the store no longer answers");
   if (ran_out(waited, timeout, cause) && (joined < 0 || joined < w.world_size)) {
-    throw CommError(concat("rendezvous at ", where(w), " timed out after ", seconds(timeout), " on rank ", w.rank,
+    throw CommError(concat("rendezvous at ", where(w), " timed out after ", format_duration(timeout), " on rank ", w.rank,
                            ": ", count, joined >= 0 ? " (are the others started, with the same MASTER_ADDR and "
                                                       "MASTER_PORT?)"
                                                     : ""));
   }
   throw CommError(concat("creating the process group on rank ", w.rank, " of ", w.world_size, " at ", where(w),
-                         " failed (", count, ", timeout ", seconds(timeout), "): ", short_error(cause)));
+                         " failed (", count, ", timeout ", format_duration(timeout), "): ", short_error(cause)));
 }
 
 int find_free_port() {

@@ -353,12 +353,18 @@ constexpr const char* kMetadataCrcMarker = "\n \"metadata_crc32c\": \"";
 
 namespace {
 
-std::string to_json_v1(const CheckpointMetadata& m) {
+// The fields every version's metadata has.
+json header_json(const CheckpointMetadata& m, int version) {
   json j;
   j["format"] = "tessera-checkpoint";
-  j["version"] = 1;
+  j["version"] = version;
   j["world_size"] = m.world_size;
   j["crc32c_block"] = m.crc_block;
+  return j;
+}
+
+std::string to_json_v1(const CheckpointMetadata& m) {
+  json j = header_json(m, 1);
   j["files"] = json::array();
   for (auto& [n, s] : m.files) j["files"].push_back({{"name", n}, {"size", s}});
   j["keys"] = m.keys;
@@ -433,11 +439,7 @@ json entry_json_v2(const std::string& k, const EntryInfo& e) {
 }
 
 std::string to_json_v2(const CheckpointMetadata& m) {
-  json j;
-  j["format"] = "tessera-checkpoint";
-  j["version"] = 2;
-  j["world_size"] = m.world_size;
-  j["crc32c_block"] = m.crc_block;
+  json j = header_json(m, 2);
   j["save_id"] = m.save_id;
   j["keys"] = m.keys;
   json entries = json::object();
