@@ -3,6 +3,7 @@
 #include "tessera/checkpoint/verify.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -84,112 +85,140 @@ std::vector<bool> check_data_files_present(const CheckpointMetadata& m, VerifyRe
   return there;
 }
 
+// Records the error of `f` as a problem, unless it is a ResourceError: out of descriptors
+// is an error of this machine, not a problem of the checkpoint, and is thrown on.
+template <typename F>
+void as_problem(VerifyReport& rep, F&& f) {
+  try {
+    f();
+  } catch (const ResourceError&) {
+    throw;
+  } catch (const std::exception& e) {
+    add_problem(rep, e.what());
+  }
+}
+
+// One verification (or one part of it), in its phases: open the metadata, check the data
+// files, check every chunk's bytes.
+class Verification {
+ public:
+  Verification(const std::string& path, int part, int parts) : path_(path), part_(part), parts_(parts) {}
+
+  VerifyReport run() {
+    if (!open()) return std::move(rep_);
+    rep_.kind = m_.source_kind;
+    reader_.emplace(m_);
+    check_files();
+    check_chunks();
+    rep_.ok = rep_.problems.empty();
+    return std::move(rep_);
+  }
+
+ private:
+  // The metadata (a Hugging Face directory: its index against its shards); false, with
+  // the problems recorded, when it cannot be read.
+  bool open() {
+    try {
+      if (is_hf_directory(path_)) {
+        HfDirectory d = read_hf_directory(path_);
+        m_ = std::move(d.meta);
+        rep_.notes = std::move(d.notes);
+      } else {
+        m_ = open_checkpoint(path_);
+      }
+      return true;
+    } catch (const ResourceError&) {
+      throw;  // out of descriptors: an error of this machine, not a problem of the checkpoint
+    } catch (const HfDirectoryError& e) {  // every disagreement of the weight map and the shards
+      for (const auto& p : e.problems) add_problem(rep_, p);
+    } catch (const std::exception& e) {
+      add_problem(rep_, e.what());
+    }
+    rep_.ok = false;
+    return false;
+  }
+
+  // The data files of a sharded checkpoint, this part's share of them.
+  void check_files() {
+    if (m_.source_kind != kSourceSharded) return;
+    if (m_.version >= 2) {
+      // The files present against world_size first (part 0 reports it); a missing file is
+      // that one problem, never opened, nor are its pieces. Every data file present: of this
+      // save and rank, holding exactly the pieces the layouts place there, each at its place
+      // (ChunkReader::data_file, what every reader checks of a file it opens).
+      VerifyReport listing;
+      present_ = check_data_files_present(m_, listing);
+      if (part_ == 0)
+        for (auto& p : listing.problems) add_problem(rep_, std::move(p));
+      for (int r = part_; r < m_.world_size; r += parts_)
+        if (present_[static_cast<size_t>(r)]) as_problem(rep_, [&] { reader_->data_file(r); });
+      return;
+    }
+    int64_t index = 0;
+    for (const auto& [name, size] : m_.files)
+      if (index++ % parts_ == part_) as_problem(rep_, [&, n = name] { reader_->reader(n); });
+  }
+
+  // Every chunk (this part's share of the pieces) read and checked against its checksums,
+  // or read through where the source has none.
+  void check_chunks() {
+    // A plain safetensors file Tessera wrote (an `export --format hf` file) has them too.
+    rep_.has_checksums =
+        m_.source_kind == kSourceSharded || m_.source_kind == kSourceConsolidated || m_.crc_block > 0;
+    // A Hugging Face directory: checksummed only when every shard is (a Tessera export).
+    if (m_.source_kind == kSourceHf)
+      for (const auto& [k, e] : m_.entries)
+        for (const auto& c : e.chunks) rep_.has_checksums &= !c.crcs.empty();
+    int64_t unit = 0;  // every piece's (or listed chunk's) number, for the parts
+    for (const auto& k : m_.keys) {
+      const EntryInfo& e = m_.entries.at(k);
+      for (const auto& c : chunks_of(k, e, unit)) as_problem(rep_, [&] { check_chunk(k, e, c); });
+    }
+  }
+
+  // This part's chunks of entry `k`: piece by piece where a layout places them, so that one
+  // missing or damaged file is one problem among the others.
+  std::vector<ChunkInfo> chunks_of(const std::string& k, const EntryInfo& e, int64_t& unit) {
+    std::vector<ChunkInfo> chunks;
+    if (!e.layout) {
+      for (const auto& c : e.chunks)
+        if (unit++ % parts_ == part_) chunks.push_back(c);
+      return chunks;
+    }
+    for (int64_t i : e.layout->overlapping(e.shape, sharding::full_box(e.shape))) {
+      if (unit++ % parts_ != part_) continue;
+      const int64_t f = e.layout->file_of(i);
+      if (!present_.empty() && !present_[static_cast<size_t>(f)]) continue;  // reported with the listing
+      as_problem(rep_, [&] {
+        for (auto& c : reader_->chunks(k, e, e.layout->box(e.shape, i))) chunks.push_back(std::move(c));
+      });
+    }
+    return chunks;
+  }
+
+  void check_chunk(const std::string& k, const EntryInfo& e, const ChunkInfo& c) {
+    if (rep_.has_checksums && c.crcs.empty() && c.end > c.begin)
+      throw Error(concat("key '", k, "' chunk ", c.box.to_string(), ": no checksum recorded"));
+    reader_->verify_chunk(k, e, c);
+    if (c.crcs.empty() && !c.memory.defined() && c.end > c.begin) read_through(*reader_, c, through_);
+    rep_.chunks_checked++;
+    rep_.bytes_checked += c.end - c.begin;
+  }
+
+  const std::string path_;
+  const int part_, parts_;
+  VerifyReport rep_;
+  CheckpointMetadata m_;
+  std::optional<ChunkReader> reader_;
+  std::vector<bool> present_;  // version 2: per rank, whether its data file is there
+  std::vector<char> through_;  // read_through's window
+};
+
 }  // namespace
 
 VerifyReport verify(const std::string& path, int part, int parts) {
   TESSERA_CHECK(parts >= 1 && part >= 0 && part < parts, "verify: part ", part, " of ", parts, " is out of range");
-  VerifyReport rep;
-  CheckpointMetadata m;
-  try {
-    if (is_hf_directory(path)) {
-      HfDirectory d = read_hf_directory(path);
-      m = std::move(d.meta);
-      rep.notes = std::move(d.notes);
-    } else {
-      m = open_checkpoint(path);
-    }
-  } catch (const ResourceError&) {
-    throw;  // out of descriptors: an error of this machine, not a problem of the checkpoint
-  } catch (const HfDirectoryError& e) {  // every disagreement of the weight map and the shards
-    rep.ok = false;
-    for (const auto& p : e.problems) add_problem(rep, p);
-    return rep;
-  } catch (const std::exception& e) {
-    rep.ok = false;
-    add_problem(rep, e.what());
-    return rep;
-  }
-  rep.kind = m.source_kind;
-  ChunkReader reader(m);
-  std::vector<bool> present;  // version 2: per rank, whether its data file is there
-  if (m.source_kind == kSourceSharded && m.version >= 2) {
-    // The files present against world_size first (part 0 reports it); a missing file is
-    // that one problem, never opened, nor are its pieces. Every data file present: of this
-    // save and rank, holding exactly the pieces the layouts place there, each at its place
-    // (ChunkReader::data_file, what every reader checks of a file it opens).
-    VerifyReport listing;
-    present = check_data_files_present(m, listing);
-    if (part == 0)
-      for (auto& p : listing.problems) add_problem(rep, std::move(p));
-    for (int r = part; r < m.world_size; r += parts) {
-      if (!present[static_cast<size_t>(r)]) continue;
-      try {
-        reader.data_file(r);
-      } catch (const ResourceError&) {
-        throw;
-      } catch (const std::exception& e) {
-        add_problem(rep, e.what());
-      }
-    }
-  } else if (m.source_kind == kSourceSharded) {
-    int64_t index = 0;
-    for (const auto& [name, size] : m.files) {
-      if (index++ % parts != part) continue;
-      try {
-        reader.reader(name);
-      } catch (const ResourceError&) {
-        throw;
-      } catch (const std::exception& e) {
-        add_problem(rep, e.what());
-      }
-    }
-  }
-  // A plain safetensors file Tessera wrote (an `export --format hf` file) has them too.
-  rep.has_checksums = m.source_kind == kSourceSharded || m.source_kind == kSourceConsolidated || m.crc_block > 0;
-  // A Hugging Face directory: checksummed only when every shard is (a Tessera export).
-  if (m.source_kind == kSourceHf)
-    for (const auto& [k, e] : m.entries)
-      for (const auto& c : e.chunks) rep.has_checksums &= !c.crcs.empty();
-  std::vector<char> through;  // read_through's window
-  int64_t unit = 0;            // every piece's (or listed chunk's) number, for the parts
-  for (const auto& k : m.keys) {
-    const EntryInfo& e = m.entries.at(k);
-    std::vector<ChunkInfo> chunks;
-    if (e.layout) {
-      // Piece by piece, so that one missing or damaged file is one problem among the others.
-      for (int64_t i : e.layout->overlapping(e.shape, sharding::full_box(e.shape))) {
-        if (unit++ % parts != part) continue;
-        const int64_t f = e.layout->file_of(i);
-        if (!present.empty() && !present[static_cast<size_t>(f)]) continue;  // reported with the listing
-        try {
-          for (auto& c : reader.chunks(k, e, e.layout->box(e.shape, i))) chunks.push_back(std::move(c));
-        } catch (const ResourceError&) {
-          throw;
-        } catch (const std::exception& ex) {
-          add_problem(rep, ex.what());
-        }
-      }
-    } else {
-      for (const auto& c : e.chunks)
-        if (unit++ % parts == part) chunks.push_back(c);
-    }
-    for (const auto& c : chunks) {
-      try {
-        if (rep.has_checksums && c.crcs.empty() && c.end > c.begin)
-          throw Error(concat("key '", k, "' chunk ", c.box.to_string(), ": no checksum recorded"));
-        reader.verify_chunk(k, e, c);
-        if (c.crcs.empty() && !c.memory.defined() && c.end > c.begin) read_through(reader, c, through);
-        rep.chunks_checked++;
-        rep.bytes_checked += c.end - c.begin;
-      } catch (const ResourceError&) {
-        throw;
-      } catch (const std::exception& ex) {
-        add_problem(rep, ex.what());
-      }
-    }
-  }
-  rep.ok = rep.problems.empty();
-  return rep;
+  return Verification(path, part, parts).run();
 }
 
 }  // namespace tessera::checkpoint
