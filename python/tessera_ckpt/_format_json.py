@@ -1,9 +1,8 @@
-"""Strict JSON, as the C++ reader parses it (src/tessera/checkpoint/format/metadata.cpp
+"""Strict JSON, as the C++ reader parses it (src/tessera/checkpoint/format/json.cpp
 parse_json_strict / parse_json_bounded: a key at most once per object, no NaN or Infinity,
 the count of values bounded before parsing), and JSON integers as it sees them (nlohmann).
 Used by the metadata (_format_metadata.py), the safetensors headers (_format_safetensors.py)
-and the Hugging Face index (_interop_hf_dir.py); in C++ these live in metadata.cpp, here in
-their own module so that the safetensors parser needs not import the metadata's."""
+and the Hugging Face index (_interop_hf_dir.py), as its C++ twin is."""
 import json
 import re
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/checkpoint/format/json.h"  // parse_json_strict, which every reader of the format uses
 #include "tessera/sharding/chunk.h"
 #include "tessera/sharding/layout.h"
 #include "tessera/state/state_dict.h"
@@ -80,13 +81,6 @@ struct CheckpointMetadata {
   std::map<std::string, EntryInfo> entries;
 };
 
-
-// Parses JSON text like nlohmann::json::parse, but refuses a key that appears twice in
-// one object, at any depth (nlohmann would keep the last one silently): a tampered
-// file could otherwise show one value to a reviewer and load another. Errors start
-// with `what` and name the key and where it is.
-nlohmann::json parse_json_strict(const std::string& text, const std::string& what);
-
 // JSON text of a plain value (int/float/bool/string/bytes/empty dict).
 std::string encode_value(const state::Value& v);
 // The inverse; errors name `what`.
@@ -118,6 +112,5 @@ void check_tiling(const std::string& fqn, const EntryInfo& e);
 // (FQN, or FQN@k when the file holds several pieces of the entry: list layouts only).
 std::string piece_name(const std::string& fqn, const sharding::Layout& layout, const std::vector<int64_t>& shape,
                        int64_t i);
-
 
 }  // namespace tessera::checkpoint
