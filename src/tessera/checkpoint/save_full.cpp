@@ -55,8 +55,8 @@ constexpr int64_t kGatherSliceBytes = 16 << 20;
 // Every rank computes the same assignment from the same lists. Returns, for each of
 // `mine`, whether this rank writes it; `err` gets the errors of all ranks (the same text
 // on every rank).
-std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string& local_err,
-                               distributed::Communicator& comm, std::string& err) {
+std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string& local_err, int rank,
+                               RankAgreement& ranks, std::string& err) {
   using BoxKey = std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>>;
   Packer list;
   list.u64(mine.size());
@@ -65,7 +65,7 @@ std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string
     for (size_t d = 0; d < p.box.offsets.size(); ++d)
       list.u64(static_cast<uint64_t>(p.box.offsets[d])).u64(static_cast<uint64_t>(p.box.sizes[d]));
   }
-  const AllOutcomes all = RankAgreement(comm, "").gather(local_err, list.bytes());
+  const AllOutcomes all = ranks.gather(local_err, list.bytes());
   err = all.errors();
   std::vector<bool> keep(mine.size(), false);
   if (!err.empty()) return keep;
@@ -101,7 +101,7 @@ std::vector<bool> plan_writers(const std::vector<Piece>& mine, const std::string
     for (int r : h->ranks)
       if (load[static_cast<size_t>(r)] < load[static_cast<size_t>(w)]) w = r;
     load[static_cast<size_t>(w)] += h->bytes;
-    if (w == comm.rank()) written_here.insert(*k);
+    if (w == rank) written_here.insert(*k);
   }
   for (size_t i = 0; i < mine.size(); ++i) {
     const BoxKey k{mine[i].fqn, mine[i].box.offsets, mine[i].box.sizes};
@@ -387,7 +387,7 @@ void FullSave::choose_writers() {
           if (!sh.meta.box.empty()) held_.push_back({fqn, s->dtype(), sh.meta.box, [t = sh.tensor] { return t; }});
   }
   std::string plan_err;
-  keep_ = shared_ ? plan_writers(held_, "", comm_, plan_err) : std::vector<bool>{};
+  keep_ = shared_ ? plan_writers(held_, "", rank_, ranks_, plan_err) : std::vector<bool>{};
   TESSERA_CHECK(plan_err.empty(), what_, ": ", plan_err);  // the same on every rank
 }
 
