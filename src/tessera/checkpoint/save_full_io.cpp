@@ -8,6 +8,7 @@
 #include <fstream>
 #include <memory>
 
+#include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/storage/direct_reader.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/checkpoint/wire.h"

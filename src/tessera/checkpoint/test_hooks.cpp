@@ -4,6 +4,7 @@
 
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/core/env.h"
+#include "tessera/core/error.h"
 #include "tessera/core/strings.h"
 
 namespace tessera::checkpoint {
