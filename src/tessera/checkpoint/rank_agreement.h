@@ -61,8 +61,6 @@ class RankAgreement {
   // The other ranks' arguments are not read.
   std::string from_rank0_or_throw(const std::string& rank0_error, const std::string& rank0_payload = "");
 
-  const std::string& what() const { return what_; }
-
  private:
   distributed::Communicator& comm_;
   std::string what_;
