@@ -11,6 +11,7 @@
 #include "tessera/core/log.h"
 #include "tessera/state/module_state.h"
 #include "tessera/strategy/fsdp_impl.h"
+#include "tessera/strategy/tp_state.h"
 
 namespace tessera::strategy {
 
@@ -246,12 +247,19 @@ void FsdpStrategy::optimizer_step(torch::optim::Optimizer& opt) {
   opt.step();
 }
 
+StateDictType FsdpStrategy::default_state_dict_type() const {
+  return module_ && tp_view().any() ? StateDictType::Full : kDefaultStateDictType;
+}
+
 double FsdpStrategy::clip_grad_norm(double max_norm, double norm_type) {
   TESSERA_CHECK(module_, "FSDP: clip_grad_norm before setup()");
   auto& I = *impl_;
   I.finalize_if_pending();
   const bool inf = std::isinf(norm_type);
-  double local = 0.0;
+  // Tensor parallelism: the pieces of cut parameters are summed over its group, the
+  // replicated parameters (the same shard on every rank of that group) counted once.
+  const detail::TpView& tp = tp_view();
+  double cut = 0.0, replicated = 0.0;
   std::vector<at::Tensor> grads;
   for (auto& u : I.units)
     for (auto& P : u->params) {
@@ -260,11 +268,11 @@ double FsdpStrategy::clip_grad_norm(double max_norm, double norm_type) {
       grads.push_back(g);
       if (g.numel() == 0) continue;
       at::Tensor gd = g.detach().to(at::kDouble);
-      if (inf)
-        local = std::max(local, gd.abs().max().item<double>());
-      else
-        local += gd.abs().pow(norm_type).sum().item<double>();
+      const double part = inf ? gd.abs().max().item<double>() : gd.abs().pow(norm_type).sum().item<double>();
+      double& into = tp.is_cut(P->p) ? cut : replicated;
+      into = inf ? std::max(into, part) : into + part;
     }
+  const double local = tp.combine_norm(cut, replicated, inf);
   double total = local;
   if (shard_comm_->size() > 1)
     total = shard_comm_->all_reduce_double(local, inf ? distributed::ReduceOp::Max : distributed::ReduceOp::Sum);

@@ -107,9 +107,10 @@ class FsdpStrategy : public Strategy {
   void backward(const at::Tensor& loss) override;
   void optimizer_step(torch::optim::Optimizer& opt) override;
   double clip_grad_norm(double max_norm, double norm_type = 2.0) override;
-  // Checkpoints keep the shards as they are: every rank writes and reads its own.
+  // Checkpoints keep the shards as they are: every rank writes and reads its own (a
+  // tensor-parallel model's: full, see Strategy).
   static constexpr StateDictType kDefaultStateDictType = StateDictType::Sharded;
-  StateDictType default_state_dict_type() const override { return kDefaultStateDictType; }
+  StateDictType default_state_dict_type() const override;
 
 
   const FsdpOptions& options() const { return options_; }

@@ -9,6 +9,7 @@
 
 #include "tessera/state/module_state.h"
 #include "tessera/state/optimizer_state.h"
+#include "tessera/strategy/tp_state.h"
 
 namespace tessera::strategy {
 
@@ -70,13 +71,43 @@ void Strategy::backward(const at::Tensor& loss) {
 
 void Strategy::optimizer_step(torch::optim::Optimizer& opt) { opt.step(); }
 
+const detail::TpView& Strategy::tp_view() const {
+  TESSERA_CHECK(module_, name(), ": tensor parallelism is known after setup()");
+  if (!tp_view_) tp_view_ = std::make_unique<detail::TpView>(*module_);
+  return *tp_view_;
+}
+
+std::shared_ptr<distributed::Communicator> Strategy::tensor_parallel_comm() const { return tp_view().comm(); }
+
 double Strategy::clip_grad_norm(double max_norm, double norm_type) {
   TESSERA_CHECK(module_, name(), ": clip_grad_norm before setup()");
   std::vector<at::Tensor> params;
   for (auto& p : module_->parameters())
     if (p.grad().defined()) params.push_back(p);
-  if (params.empty()) return 0.0;
-  return torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type);
+  const detail::TpView& tp = tp_view();
+  if (!tp.any()) {
+    if (params.empty()) return 0.0;
+    return torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type);
+  }
+  // Every rank of the group holds other pieces of the cut parameters and the same
+  // replicated ones (data-parallel replicas hold the same gradients after backward).
+  const bool inf = std::isinf(norm_type);
+  double cut = 0.0, replicated = 0.0;
+  for (auto& p : params) {
+    if (p.grad().numel() == 0) continue;
+    at::Tensor g = p.grad().detach().to(at::kDouble).abs();
+    const double part = inf ? g.max().item<double>() : g.pow(norm_type).sum().item<double>();
+    double& into = tp.is_cut(p) ? cut : replicated;
+    into = inf ? std::max(into, part) : into + part;
+  }
+  double total = tp.combine_norm(cut, replicated, inf);
+  if (!inf) total = std::pow(total, 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    at::NoGradGuard ng;
+    for (auto& p : params) p.mutable_grad().mul_(coef);
+  }
+  return total;
 }
 
 void Strategy::clip_grad_value(double clip_value) {
@@ -101,6 +132,14 @@ void make_full(state::StateDict& sd) {
 }
 }  // namespace
 
+void Strategy::refuse_sharded_tp(StateDictType type) const {
+  const detail::TpView& tp = tp_view();
+  TESSERA_CHECK(type != StateDictType::Sharded || !tp.any(), name(),
+                ": a sharded state dict of a tensor-parallel model is not supported yet ('", tp.params().front().fqn,
+                "' is cut: ", tp.params().front().cut.describe(), "); use StateDictType::Full, which holds the ",
+                "global tensors under the plain model's names");
+}
+
 void Strategy::check_optimizer_index(size_t index, const char* what) const {
   TESSERA_CHECK(index < optimizers_.size(), name(), ": ", what, ": no optimizer ", index, " (the strategy has ",
                 optimizers_.size(), ")");
@@ -109,8 +148,10 @@ void Strategy::check_optimizer_index(size_t index, const char* what) const {
 state::StateDict Strategy::module_state(StateDictType type) {
   TESSERA_CHECK(module_, name(), ": module_state before setup()");
   prepare_state();
+  refuse_sharded_tp(type);
   state::StateDict sd = state::state_dict(*module_);
   if (type == StateDictType::Full) make_full(sd);
+  if (tp_view().any()) tp_view().to_global(sd);
   return sd;
 }
 
@@ -118,8 +159,10 @@ state::StateDict Strategy::optimizer_state(size_t index, StateDictType type) {
   TESSERA_CHECK(module_, name(), ": optimizer_state before setup()");
   check_optimizer_index(index, "optimizer_state");
   prepare_state();
+  refuse_sharded_tp(type);
   state::StateDict sd = state::optimizer_state_dict(*optimizers_[index], *module_);
   if (type == StateDictType::Full) make_full(sd);
+  if (tp_view().any()) tp_view().optimizer_to_global(sd);
   return sd;
 }
 
@@ -142,6 +185,7 @@ std::vector<std::string> Strategy::load_module_state(const state::StateDict& sd,
   state::LoadOptions lo;
   lo.strict = strict;
   lo.allow_reshard = true;
+  if (tp_view().any()) return state::load_state_dict(*module_, tp_view().to_local(sd), lo).unexpected;
   return state::load_state_dict(*module_, sd, lo).unexpected;
 }
 
@@ -149,7 +193,10 @@ void Strategy::load_optimizer_state(size_t index, const state::StateDict& sd) {
   TESSERA_CHECK(module_, name(), ": load_optimizer_state before setup()");
   check_optimizer_index(index, "load_optimizer_state");
   prepare_state();
-  state::load_optimizer_state_dict(*optimizers_[index], *module_, sd);
+  if (tp_view().any())
+    state::load_optimizer_state_dict(*optimizers_[index], *module_, tp_view().optimizer_to_local(sd));
+  else
+    state::load_optimizer_state_dict(*optimizers_[index], *module_, sd);
 }
 
 std::vector<std::string> Strategy::load_state(const StrategyState& st, bool strict) {

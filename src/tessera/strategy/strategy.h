@@ -31,6 +31,9 @@ namespace tessera::strategy {
 using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
 
 class Strategy;
+namespace detail {
+class TpView;
+}
 
 // A module that is transparent to names: the wrapped module's own parameters,
 // buffers and children are registered as its own, so every FQN is what it would be
@@ -142,15 +145,31 @@ class Strategy {
   const std::shared_ptr<distributed::Communicator>& comm() const { return comm_; }
   int rank() const { return comm_->rank(); }
 
+  // --- tensor parallelism (parallel/tensor_parallel.h) ---
+  // A model built of tensor-parallel modules over a group of more than one rank is found
+  // at setup; the strategy's communicator is then its data-parallel group (the mesh's
+  // other dimensions). Its full state dicts hold the global tensors under the plain
+  // model's names, loads keep each rank's piece, and clip_grad_norm counts every element
+  // of the global model once. Sharded state dicts of such a model are refused for now.
+  // The group the model is cut over (null when it is not), valid after setup.
+  std::shared_ptr<distributed::Communicator> tensor_parallel_comm() const;
+
  protected:
   void check_optimizer_index(size_t index, const char* what) const;
+  // Throws for a sharded state dict of a tensor-parallel model (not supported yet).
+  void refuse_sharded_tp(StateDictType type) const;
   // Brings parameters into their at-rest layout before state dicts (FSDP: reshard).
   virtual void prepare_state() {}
   void set_module(const std::shared_ptr<torch::nn::Module>& m);
+  // The tensor-parallel side of the module (internal: strategy/tp_state.h); after setup.
+  const detail::TpView& tp_view() const;
   std::shared_ptr<distributed::Communicator> comm_;
   std::shared_ptr<torch::nn::Module> module_;
   std::vector<OptimizerPtr> optimizers_;
   bool sync_grads_ = true;
+
+ private:
+  mutable std::unique_ptr<detail::TpView> tp_view_;
 };
 
 class SingleDeviceStrategy : public Strategy {
