@@ -7,7 +7,6 @@
 #include <torch/optim/adam.h>
 
 #include <cstdio>
-#include <sstream>
 
 #include "strategy/strategy_scenario_util.h"
 #include "support/scenario.h"
@@ -38,14 +37,6 @@ struct NetImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) { return head(b1.forward(b0.forward(in(x)))); }
 };
 TORCH_MODULE(Net);
-
-std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(item);
-  return out;
-}
 
 // Trains `kind` for `steps` on this rank's rows of each global batch.
 Trace train(const std::string& kind, int steps, double clip, double lr, int micro = 1,
@@ -180,7 +171,7 @@ void compare(const Trace& got, const Trace& want, const std::string& what, doubl
 // args: comma-separated strategy kinds, steps, clip (0: none), micro-batches.
 SCENARIO("strategy_parity") {
   at::set_num_threads(1);
-  const auto kinds = split_commas(args.arg(0, "ddp"));
+  const auto kinds = args.list_arg(0, "ddp");
   const int steps = static_cast<int>(args.int_arg(1, 50));
   const double clip = std::stod(args.arg(2, "0"));
   const int micro = static_cast<int>(args.int_arg(3, 1));

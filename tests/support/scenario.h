@@ -16,6 +16,20 @@ struct ScenarioArgs {
   std::vector<std::string> args;  // after the scenario name
   std::string arg(size_t i, const std::string& def = "") const { return i < args.size() ? args[i] : def; }
   int64_t int_arg(size_t i, int64_t def = 0) const { return i < args.size() ? std::stoll(args[i]) : def; }
+  // Argument i (or `def`) split at its commas: "ddp,fsdp" -> {"ddp", "fsdp"}.
+  std::vector<std::string> list_arg(size_t i, const std::string& def = "") const {
+    std::vector<std::string> out;
+    std::string item;
+    for (char c : arg(i, def) + ",") {
+      if (c != ',') {
+        item += c;
+      } else if (!item.empty()) {
+        out.push_back(item);
+        item.clear();
+      }
+    }
+    return out;
+  }
 };
 
 using ScenarioFn = std::function<int(const ScenarioArgs&)>;

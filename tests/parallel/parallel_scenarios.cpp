@@ -1,0 +1,184 @@
+// Rank programs for the tensor-parallel tests: the GPT example's model on a (dp, tp) mesh,
+// tensor parallel inside, DDP or FSDP over the data-parallel dimension, trained against
+// the same model in one process on the same global batch (computed in-process by every
+// rank: the model is tiny); and the collectives one block issues per step.
+#include <ATen/ATen.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+
+#include <cstdio>
+
+#include "../../examples/gpt/model.h"
+#include "support/scenario.h"
+#include "tessera/parallel/mesh.h"
+#include "tessera/state/module_state.h"
+#include "tessera/strategy/ddp.h"
+#include "tessera/strategy/fsdp.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+constexpr int64_t kGlobalBatch = 4;
+
+// At tp 3 the vocabulary (256) does not divide: pieces of 86, 86 and 84 rows.
+gpt::Config small_config(bool tied, int tp) {
+  gpt::Config c;
+  c.n_layer = 2;
+  c.n_head = tp == 3 ? 3 : 4;
+  c.d_model = tp == 3 ? 24 : 32;
+  c.seq_len = tp == 3 ? 12 : 16;
+  c.tie_weights = tied;
+  return c;
+}
+
+// The global batch of step s: [kGlobalBatch, seq_len] byte tokens and their next bytes.
+std::pair<at::Tensor, at::Tensor> batch(int step, int64_t seq_len) {
+  auto gen = at::detail::createCPUGenerator(500 + step);
+  at::Tensor t = at::randint(gpt::kVocab, {kGlobalBatch, seq_len + 1}, gen, at::kLong);
+  return {t.narrow(1, 0, seq_len).contiguous(), t.narrow(1, 1, seq_len).contiguous()};
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+
+struct Run {
+  std::vector<double> losses, norms;
+  state::StateDict full;  // the module's full state dict after the last step
+};
+
+constexpr double kLr = 3e-3, kClip = 0.5;
+
+Run reference(const gpt::Config& c, int steps) {
+  at::manual_seed(11);
+  gpt::Gpt model(c);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(kLr));
+  Run r;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch(s, c.seq_len);
+    at::Tensor loss = model->loss(model->forward(x), y);
+    loss.backward();
+    r.losses.push_back(loss.item<double>());
+    r.norms.push_back(torch::nn::utils::clip_grad_norm_(model->parameters(), kClip));
+    opt.step();
+    opt.zero_grad();
+  }
+  r.full = state::state_dict(*model);
+  return r;
+}
+
+// `kind` "ddp" or "fsdp" over the mesh's dp dimension, tensor parallel over its tp one.
+Run on_mesh(const std::string& kind, int tp_size, bool sp, bool tied, int steps) {
+  auto world = comm();
+  const int dp_size = world->size() / tp_size;
+  parallel::DeviceMesh mesh(world, {{"dp", dp_size}, {"tp", tp_size}});
+  gpt::Config c = small_config(tied, tp_size);
+  c.tp = parallel::TensorParallel::from_mesh(mesh, "tp", sp);
+  std::unique_ptr<strategy::Strategy> strat;
+  if (kind == "ddp") {
+    strat = std::make_unique<strategy::DdpStrategy>(mesh.comm("dp"));
+  } else {
+    strategy::FsdpOptions o;
+    o.auto_wrap = strategy::wrap_by_type<gpt::BlockImpl>();
+    strat = std::make_unique<strategy::FsdpStrategy>(mesh.comm("dp"), o);
+  }
+  at::manual_seed(11);
+  gpt::Gpt model(c);
+  auto m = strat->setup(torch::nn::AnyModule(model));
+  auto opt = std::make_shared<torch::optim::AdamW>(strat->module()->parameters(), torch::optim::AdamWOptions(kLr));
+  strat->add_optimizer(opt);
+  WCHECK(strat->tensor_parallel_comm() == (tp_size > 1 ? mesh.comm("tp") : nullptr), "the strategy found the group");
+  const int64_t per = kGlobalBatch / dp_size;
+  const int dp_rank = mesh.coordinate("dp");
+  Run r;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch(s, c.seq_len);
+    at::Tensor loss = model->loss(m.forward(x.narrow(0, dp_rank * per, per)), y.narrow(0, dp_rank * per, per));
+    strat->backward(loss);
+    // The global batch's mean loss: the mean of the data-parallel ranks' (equal batches).
+    r.losses.push_back(mesh.comm("dp")->all_reduce_double(loss.item<double>()) / dp_size);
+    r.norms.push_back(strat->clip_grad_norm(kClip));
+    strat->optimizer_step(*opt);
+    opt->zero_grad();
+  }
+  r.full = strat->module_state(strategy::StateDictType::Full);
+  return r;
+}
+
+// Every step's loss within `tol` (relative), its gradient norm within 10x that, and the
+// final global parameters (below).
+void expect_same(const Run& got, const Run& want, const std::string& what, double tol) {
+  WCHECK(got.losses.size() == want.losses.size(), what);
+  for (size_t s = 0; s < want.losses.size(); ++s) {
+    WCHECK(rel(got.losses[s], want.losses[s]) <= tol, what, ": step ", s, " loss ", got.losses[s], " vs ",
+           want.losses[s]);
+    // The norm drifts faster than the loss (it is a derivative); a miscount of the
+    // replicated or cut parameters would be off by far more than 10x.
+    WCHECK(rel(got.norms[s], want.norms[s]) <= 10 * tol, what, ": step ", s, " gradient norm ", got.norms[s], " vs ",
+           want.norms[s]);
+  }
+  // The final weights: the whole model within 10x the step tolerance (relative norm), each
+  // tensor within 1e-3. Per tensor it is looser because the key bias (qkv.bias's middle
+  // third) has no gradient in exact arithmetic (softmax ignores a shift shared by a row), so
+  // Adam's normalised step turns rounding noise into updates of lr's size there.
+  WCHECK(got.full.keys() == want.full.keys(), what, ": the state dict's keys differ from the plain model's");
+  double diff2 = 0, norm2 = 0;
+  for (const auto& k : want.full.keys()) {
+    const at::Tensor& a = got.full.tensor(k);
+    const at::Tensor& b = want.full.tensor(k);
+    WCHECK(a.sizes() == b.sizes(), what, ": '", k, "' has shape ", a.sizes(), ", the plain model's ", b.sizes());
+    const double d = (a - b).norm().item<double>(), n = b.norm().item<double>();
+    WCHECK(d <= 1e-3 * std::max(n, 1e-12), what, ": '", k, "' differs by ", d / n, " (relative norm)");
+    diff2 += d * d;
+    norm2 += n * n;
+  }
+  WCHECK(std::sqrt(diff2 / norm2) <= 10 * tol, what, ": the weights differ by ", std::sqrt(diff2 / norm2),
+         " (relative norm of the whole model)");
+}
+
+}  // namespace
+
+// tp_parity KINDS TP CONFIGS STEPS: for each strategy kind (ddp, fsdp) and each config
+// (sp|nosp)-(tied|untied), training on the (world/TP, TP) mesh matches one process.
+SCENARIO("tp_parity") {
+  const auto kinds = args.list_arg(0, "ddp,fsdp");
+  const int tp = static_cast<int>(args.int_arg(1, 2));
+  const auto configs = args.list_arg(2, "sp-untied,nosp-untied,sp-tied,nosp-tied");
+  const int steps = static_cast<int>(args.int_arg(3, 50));
+  std::map<bool, Run> want;
+  for (bool tied : {false, true}) want[tied] = reference(small_config(tied, tp), steps);
+  for (const auto& kind : kinds)
+    for (const auto& cfg : configs) {
+      const bool sp = cfg.rfind("sp", 0) == 0, tied = cfg.find("-tied") != std::string::npos;
+      Run got = on_mesh(kind, tp, sp, tied, steps);
+      expect_same(got, want[tied], concat(kind, " tp ", tp, " ", cfg), 1e-5);
+      std::printf("%s tp %d %s ok: final loss %.6f\n", kind.c_str(), tp, cfg.c_str(), got.losses.back());
+    }
+  std::printf("tp parity ok rank %d\n", comm()->rank());
+  std::fflush(stdout);
+  return 0;
+}
+
+// tp_collectives: the tensor-parallel group's collectives for one block's forward and
+// backward, without and with sequence parallelism (printed as "counts sp=N ar ag rs").
+SCENARIO("tp_collectives") {
+  auto world = comm();
+  parallel::DeviceMesh mesh(world, {{"tp", world->size()}});
+  for (bool sp : {false, true}) {
+    gpt::Config c = small_config(false, world->size());
+    c.tp = parallel::TensorParallel::from_mesh(mesh, "tp", sp);
+    gpt::Block block(c);
+    const int64_t t = sp ? c.seq_len / world->size() : c.seq_len;
+    at::Tensor x = at::randn({2, t, c.d_model}).requires_grad_();
+    const auto before = mesh.comm("tp")->counts();
+    block->forward(x).sum().backward();
+    const auto after = mesh.comm("tp")->counts();
+    std::printf("counts sp=%d %lld %lld %lld %lld\n", sp ? 1 : 0,
+                static_cast<long long>(after.all_reduce - before.all_reduce),
+                static_cast<long long>(after.all_gather - before.all_gather),
+                static_cast<long long>(after.reduce_scatter - before.reduce_scatter),
+                static_cast<long long>(after.broadcast - before.broadcast + after.all_to_all - before.all_to_all));
+  }
+  std::fflush(stdout);
+  return 0;
+}
