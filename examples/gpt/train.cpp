@@ -36,6 +36,7 @@
 #include "tessera/distributed/world.h"
 #include "tessera/optim/adam.h"
 #include "tessera/state/module_state.h"
+#include "tessera/strategy/factory.h"
 #include "tessera/strategy/strategy.h"
 #include "tessera/trainer/csv_logger.h"
 #include "tessera/trainer/trainer.h"
@@ -301,14 +302,18 @@ int run_train(TrainArgs a) {
                                        "multiple of the " + std::to_string(world) + " ranks");
   check(a.d_model % a.n_head == 0, "--d-model " + std::to_string(a.d_model) + " must be a multiple of --n-head " +
                                        std::to_string(a.n_head));
-  if (a.strategy == "single") check(world == 1, "--strategy single runs one process, but " + std::to_string(world) +
-                                                    " ranks were asked for (--devices / the launcher)");
+  // The command line's strategy, parsed once (main.cpp admits only these names).
+  using strategy::StrategyKind;
+  const StrategyKind kind = strategy::parse_strategy(a.strategy);
+  if (kind == StrategyKind::Single)
+    check(world == 1, "--strategy single runs one process, but " + std::to_string(world) +
+                          " ranks were asked for (--devices / the launcher)");
   if (a.decay_steps == 0) a.decay_steps = a.max_steps;
   if (a.warmup_steps < 0) a.warmup_steps = std::min<int64_t>(30, a.decay_steps / 10);
   check(a.warmup_steps < a.decay_steps, "--warmup-steps " + std::to_string(a.warmup_steps) +
                                             " must be smaller than --lr-decay-steps (default --max-steps) " +
                                             std::to_string(a.decay_steps));
-  if (a.sharding != "full") check(a.strategy == "fsdp", "--sharding " + a.sharding + " needs --strategy fsdp");
+  if (a.sharding != "full") check(kind == StrategyKind::Fsdp, "--sharding " + a.sharding + " needs --strategy fsdp");
   check(!a.overwrite || a.resume.empty(), "--overwrite and --resume exclude each other: --resume continues the run in "
                                           "--out, --overwrite starts a new one over it");
   if (!a.init_from.empty()) {
@@ -329,8 +334,10 @@ int run_train(TrainArgs a) {
                            : a.sharding == "grad-op" ? SS::ShardGradOp
                            : a.sharding == "none"    ? SS::NoShard
                                                      : SS::HybridShard;
-  const std::string sd = a.state_dict.empty() ? (a.strategy == "fsdp" ? "sharded" : "full") : a.state_dict;
-  o.fabric.state_dict_type = sd == "sharded" ? strategy::StateDictType::Sharded : strategy::StateDictType::Full;
+  // --state-dict left out: the strategy's default (sharded for fsdp, full for the others).
+  o.fabric.state_dict_type = a.state_dict.empty()         ? strategy::default_state_dict_type(kind)
+                             : a.state_dict == "sharded" ? strategy::StateDictType::Sharded
+                                                         : strategy::StateDictType::Full;
   o.max_steps = a.max_steps;
   o.batch_size = a.batch_size / world;
   o.seed = a.seed;

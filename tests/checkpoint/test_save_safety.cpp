@@ -18,6 +18,7 @@
 #include "tessera/checkpoint/save_full_io.h"
 #include "tessera/checkpoint/test_hooks.h"
 #include "tessera/checkpoint/wire.h"
+#include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/storage/file.h"
 #include "tessera/state/state_dict.h"
 
@@ -165,6 +166,47 @@ TEST(SaveSafety, ControlCharactersAreRefusedAtEveryEntryPoint) {
   auto sd = state_of(10, 0);
   ck::load(sd, utf8, *solo());
   EXPECT_EQ(sd.integer("step"), 3);
+}
+
+// A path is checked once, where it enters: CheckedPath::check is the only way to make
+// one, and what takes one (the sibling helpers, the saves' phases, open_checkpoint) does
+// not check it again. The refusal names the path escaped, with the wording of the
+// layer it entered ("checkpoint path", "output path", "temporary path").
+TEST(SaveSafety, CheckedPathIsCheckedOnceWhereItEnters) {
+  const ck::CheckedPath ok = ck::CheckedPath::check("d/run-1.ckpt");
+  EXPECT_EQ(ok.str(), "d/run-1.ckpt");
+  const std::string& as_string = ok;  // reads as the string it holds
+  EXPECT_EQ(&as_string, &ok.str());
+  EXPECT_EQ(error_of([] { ck::CheckedPath::check("d/a\x01" "b"); }),
+            "refusing the checkpoint path 'd/a\\x01b': it contains a control character ('\\x01' at byte 3); "
+            "choose a name without one");
+  EXPECT_EQ(error_of([] { ck::CheckedPath::check("o\nx", "output path"); }),
+            "refusing the output path 'o\\nx': it contains a control character ('\\n' at byte 1); "
+            "choose a name without one");
+  // The sibling helpers' string forms check as before, each with its wording.
+  EXPECT_CONTAINS(error_of([] { ck::temp_sibling("d/a\tb"); }), "refusing the checkpoint path 'd/a\\tb'");
+  EXPECT_CONTAINS(error_of([] { ck::recover_siblings("d/a\tb"); }), "refusing the checkpoint path 'd/a\\tb'");
+  EXPECT_CONTAINS(error_of([] { ck::remove_dead_temporaries("d/a\tb"); }), "refusing the output path 'd/a\\tb'");
+  EXPECT_CONTAINS(error_of([] { ck::commit_rename("d/t\x7f", "d/a\tb"); }), "refusing the temporary path 'd/t\\x7f'");
+  EXPECT_CONTAINS(error_of([] { ck::commit_rename("d/t", "d/a\tb"); }), "refusing the checkpoint path 'd/a\\tb'");
+  // A checked destination's temporary is a checked path beside it.
+  const std::string d = temp_dir();
+  const ck::CheckedPath dest = ck::CheckedPath::check(d + "/ckpt");
+  const ck::CheckedPath tmp = ck::temp_sibling(dest);
+  EXPECT_EQ(ck::parent_dir(tmp), d);
+  EXPECT_EQ(ck::base_name(tmp).rfind(".ckpt.tessera-tmp-", 0), 0u) << tmp.str();
+  ck::make_dir(tmp);
+  write_bytes(tmp.str() + "/x", "new");
+  ck::commit_rename(tmp, dest);
+  EXPECT_EQ(read_bytes(d + "/ckpt/x"), "new");
+  // Refused once, at the entry, before any rank is involved: one refusal, not one per layer.
+  const std::string bad = d + "/a\x01" "b";
+  for (const bool full : {true, false}) {
+    const std::string e =
+        error_of([&] { ck::save(state_of(10, 1), bad, *solo(), {full ? ck::SaveMode::Full : ck::SaveMode::Sharded}); });
+    EXPECT_EQ(e.rfind("refusing the checkpoint path '" + d + "/a\\x01b'", 0), 0u) << e;
+    EXPECT_EQ(e.find("control character"), e.rfind("control character")) << e;
+  }
 }
 
 // ---------------------------------------------------------------- item 5

@@ -4,7 +4,9 @@
 #include <torch/data/datasets/tensor.h>
 
 #include <set>
+#include <tuple>
 
+#include "support/test_util.h"
 #include "tessera/fabric/fabric.h"
 
 using namespace tessera;
@@ -76,6 +78,60 @@ TEST(FabricOptions, ResolvesAutoValues) {
   full.state_dict_type = strategy::StateDictType::Full;
   EXPECT_EQ(resolve(full, 0).state_dict_type, strategy::StateDictType::Full);
   EXPECT_EQ(resolve(opts("cuda", "fsdp", 1, "16-mixed"), 1).autocast_dtype, at::kHalf);
+}
+
+// The kinds resolve() decides, beside the strings it keeps filling.
+TEST(FabricOptions, ResolvesKindsBesideTheStrings) {
+  ResolvedOptions r = resolve(opts("auto", "auto", 1), /*gpus=*/0);
+  EXPECT_EQ(r.accelerator_kind, Accelerator::Cpu);
+  EXPECT_EQ(r.strategy_kind, strategy::StrategyKind::Single);
+  EXPECT_EQ(r.precision, Precision::F32);
+  r = resolve(opts("auto", "auto", 2, "16-mixed"), /*gpus=*/2);
+  EXPECT_EQ(r.accelerator_kind, Accelerator::Cuda);
+  EXPECT_EQ(r.strategy_kind, strategy::StrategyKind::Ddp);
+  EXPECT_EQ(r.precision, Precision::F16Mixed);
+  r = resolve(opts("cpu", "fsdp", 2, "bf16-mixed"), 0);
+  EXPECT_EQ(r.strategy_kind, strategy::StrategyKind::Fsdp);
+  EXPECT_EQ(r.precision, Precision::Bf16Mixed);
+  for (const auto& [accel, strat, devices, precision, gpus] :
+       std::vector<std::tuple<std::string, std::string, int, std::string, int>>{
+           {"auto", "auto", 1, "32", 0}, {"cpu", "ddp", 3, "bf16-mixed", 0}, {"cuda", "fsdp", 2, "16-mixed", 2}}) {
+    r = resolve(opts(accel, strat, devices, precision), gpus);
+    EXPECT_EQ(r.accelerator, to_string(r.accelerator_kind));
+    EXPECT_EQ(r.strategy, strategy::to_string(r.strategy_kind));
+    EXPECT_EQ(r.options.precision, to_string(r.precision));
+  }
+}
+
+// The parse functions of the options' strings: every kind through its name and back,
+// "auto" for the accelerator and the strategy, and an unknown value refused naming the
+// option, word for word as resolve() refuses it.
+TEST(FabricOptions, ParsesItsStringsOnce) {
+  for (Accelerator a : {Accelerator::Cpu, Accelerator::Cuda}) EXPECT_EQ(parse_accelerator(to_string(a)), a);
+  for (Precision p : {Precision::F32, Precision::Bf16Mixed, Precision::F16Mixed})
+    EXPECT_EQ(parse_precision(to_string(p)), p);
+  for (const std::string& n : strategy::strategy_names())
+    EXPECT_EQ(fabric::parse_strategy(n), strategy::parse_strategy(n));
+  EXPECT_EQ(parse_accelerator("auto"), std::nullopt);
+  EXPECT_EQ(fabric::parse_strategy("auto"), std::nullopt);
+  EXPECT_STREQ(to_string(Accelerator::Cuda), "cuda");
+  EXPECT_STREQ(to_string(Precision::Bf16Mixed), "bf16-mixed");
+  EXPECT_STREQ(to_string(Precision::F32), "32");
+
+  const std::string accel = "FabricOptions.accelerator: unknown value 'tpu' (expected \"cpu\", \"cuda\" or \"auto\")";
+  const std::string strat =
+      "FabricOptions.strategy: unknown value 'deepspeed' (expected \"auto\", \"single\", \"ddp\" or \"fsdp\")";
+  const std::string prec =
+      "FabricOptions.precision: unknown value 'bf16' (expected \"32\", \"bf16-mixed\" or \"16-mixed\")";
+  using tessera::testing::error_of;
+  EXPECT_EQ(error_of([] { parse_accelerator("tpu"); }), accel);
+  EXPECT_EQ(error_of([] { fabric::parse_strategy("deepspeed"); }), strat);
+  EXPECT_EQ(error_of([] { parse_precision("bf16"); }), prec);
+  EXPECT_EQ(error_of([] { parse_precision("auto"); }),
+            "FabricOptions.precision: unknown value 'auto' (expected \"32\", \"bf16-mixed\" or \"16-mixed\")");
+  EXPECT_EQ(error_of([&] { resolve(opts("tpu", "ddp", 1), 0); }), accel);
+  EXPECT_EQ(error_of([&] { resolve(opts("cpu", "deepspeed", 1), 0); }), strat);
+  EXPECT_EQ(error_of([&] { resolve(opts("cpu", "ddp", 1, "bf16"), 0); }), prec);
 }
 
 // --- DistributedSampler: the semantics of torch.utils.data.DistributedSampler ---

@@ -196,8 +196,7 @@ LoadResult load_from(const CheckpointMetadata& meta, state::StateDict& target, c
 }  // namespace
 
 LoadResult load_local(state::StateDict& target, const std::string& path, const LoadOptions& options) {
-  check_path_chars(path);  // storage/file.h (issue 35 item 4)
-  CheckpointMetadata meta = open_checkpoint(path);
+  CheckpointMetadata meta = open_checkpoint(CheckedPath::check(path));  // storage/file.h (issue 35 item 4)
   // What verify checks of the structure, every data file, before anything is read.
   ChunkReader(meta).check_structure();
   return load_from(meta, target, path, options);
@@ -212,8 +211,7 @@ LoadResult load(state::StateDict& target, const std::string& path, distributed::
   CheckpointMetadata meta;
   std::string err;
   try {
-    check_path_chars(path);
-    meta = open_checkpoint(path);
+    meta = open_checkpoint(CheckedPath::check(path));
     ChunkReader(meta).check_structure(comm.rank(), comm.size());
   } catch (const std::exception& e) {
     err = e.what();

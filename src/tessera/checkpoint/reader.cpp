@@ -135,7 +135,12 @@ std::string not_a_checkpoint_reason(const std::string& path) {
 }
 
 CheckpointMetadata open_checkpoint(const std::string& path) {
-  check_path_chars(path);  // a name no line-based tool can pass on safely (docs/checkpoint-format.md §4)
+  // A name no line-based tool can pass on safely is refused (docs/checkpoint-format.md §4).
+  return open_checkpoint(CheckedPath::check(path));
+}
+
+CheckpointMetadata open_checkpoint(const CheckedPath& checked) {
+  const std::string& path = checked;
   std::string p = path;
   if (!path_exists(p)) {
     const std::string aside = aside_sibling(p);

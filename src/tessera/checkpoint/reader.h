@@ -19,6 +19,7 @@
 #include "tessera/checkpoint/format/metadata.h"
 #include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/storage/direct_reader.h"
+#include "tessera/checkpoint/storage/file.h"
 
 namespace tessera::checkpoint {
 
@@ -26,6 +27,8 @@ namespace tessera::checkpoint {
 // headers, checked against each other). A missing directory whose previous version was
 // left aside by an interrupted commit is read from there.
 CheckpointMetadata open_checkpoint(const std::string& path);
+// The same for a path checked where it entered (a load): not checked again.
+CheckpointMetadata open_checkpoint(const CheckedPath& path);
 
 // Whether `path` holds something Tessera wrote (a directory with metadata, or a
 // safetensors file whose header names a Tessera format).

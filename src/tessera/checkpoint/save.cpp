@@ -39,8 +39,8 @@ namespace {
 // one included. Rank 0's temporary is removed on every way out but the commit.
 class ShardedSave {
  public:
-  ShardedSave(const std::string& path, distributed::Communicator& comm)
-      : path_(path), comm_(comm), rank_(comm.rank()), what_(concat("saving '", path, "'")), ranks_(comm, what_) {}
+  ShardedSave(const CheckedPath& path, distributed::Communicator& comm)
+      : path_(path), comm_(comm), rank_(comm.rank()), what_(concat("saving '", path.str(), "'")), ranks_(comm, what_) {}
 
   void run(const state::StateDict& sd) {
     prepare();
@@ -59,7 +59,8 @@ class ShardedSave {
       err = prepare_target(path_, true, guard_.tmp);
       save_id_ = new_save_id();
     }
-    const std::string info = ranks_.from_rank0_or_throw(err, Packer().str(guard_.tmp).str(save_id_).bytes());
+    const std::string tmp = guard_.tmp ? guard_.tmp->str() : std::string();
+    const std::string info = ranks_.from_rank0_or_throw(err, Packer().str(tmp).str(save_id_).bytes());
     Unpacker in(info, "rank 0's temporary");
     tmp_ = in.str();
     save_id_ = in.str();
@@ -168,7 +169,7 @@ class ShardedSave {
     if (rank_ == 0) {
       try {
         write_metadata_text(tmp_, text_);
-        commit_rename(tmp_, path_);
+        commit_rename(*guard_.tmp, path_);
         guard_.committed = true;
       } catch (const std::exception& e) {
         err = e.what();
@@ -177,13 +178,13 @@ class ShardedSave {
     ranks_.agree_or_throw(err);
   }
 
-  const std::string path_;
+  const CheckedPath path_;
   distributed::Communicator& comm_;
   const int rank_;
   const std::string what_;  // "saving 'PATH'", for messages
   RankAgreement ranks_;     // every rank learning the outcome of each phase
   TempGuard guard_;         // rank 0's temporary, removed unless committed
-  std::string tmp_, save_id_;
+  std::string tmp_, save_id_;  // rank 0's temporary and save id, as every rank learns them
   CheckpointMetadata m_;
   std::vector<Piece> pieces_;
   std::vector<int64_t> saving_rank_of_;  // world rank -> saving rank (-1: not saving)
@@ -195,7 +196,7 @@ class ShardedSave {
 
 }  // namespace
 
-void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
+void save_sharded(const state::StateDict& sd, const CheckedPath& path, distributed::Communicator& comm) {
   ShardedSave(path, comm).run(sd);
 }
 

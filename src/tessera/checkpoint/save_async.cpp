@@ -167,10 +167,21 @@ bool AsyncSave::done() const {
   return s_->finished;
 }
 
-AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::shared_ptr<distributed::Communicator> comm,
-                     const SaveOptions& options) {
+namespace {
+// save() and the background thread of save_async(), the path checked where it entered.
+void save_checked(const state::StateDict& sd, const CheckedPath& path, distributed::Communicator& comm,
+                  const SaveOptions& options) {
+  // A save waits for an async one in flight (they would race on the same files).
+  if (!tl_background) finish_pending_save();
+  if (options.mode == SaveMode::Full) save_full(sd, path, comm);
+  else save_sharded(sd, path, comm);
+}
+}  // namespace
+
+AsyncSave save_async(const state::StateDict& sd, const std::string& unchecked_path,
+                     std::shared_ptr<distributed::Communicator> comm, const SaveOptions& options) {
   TESSERA_CHECK(comm != nullptr, "save_async: no communicator");
-  check_path_chars(path);  // every rank alike, before any collective
+  const CheckedPath path = CheckedPath::check(unchecked_path);  // every rank alike, before any collective
   // The phases of the blocking part, for TESSERA_LOG_LEVEL=debug.
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
@@ -190,7 +201,7 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
     tl_background = true;
     try {
       if (hook) hook();
-      save(*snap, path, *bg, options);
+      save_checked(*snap, path, *bg, options);
     } catch (...) {
       raw->error = std::current_exception();
     }
@@ -209,7 +220,7 @@ AsyncSave save_async(const state::StateDict& sd, const std::string& path, std::s
         for (const auto& sh : s->local_shards()) bytes += static_cast<int64_t>(sh.tensor.nbytes());
     }
     using log::seconds;
-    log::debug("save_async('", path, "'): returned after ", seconds(t0, Clock::now()),
+    log::debug("save_async('", path.str(), "'): returned after ", seconds(t0, Clock::now()),
                " s: waiting for the previous save ", seconds(t0, t1), " s, background communicator ", seconds(t1, t2),
                " s, snapshot of ", bytes >> 20, " MiB ", seconds(t2, t3), " s, starting the writer ",
                seconds(t3, Clock::now()), " s");
@@ -223,11 +234,7 @@ void set_async_save_hook_for_tests(std::function<void()> hook) {
 }
 
 void save(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm, const SaveOptions& options) {
-  check_path_chars(path);  // every rank alike, before any collective
-  // A save waits for an async one in flight (they would race on the same files).
-  if (!tl_background) finish_pending_save();
-  if (options.mode == SaveMode::Full) save_full(sd, path, comm);
-  else save_sharded(sd, path, comm);
+  save_checked(sd, CheckedPath::check(path), comm, options);  // every rank alike, before any collective
 }
 
 }  // namespace tessera::checkpoint

@@ -166,12 +166,12 @@ void add_layout_record(SaveLayout& layout, const std::string& fqn, const Value& 
 // object's destruction then removes rank 0's temporary.
 class FullSave {
  public:
-  FullSave(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm)
+  FullSave(const state::StateDict& sd, const CheckedPath& path, distributed::Communicator& comm)
       : t_start_(Clock::now()),
         comm_(comm),
         path_(path),
         rank_(comm.rank()),
-        what_(concat("saving '", path, "'")),
+        what_(concat("saving '", path.str(), "'")),
         ranks_(comm, what_),
         flat_(sd.flatten()) {}
 
@@ -204,7 +204,7 @@ class FullSave {
   double gather_s_ = 0, wait_s_ = 0, verify_s_ = 0;
 
   distributed::Communicator& comm_;
-  const std::string& path_;
+  const CheckedPath& path_;  // checked where the save entered
   const int rank_;
   const std::string what_;
   RankAgreement ranks_;  // every rank learning the outcome of each phase
@@ -282,7 +282,7 @@ void FullSave::describe_and_agree() {
     }
     if (rank_ == 0) {
       err_ = prepare_target(path_, false, guard_.tmp);
-      if (!err_.empty()) guard_.tmp.clear();  // nothing of ours to remove
+      if (!err_.empty()) guard_.tmp.reset();  // nothing of ours to remove
     }
   } catch (const std::exception& e) {
     err_ = e.what();
@@ -303,13 +303,13 @@ void FullSave::create_file() {
       layout_ = layout_safetensors(path_, specs_, consolidated_header(m_));
       std::string prefix = layout_.prefix;
       prefix.replace(layout_.header_crc_pos, 8, crc_hex(std::random_device{}()));
-      File f(guard_.tmp, "w");
+      File f(*guard_.tmp, "w");
       f.pwrite_exact(0, prefix.data(), prefix.size());
       f.resize(layout_.file_size());
       f.reserve(layout_.file_size());  // lets the ranks' direct writes run side by side (ext4)
       f.close();
       info = Packer()
-                 .str(guard_.tmp)
+                 .str(*guard_.tmp)
                  .u64(layout_.data_start())
                  .u64(layout_.file_size())
                  .u64(crc32c(prefix.data(), prefix.size()))
@@ -368,11 +368,11 @@ void FullSave::choose_writers() {
     one_kernel_ &= k == kernel0;
   }
   if (!shared_ && !why_not.empty())
-    log::debug("save_full('", path_, "') rank ", rank_, ": rank 0 writes alone: ", why_not);
+    log::debug("save_full('", path_.str(), "') rank ", rank_, ": rank 0 writes alone: ", why_not);
   if (!shared_ && rank_ != 0) writer_.reset();
   t_finish_ = Clock::now();
   log_phases_.f = [this] {
-    log::debug("save_full('", path_, "') rank ", rank_, ": ", log::seconds(t_start_, Clock::now()), " s (",
+    log::debug("save_full('", path_.str(), "') rank ", rank_, ": ", log::seconds(t_start_, Clock::now()), " s (",
                shared_ ? "every rank writes" : "rank 0 writes", "): gathering ", gather_s_,
                " s, waiting for the writer ", wait_s_, " s, finishing (fsync, checksums, read-back ", verify_s_,
                " s, rename) ", log::seconds(t_finish_, Clock::now()), " s");
@@ -554,7 +554,7 @@ void FullSave::read_back() {
 void FullSave::commit() {
   if (rank_ == 0) {
     attempt([&] {
-      commit_rename(tmp_, path_);
+      commit_rename(*guard_.tmp, path_);
       guard_.committed = true;
     });
   }
@@ -563,7 +563,7 @@ void FullSave::commit() {
 
 }  // namespace
 
-void save_full(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm) {
+void save_full(const state::StateDict& sd, const CheckedPath& path, distributed::Communicator& comm) {
   FullSave save(sd, path, comm);
   save.describe_and_agree();
   save.create_file();

@@ -37,12 +37,12 @@ EntryInfo describe_entry(const std::string& fqn, const state::Value& v) {
   return e;
 }
 
-std::string prepare_target(const std::string& path, bool dir, std::string& tmp) {
+std::string prepare_target(const CheckedPath& path, bool dir, std::optional<CheckedPath>& tmp) {
   try {
     recover_siblings(path);
     check_replaceable(path);
     tmp = temp_sibling(path);
-    if (dir) make_dir(tmp);
+    if (dir) make_dir(*tmp);
     return "";
   } catch (const std::exception& e) {
     return e.what();
@@ -50,9 +50,9 @@ std::string prepare_target(const std::string& path, bool dir, std::string& tmp) 
 }
 
 TempGuard::~TempGuard() {
-  if (committed || tmp.empty()) return;
+  if (committed || !tmp) return;
   try {
-    remove_all(tmp);
+    remove_all(*tmp);
   } catch (const std::exception&) {
   }
 }

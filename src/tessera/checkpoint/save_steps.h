@@ -5,21 +5,23 @@
 // they send: wire.h; the consolidated save's own I/O: save_full_io.h; test hooks: test_hooks.h.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/format/metadata.h"
+#include "tessera/checkpoint/storage/file.h"
 #include "tessera/distributed/communicator.h"
 #include "tessera/state/state_dict.h"
 
 namespace tessera::checkpoint {
 
 // The two kinds of save, behind save() and save_async() (save_async.cpp): sharded
-// (save.cpp) and consolidated (save_full.cpp).
-void save_sharded(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm);
-void save_full(const state::StateDict& sd, const std::string& path, distributed::Communicator& comm);
+// (save.cpp) and consolidated (save_full.cpp). The path was checked where it entered.
+void save_sharded(const state::StateDict& sd, const CheckedPath& path, distributed::Communicator& comm);
+void save_full(const state::StateDict& sd, const CheckedPath& path, distributed::Communicator& comm);
 
 // The entry describing value `v` of key `fqn`: its kind, and a tensor's dtype and global
 // shape, or the value itself. Throws for an undefined tensor or a dtype the format cannot
@@ -31,12 +33,12 @@ EntryInfo describe_entry(const std::string& fqn, const state::Value& v);
 // names in `tmp` the temporary sibling the save writes (created here as a directory when
 // `dir`). Returns the error ("" on success) rather than throwing, for rank 0 to hand to
 // the other ranks.
-std::string prepare_target(const std::string& path, bool dir, std::string& tmp);
+std::string prepare_target(const CheckedPath& path, bool dir, std::optional<CheckedPath>& tmp);
 
 // Rank 0 removes the temporary it created on every way out of a save but the commit,
 // an exception from a collective included.
 struct TempGuard {
-  std::string tmp;
+  std::optional<CheckedPath> tmp;
   bool committed = false;
   ~TempGuard();
 };

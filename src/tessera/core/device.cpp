@@ -16,7 +16,11 @@ namespace tessera::core {
 int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
 
 c10::Device rank_device(const std::string& accelerator, int local_rank) {
-  if (accelerator != "cuda") return c10::Device(c10::kCPU);
+  return rank_device(accelerator == "cuda" ? c10::kCUDA : c10::kCPU, local_rank);
+}
+
+c10::Device rank_device(c10::DeviceType type, int local_rank) {
+  if (type != c10::kCUDA) return c10::Device(c10::kCPU);
   const int n = cuda_device_count();
   TESSERA_CHECK(local_rank >= 0 && local_rank < n, "rank with LOCAL_RANK=", local_rank,
                 " needs its own GPU (cuda:", local_rank, ") but ", n,

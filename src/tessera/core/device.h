@@ -19,6 +19,8 @@ int cuda_device_count();
 // The device a rank computes on: cuda:<local_rank> for "cuda", the CPU otherwise. Throws,
 // naming the rank, when the rank has no GPU of its own.
 c10::Device rank_device(const std::string& accelerator, int local_rank);
+// The same by device type: cuda:<local_rank> for c10::kCUDA, the CPU for any other.
+c10::Device rank_device(c10::DeviceType type, int local_rank);
 
 // Makes `device` the current device of the calling thread (cudaSetDevice for CUDA; a
 // no-op for the CPU). Call it before any CUDA work of the rank, NCCL included.

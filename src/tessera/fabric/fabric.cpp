@@ -73,11 +73,17 @@ std::vector<std::string> own_command_line() {
 
 }  // namespace
 
+namespace {
 // GPUs are only counted when the accelerator may be CUDA (counting initializes the
-// CUDA driver in this process). Tessera's CPU memory policy is installed first
-// (core/cpu_allocator.h).
+// CUDA driver in this process). An unknown accelerator is refused as resolve() refuses it.
+int gpus_to_count(const FabricOptions& o) {
+  return parse_accelerator(o.accelerator) == Accelerator::Cpu ? 0 : cuda_device_count();
+}
+}  // namespace
+
+// Tessera's CPU memory policy is installed first (core/cpu_allocator.h).
 Fabric::Fabric(FabricOptions options)
-    : opts_((core::install_cpu_allocator(), resolve(options, options.accelerator == "cpu" ? 0 : cuda_device_count()))) {}
+    : opts_((core::install_cpu_allocator(), resolve(options, gpus_to_count(options)))) {}
 
 Fabric::~Fabric() {
   // A checkpoint still being written is finished, not abandoned.
@@ -119,7 +125,7 @@ void Fabric::launch() {
   strategy::StrategyOptions so;
   so.ddp = opts_.options.ddp;
   so.fsdp = opts_.options.fsdp;
-  strategy_ = strategy::make_strategy(opts_.strategy, comm_, dev, so);
+  strategy_ = strategy::make_strategy(opts_.strategy_kind, comm_, dev, so);
 }
 
 void Fabric::require_launched(const char* what) const {
@@ -137,7 +143,9 @@ const std::shared_ptr<distributed::Communicator>& Fabric::comm() {
   return comm_;
 }
 
-c10::Device Fabric::device() const { return core::rank_device(opts_.accelerator, world_.local_rank); }
+c10::Device Fabric::device() const {
+  return core::rank_device(opts_.accelerator_kind == Accelerator::Cuda ? c10::kCUDA : c10::kCPU, world_.local_rank);
+}
 
 int Fabric::global_rank() const { return world_.rank; }
 int Fabric::local_rank() const { return world_.local_rank; }
@@ -260,7 +268,7 @@ NoBackwardSync Fabric::no_backward_sync(const std::shared_ptr<torch::nn::Module>
 
 AutocastGuard Fabric::autocast() const {
   if (!opts_.autocast_dtype) return AutocastGuard();
-  return AutocastGuard(opts_.accelerator == "cuda", *opts_.autocast_dtype);
+  return AutocastGuard(opts_.accelerator_kind == Accelerator::Cuda, *opts_.autocast_dtype);
 }
 
 int Fabric::optimizer_index(const torch::optim::Optimizer* opt, const std::string& what) const {

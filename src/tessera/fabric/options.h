@@ -10,9 +10,26 @@
 
 #include "tessera/distributed/communicator.h"
 #include "tessera/strategy/ddp.h"
+#include "tessera/strategy/factory.h"
 #include "tessera/strategy/fsdp.h"
 
 namespace tessera::fabric {
+
+// What FabricOptions' strings name, as resolve() decides them ("auto" decided). The
+// strategy's kind is strategy::StrategyKind (strategy/factory.h, the one place that knows
+// strategies by name).
+enum class Accelerator { Cpu, Cuda };
+enum class Precision { F32, Bf16Mixed, F16Mixed };
+
+// The strings FabricOptions takes: "cpu", "cuda"; "32", "bf16-mixed", "16-mixed".
+const char* to_string(Accelerator a);
+const char* to_string(Precision p);
+// FabricOptions' fields parsed, each a tessera::Error naming the option on an unknown
+// value ("FabricOptions.accelerator: unknown value 'tpu' (expected ...)"). "auto" is
+// nullopt for the accelerator and the strategy (resolve() decides it).
+std::optional<Accelerator> parse_accelerator(const std::string& value);
+std::optional<strategy::StrategyKind> parse_strategy(const std::string& value);
+Precision parse_precision(const std::string& value);
 
 struct FabricOptions {
   // "cpu", "cuda" or "auto" (cuda when this libtorch sees a GPU, else cpu).
@@ -36,7 +53,9 @@ struct FabricOptions {
   distributed::CommOptions comm;
 };
 
-// The options after validation, with "auto" values decided.
+// The options after validation, with "auto" values decided. The strings and the kinds
+// say the same (accelerator is to_string(accelerator_kind), ...); Tessera branches on the
+// kinds.
 struct ResolvedOptions {
   FabricOptions options;
   std::string accelerator;  // "cpu" or "cuda"
@@ -44,6 +63,9 @@ struct ResolvedOptions {
   strategy::StateDictType state_dict_type = strategy::StateDictType::Full;
   // Autocast dtype for "bf16-mixed" / "16-mixed"; nullopt for "32".
   std::optional<at::ScalarType> autocast_dtype;
+  Accelerator accelerator_kind = Accelerator::Cpu;
+  strategy::StrategyKind strategy_kind = strategy::StrategyKind::Single;
+  Precision precision = Precision::F32;  // options.precision, parsed
   int world_size() const { return options.devices * options.num_nodes; }
 };
 

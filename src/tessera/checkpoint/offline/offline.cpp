@@ -244,11 +244,12 @@ void test_pause_before_commit(const std::string& out, const std::string& tmp) {
 // Writes `out` through a temporary sibling: `write(tmp)` fills it (a directory when
 // `dir`, else a file; created here), then one atomic rename publishes it; on any error
 // the temporary is removed and `out` is untouched. Temporaries of dead earlier runs for
-// the same output are removed first.
+// the same output are removed first. `out` is checked once, here ("output path").
 template <typename F>
 void publish_via_temp(const std::string& out, bool dir, F&& write) {
-  remove_dead_temporaries(out);
-  const std::string tmp = temp_sibling(out);
+  const CheckedPath dest = CheckedPath::check(out, "output path");
+  remove_dead_temporaries(dest);
+  const CheckedPath tmp = temp_sibling(dest);
   {
     std::lock_guard<std::mutex> lock(g_publish_mu);
     TESSERA_CHECK(!g_abandoned, kInterrupted);
@@ -258,14 +259,14 @@ void publish_via_temp(const std::string& out, bool dir, F&& write) {
     } else {
       File created(tmp, "w");
     }
-    g_in_progress = tmp;
+    g_in_progress = tmp.str();
   }
   try {
-    write(tmp);
+    write(tmp.str());
     test_pause_before_commit(out, tmp);
     std::lock_guard<std::mutex> lock(g_publish_mu);
     TESSERA_CHECK(!g_abandoned, kInterrupted);
-    commit_rename(tmp, out);
+    commit_rename(tmp, dest);
     g_in_progress.clear();
   } catch (...) {
     std::lock_guard<std::mutex> lock(g_publish_mu);

@@ -19,10 +19,13 @@ namespace {
 std::string err() { return std::strerror(errno); }
 }  // namespace
 
-std::string temp_sibling(const std::string& dest) {
-  check_path_chars(dest);
+std::string temp_sibling(const std::string& dest) { return temp_sibling(CheckedPath::check(dest)).str(); }
+
+CheckedPath temp_sibling(const CheckedPath& dest) {
   static std::atomic<int> counter{0};
-  return join_path(parent_dir(dest), concat(".", base_name(dest), ".tessera-tmp-", ::getpid(), "-", counter++));
+  const std::string& d = dest;
+  std::string tmp = join_path(parent_dir(d), concat(".", base_name(d), ".tessera-tmp-", ::getpid(), "-", counter++));
+  return CheckedPath::check(std::move(tmp), "temporary path");
 }
 
 namespace {
@@ -41,8 +44,13 @@ bool starts_with(const std::string& s, const std::string& p) { return s.compare(
 }  // namespace
 
 void commit_rename(const std::string& tmp, const std::string& dest) {
-  check_path_chars(tmp, "temporary path");
-  check_path_chars(dest);
+  const CheckedPath checked_tmp = CheckedPath::check(tmp, "temporary path");
+  commit_rename(checked_tmp, CheckedPath::check(dest));
+}
+
+void commit_rename(const CheckedPath& checked_tmp, const CheckedPath& checked_dest) {
+  const std::string& tmp = checked_tmp;
+  const std::string& dest = checked_dest;
   const std::string parent = parent_dir(dest);
   if (!path_exists(dest) || (is_directory(dest) && list_dir(dest).empty())) {
     if (path_exists(dest)) TESSERA_CHECK(::rmdir(dest.c_str()) == 0, "cannot remove empty '", dest, "': ", err());
@@ -75,7 +83,11 @@ std::string aside_sibling(const std::string& dest) {
 }
 
 void remove_dead_temporaries(const std::string& dest) {
-  check_path_chars(dest, "output path");
+  remove_dead_temporaries(CheckedPath::check(dest, "output path"));
+}
+
+void remove_dead_temporaries(const CheckedPath& checked_dest) {
+  const std::string& dest = checked_dest;
   const std::string parent = parent_dir(dest);
   if (!is_directory(parent)) return;
   const std::string prefix = "." + base_name(dest) + ".tessera-tmp-";
@@ -96,8 +108,10 @@ void remove_dead_temporaries(const std::string& dest) {
   }
 }
 
-void recover_siblings(const std::string& dest) {
-  check_path_chars(dest);
+void recover_siblings(const std::string& dest) { recover_siblings(CheckedPath::check(dest)); }
+
+void recover_siblings(const CheckedPath& checked_dest) {
+  const std::string& dest = checked_dest;
   const std::string parent = parent_dir(dest);
   if (!is_directory(parent)) return;
   if (!path_exists(dest)) {

@@ -4,6 +4,8 @@
 #pragma once
 #include <string>
 
+#include "tessera/checkpoint/storage/file.h"
+
 namespace tessera::checkpoint {
 
 // A fresh temporary sibling name for `dest`: "<parent>/.<name>.tessera-tmp-<pid>-<n>".
@@ -26,5 +28,12 @@ void remove_dead_temporaries(const std::string& dest);
 // The previous checkpoint left aside by an interrupted commit ("" when none): used by
 // readers when `dest` is missing.
 std::string aside_sibling(const std::string& dest);
+
+// The same for a `dest` checked where it entered (CheckedPath): not checked again. The
+// temporary sibling is checked once, as it is named ("temporary path").
+CheckedPath temp_sibling(const CheckedPath& dest);
+void commit_rename(const CheckedPath& tmp, const CheckedPath& dest);
+void recover_siblings(const CheckedPath& dest);
+void remove_dead_temporaries(const CheckedPath& dest);
 
 }  // namespace tessera::checkpoint

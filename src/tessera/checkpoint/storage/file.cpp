@@ -61,6 +61,11 @@ void check_path_chars(const std::string& path, const char* what) {
   }
 }
 
+CheckedPath CheckedPath::check(std::string path, const char* what) {
+  check_path_chars(path, what);
+  return CheckedPath(std::move(path));
+}
+
 const char* incoherent_fs_name(uint64_t f_type) {
   switch (f_type) {
     case 0x6969: return "NFS";

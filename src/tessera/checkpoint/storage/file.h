@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tessera::checkpoint {
@@ -76,6 +77,21 @@ uint64_t io_page_size();
 void check_path_chars(const std::string& path, const char* what = "checkpoint path");
 // `s` with control characters and backslashes escaped C-style ("\n", "\x7f"; for messages).
 std::string escape_path(const std::string& s);
+
+// A path that check_path_chars accepted. Made only by check(), where a path enters (a
+// save, a load, an offline command's output), so that a function taking one knows it
+// was checked and does not check it again; it reads as the string it holds.
+class CheckedPath {
+ public:
+  // `path`, or check_path_chars(path, what)'s error.
+  static CheckedPath check(std::string path, const char* what = "checkpoint path");
+  const std::string& str() const { return path_; }
+  operator const std::string&() const { return path_; }
+
+ private:
+  explicit CheckedPath(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
 
 // Why several clients must not write disjoint byte ranges of one file at once on the
 // filesystem holding `path` ("" when they may): on NFS, SMB/CIFS, FUSE mounts (object
