@@ -3,6 +3,8 @@
 // the same model in one process on the same global batch (computed in-process by every
 // rank: the model is tiny); and the collectives one block issues per step.
 #include <ATen/ATen.h>
+#include <torch/nn/modules/container/functional.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
@@ -11,6 +13,7 @@
 #include "../../examples/gpt/model.h"
 #include "support/scenario.h"
 #include "tessera/parallel/mesh.h"
+#include "tessera/parallel/plan.h"
 #include "tessera/state/module_state.h"
 #include "tessera/strategy/ddp.h"
 #include "tessera/strategy/fsdp.h"
@@ -154,6 +157,11 @@ SCENARIO("tp_parity") {
       expect_same(got, want[tied], concat(kind, " tp ", tp, " ", cfg), 1e-5);
       std::printf("%s tp %d %s ok: final loss %.6f\n", kind.c_str(), tp, cfg.c_str(), got.losses.back());
     }
+  {  // Where the groups' collectives run: TP inside a host over shared memory.
+    parallel::DeviceMesh mesh(comm(), {{"dp", comm()->size() / tp}, {"tp", tp}});
+    std::printf("tp group shared memory: %d, dp group shared memory: %d\n",
+                mesh.comm("tp")->uses_shared_memory() ? 1 : 0, mesh.comm("dp")->uses_shared_memory() ? 1 : 0);
+  }
   std::printf("tp parity ok rank %d\n", comm()->rank());
   std::fflush(stdout);
   return 0;
@@ -179,6 +187,38 @@ SCENARIO("tp_collectives") {
                 static_cast<long long>(after.reduce_scatter - before.reduce_scatter),
                 static_cast<long long>(after.broadcast - before.broadcast + after.all_to_all - before.all_to_all));
   }
+  std::fflush(stdout);
+  return 0;
+}
+
+// tp_plan: a Sequential MLP of torch::nn modules, cut by a plan by FQN over the world
+// (Colwise, then Rowwise), computes what it computed whole: without sequence parallelism
+// the whole output on every rank, with it this rank's sequence shard of it; the names are
+// unchanged. Prints "plan ok rank R".
+SCENARIO("tp_plan") {
+  auto world = comm();
+  for (bool sp : {false, true}) {
+    at::manual_seed(5);
+    torch::nn::Sequential mlp(torch::nn::Linear(8, 24),
+                              torch::nn::Functional([](const at::Tensor& t) { return at::gelu(t); }),
+                              torch::nn::Linear(24, 8));
+    std::vector<std::string> names;
+    for (auto& kv : mlp->named_parameters()) names.push_back(kv.key());
+    at::Tensor x = at::randn({2, 4, 8});
+    at::Tensor want = mlp->forward(x);
+    parallel::TensorParallel tp{world, sp};
+    const int replaced = parallel::parallelize(*mlp, {{"0", parallel::TpStyle::Colwise}, {"2", parallel::TpStyle::Rowwise}}, tp);
+    WCHECK(replaced == 2, "replaced ", replaced);
+    std::vector<std::string> after;
+    for (auto& kv : mlp->named_parameters()) after.push_back(kv.key());
+    WCHECK(after == names, "the plan changed the names");
+    at::Tensor in = sp ? x.chunk(world->size(), 1)[world->rank()] : x;
+    at::Tensor got = mlp->forward(in);
+    at::Tensor expect = sp ? want.chunk(world->size(), 1)[world->rank()] : want;
+    WCHECK(at::allclose(got, expect, 1e-5, 1e-6), "sp=", sp, ": the cut MLP's output differs by ",
+           (got - expect).abs().max().item<double>());
+  }
+  std::printf("plan ok rank %d\n", world->rank());
   std::fflush(stdout);
   return 0;
 }

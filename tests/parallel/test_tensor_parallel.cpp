@@ -13,6 +13,7 @@
 #include "support/harness.h"
 #include "support/test_util.h"
 #include "tessera/parallel/mesh.h"
+#include "tessera/parallel/plan.h"
 #include "tessera/state/module_state.h"
 
 using namespace tessera;
@@ -159,4 +160,43 @@ TEST(TensorParallelCollectives, OneBlockIssuesMegatronsCollectives) {
     EXPECT_EQ(res.out[r][0], "counts sp=0 4 0 0 0") << res.all_output();
     EXPECT_EQ(res.out[r][1], "counts sp=1 6 4 4 0") << res.all_output();
   }
+}
+
+// A plan by FQN over a model of torch::nn modules: two ranks cut a Sequential MLP (Colwise,
+// Rowwise) and compute its output, whole and under sequence parallelism, under the same names.
+TEST(TensorParallelPlan, ASequentialOfTorchModulesIsCutByFqn) {
+  auto res = run_ranks(2, {"tp_plan"}, 120);
+  EXPECT_RANKS_OK(res);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(res.out[r].empty()) << res.all_output();
+    EXPECT_EQ(res.out[r].back(), "plan ok rank " + std::to_string(r)) << res.all_output();
+  }
+}
+
+namespace {
+struct HolderImpl : torch::nn::Module {
+  torch::nn::Linear member{nullptr};
+  torch::nn::Sequential seq;
+  HolderImpl() {
+    member = register_module("member", torch::nn::Linear(2, 2));
+    seq = register_module("seq", torch::nn::Sequential(torch::nn::Linear(2, 4), torch::nn::LayerNorm(
+                                                                                    torch::nn::LayerNormOptions({4}))));
+  }
+};
+TORCH_MODULE(Holder);
+}  // namespace
+
+// What a plan cannot cut is refused by FQN, and then nothing is replaced.
+TEST(TensorParallelPlan, WhatAPlanCannotCutIsRefusedByName) {
+  Holder h;
+  TensorParallel none;
+  std::string msg = error_of([&] { parallelize(*h, {{"member", TpStyle::Colwise}}, none); });
+  EXPECT_NE(msg.find("'member' is not an element of a torch::nn::Sequential"), std::string::npos) << msg;
+  msg = error_of([&] { parallelize(*h, {{"seq.1", TpStyle::Colwise}}, none); });
+  EXPECT_NE(msg.find("'seq.1' is a torch::nn::LayerNormImpl"), std::string::npos) << msg;
+  msg = error_of([&] { parallelize(*h, {{"seq.0", TpStyle::Colwise}, {"seq.7", TpStyle::Rowwise}}, none); });
+  EXPECT_NE(msg.find("'seq.7', which is not a module of the model"), std::string::npos) << msg;
+  EXPECT_NE(dynamic_cast<torch::nn::LinearImpl*>(h->seq->ptr(0).get()), nullptr) << "replaced despite the error";
+  EXPECT_EQ(parallelize(*h, {{"seq.0", TpStyle::Colwise}}, none), 1);
+  EXPECT_NE(dynamic_cast<ColumnParallelLinearImpl*>(h->seq->ptr(0).get()), nullptr);
 }

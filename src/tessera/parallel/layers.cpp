@@ -25,9 +25,11 @@ TpCut make_cut(int64_t dim, int64_t stripes, std::vector<int64_t> shape, const T
 }
 
 // torch::nn::Linear's initialization of a whole [out, in] weight and [out] bias, drawing
-// from the global generator exactly as LinearImpl::reset_parameters does.
-std::pair<at::Tensor, at::Tensor> linear_init(int64_t in, int64_t out, bool bias) {
+// from the global generator exactly as LinearImpl::reset_parameters does (draw = false:
+// zeros, and nothing drawn).
+std::pair<at::Tensor, at::Tensor> linear_init(int64_t in, int64_t out, bool bias, bool draw) {
   at::NoGradGuard ng;
+  if (!draw) return {at::zeros({out, in}), bias ? at::zeros({out}) : at::Tensor()};
   at::Tensor w = at::empty({out, in});
   torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));
   at::Tensor b;
@@ -55,12 +57,12 @@ at::Tensor column_parallel_input(const at::Tensor& x, const TensorParallel& tp, 
 // --- ColumnParallelLinear ------------------------------------------------------------
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, TensorParallel tp, bool with_bias,
-                                                   int64_t stripes, int64_t seq_dim)
+                                                   int64_t stripes, int64_t seq_dim, bool draw)
     : tp_(std::move(tp)), seq_dim_(seq_dim) {
   const std::string what = concat("ColumnParallelLinear(", in, ", ", out, ")");
   weight_cut_ = make_cut(0, stripes, {out, in}, tp_, what);
   bias_cut_ = make_cut(0, stripes, {out}, tp_, what);
-  auto [w, b] = linear_init(in, out, with_bias);
+  auto [w, b] = linear_init(in, out, with_bias, draw);
   weight = register_parameter("weight", weight_cut_.local_of(w));
   if (with_bias) bias = register_parameter("bias", bias_cut_.local_of(b));
 }
@@ -85,10 +87,10 @@ std::vector<std::pair<std::string, TpCut>> ColumnParallelLinearImpl::tp_cuts() c
 // --- RowParallelLinear -----------------------------------------------------------------
 
 RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, TensorParallel tp, bool with_bias,
-                                             int64_t seq_dim)
+                                             int64_t seq_dim, bool draw)
     : tp_(std::move(tp)), seq_dim_(seq_dim) {
   weight_cut_ = make_cut(1, 1, {out, in}, tp_, concat("RowParallelLinear(", in, ", ", out, ")"));
-  auto [w, b] = linear_init(in, out, with_bias);
+  auto [w, b] = linear_init(in, out, with_bias, draw);
   weight = register_parameter("weight", weight_cut_.local_of(w));
   if (with_bias) bias = register_parameter("bias", b);
 }
@@ -109,14 +111,15 @@ std::vector<std::pair<std::string, TpCut>> RowParallelLinearImpl::tp_cuts() cons
 
 // --- VocabParallelEmbedding -----------------------------------------------------------
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t num, int64_t dim, TensorParallel tp, int64_t seq_dim)
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t num, int64_t dim, TensorParallel tp, int64_t seq_dim,
+                                                       bool draw)
     : tp_(std::move(tp)), seq_dim_(seq_dim) {
   weight_cut_ = make_cut(0, 1, {num, dim}, tp_, concat("VocabParallelEmbedding(", num, ", ", dim, ")"));
   at::Tensor w;
   {
     at::NoGradGuard ng;
-    w = at::empty({num, dim});
-    torch::nn::init::normal_(w);  // torch::nn::Embedding's initialization
+    w = at::zeros({num, dim});
+    if (draw) torch::nn::init::normal_(w);  // torch::nn::Embedding's initialization
   }
   weight = register_parameter("weight", weight_cut_.local_of(w));
 }

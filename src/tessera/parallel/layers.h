@@ -36,8 +36,9 @@ at::Tensor column_parallel_input(const at::Tensor& x, const TensorParallel& tp, 
 
 class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
  public:
+  // draw = false: no initial values are drawn (assign() gives them; parallelize does).
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, TensorParallel tp, bool bias = true,
-                           int64_t stripes = 1, int64_t seq_dim = 1);
+                           int64_t stripes = 1, int64_t seq_dim = 1, bool draw = true);
   at::Tensor forward(const at::Tensor& x);
   // The product of an input already laid out for it (column_parallel_input).
   at::Tensor forward_local(const at::Tensor& x_full);
@@ -59,7 +60,7 @@ TORCH_MODULE(ColumnParallelLinear);
 class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
  public:
   RowParallelLinearImpl(int64_t in_features, int64_t out_features, TensorParallel tp, bool bias = true,
-                        int64_t seq_dim = 1);
+                        int64_t seq_dim = 1, bool draw = true);
   at::Tensor forward(const at::Tensor& x);
   void assign(const at::Tensor& global_weight, const at::Tensor& global_bias = at::Tensor());
   std::vector<std::pair<std::string, TpCut>> tp_cuts() const override;
@@ -77,7 +78,8 @@ TORCH_MODULE(RowParallelLinear);
 
 class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParallelModule {
  public:
-  VocabParallelEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, TensorParallel tp, int64_t seq_dim = 1);
+  VocabParallelEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, TensorParallel tp, int64_t seq_dim = 1,
+                             bool draw = true);
   // tokens [B, T] -> [B, T, dim], or [B, T/tp, dim] under sequence parallelism.
   at::Tensor forward(const at::Tensor& tokens);
   void assign(const at::Tensor& global_weight);

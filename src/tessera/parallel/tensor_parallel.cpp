@@ -67,7 +67,7 @@ at::Tensor TpCut::assemble(const std::vector<at::Tensor>& pieces_in) const {
 
 std::string TpCut::describe() const {
   return concat("dim ", dim, stripes > 1 ? concat(", ", stripes, " stripes") : std::string(), ", piece ", index, " of ",
-                pieces, " of [", at::IntArrayRef(global_shape), "]");
+                pieces, " of ", at::IntArrayRef(global_shape));
 }
 
 std::vector<TpParam> named_tp_params(

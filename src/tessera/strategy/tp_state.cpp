@@ -58,7 +58,7 @@ at::Tensor TpView::localize(const state::Value& v, const parallel::TpCut& cut, c
   else
     throw Error(concat("tensor parallel: '", key, "' holds a ", state::kind_name(v), ", not a tensor"));
   TESSERA_CHECK(full.sizes().vec() == cut.global_shape, "tensor parallel: '", key, "' has shape ", full.sizes(),
-                " but the model's tensor is [", at::IntArrayRef(cut.global_shape), "]");
+                " but the model's tensor is ", at::IntArrayRef(cut.global_shape));
   return cut.local_of(full);
 }
 
