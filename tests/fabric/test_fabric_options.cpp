@@ -208,3 +208,31 @@ TEST(FabricSampler, DrivesATorchDataLoader) {
     for (auto& ex : batch) got.push_back(ex.data.item<float>());
   EXPECT_EQ(got, (std::vector<float>{1, 3, 5, 7}));
 }
+
+// Tensor parallelism: the group must divide the ranks of a node; hybrid sharding (a 3-D
+// mesh) and sharded checkpoints are refused with it for now, naming the option; otherwise the
+// data-parallel size is world / tp and checkpoints are full.
+TEST(FabricOptions, TensorParallelSizeIsCheckedAndSplitsTheWorld) {
+  FabricOptions o;
+  o.devices = 4;
+  o.strategy = "fsdp";
+  o.tensor_parallel_size = 2;
+  ResolvedOptions r = resolve(o, 0);
+  EXPECT_EQ(r.data_parallel_size(), 2);
+  EXPECT_EQ(r.tensor_parallel_size(), 2);
+  EXPECT_EQ(r.state_dict_type, strategy::StateDictType::Full);
+  o.tensor_parallel_size = 3;
+  std::string msg = tessera::testing::error_of([&] { resolve(o, 0); });
+  EXPECT_NE(msg.find("FabricOptions.tensor_parallel_size=3 does not divide devices=4"), std::string::npos) << msg;
+  o.tensor_parallel_size = 0;
+  msg = tessera::testing::error_of([&] { resolve(o, 0); });
+  EXPECT_NE(msg.find("FabricOptions.tensor_parallel_size must be at least 1"), std::string::npos) << msg;
+  o.tensor_parallel_size = 2;
+  o.fsdp.sharding = strategy::ShardingStrategy::HybridShard;
+  msg = tessera::testing::error_of([&] { resolve(o, 0); });
+  EXPECT_NE(msg.find("HybridShard with tensor_parallel_size=2"), std::string::npos) << msg;
+  o.fsdp.sharding = strategy::ShardingStrategy::FullShard;
+  o.state_dict_type = strategy::StateDictType::Sharded;
+  msg = tessera::testing::error_of([&] { resolve(o, 0); });
+  EXPECT_NE(msg.find("FabricOptions.state_dict_type sharded with tensor_parallel_size=2"), std::string::npos) << msg;
+}

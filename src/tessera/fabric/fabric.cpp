@@ -125,7 +125,10 @@ void Fabric::launch() {
   strategy::StrategyOptions so;
   so.ddp = opts_.options.ddp;
   so.fsdp = opts_.options.fsdp;
-  strategy_ = strategy::make_strategy(opts_.strategy_kind, comm_, dev, so);
+  const int tp = opts_.tensor_parallel_size();
+  mesh_ = std::make_unique<parallel::DeviceMesh>(comm_, std::vector<parallel::MeshDim>{
+                                                            {"dp", world_.world_size / tp}, {"tp", tp}});
+  strategy_ = strategy::make_strategy(opts_.strategy_kind, mesh_->comm("dp"), dev, so);
 }
 
 void Fabric::require_launched(const char* what) const {
@@ -151,6 +154,17 @@ int Fabric::global_rank() const { return world_.rank; }
 int Fabric::local_rank() const { return world_.local_rank; }
 int Fabric::node_rank() const { return world_.node_rank; }
 int Fabric::world_size() const { return world_.world_size; }
+int Fabric::data_parallel_size() const { return world_.world_size / opts_.tensor_parallel_size(); }
+int Fabric::data_parallel_rank() const { return world_.rank / opts_.tensor_parallel_size(); }
+
+const parallel::DeviceMesh& Fabric::device_mesh() const {
+  require_launched("device_mesh");
+  return *mesh_;
+}
+
+parallel::TensorParallel Fabric::tensor_parallel() const {
+  return parallel::TensorParallel::from_mesh(device_mesh(), "tp", opts_.options.sequence_parallel);
+}
 
 // --- setup --------------------------------------------------------------------------
 
@@ -282,7 +296,7 @@ int Fabric::optimizer_index(const torch::optim::Optimizer* opt, const std::strin
 // --- data and randomness ------------------------------------------------------------
 
 DistributedSampler Fabric::distributed_sampler(size_t dataset_size, SamplerOptions options) const {
-  return DistributedSampler(dataset_size, world_.world_size, world_.rank, options);
+  return DistributedSampler(dataset_size, data_parallel_size(), data_parallel_rank(), options);
 }
 
 uint64_t Fabric::seed_everything(uint64_t seed, bool rank_aware) {

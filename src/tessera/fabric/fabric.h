@@ -36,6 +36,8 @@
 #include "tessera/fabric/fabric_state.h"
 #include "tessera/fabric/options.h"
 #include "tessera/fabric/sampler.h"
+#include "tessera/parallel/mesh.h"
+#include "tessera/parallel/tensor_parallel.h"
 #include "tessera/strategy/strategy.h"
 
 namespace tessera::fabric {
@@ -143,6 +145,8 @@ class Fabric {
   AutocastGuard autocast() const;
 
   // --- data ---
+  // Over the data-parallel ranks: the ranks of one tensor-parallel group get the same
+  // indices (with tensor_parallel_size 1, every rank its own).
   DistributedSampler distributed_sampler(size_t dataset_size, SamplerOptions options = {}) const;
 
   // --- randomness ---
@@ -156,6 +160,19 @@ class Fabric {
   int node_rank() const;
   int world_size() const;
   bool is_global_zero() const { return global_rank() == 0; }
+  // The data-parallel side of the mesh: world_size() / tensor_parallel_size ranks, and
+  // this rank's place among them (its batch); the whole world without tensor parallelism.
+  int data_parallel_size() const;
+  int data_parallel_rank() const;
+
+  // --- the device mesh (docs/tensor-parallel.md) ---
+  // ("dp", world / tp) x ("tp", FabricOptions.tensor_parallel_size), tp innermost; the
+  // strategy runs over mesh.comm("dp"). After launch().
+  const parallel::DeviceMesh& device_mesh() const;
+  // What to build the model with: the mesh's tp group and FabricOptions.sequence_parallel
+  // (a group of one, or none, without tensor parallelism). After launch(): call it in
+  // configure_model / where the model is built.
+  parallel::TensorParallel tensor_parallel() const;
   c10::Device device() const;
   // Prints on global rank 0 only (arguments joined with operator<<, newline added).
   template <typename... Args>
@@ -227,6 +244,7 @@ class Fabric {
   ResolvedOptions opts_;
   distributed::World world_;
   std::shared_ptr<distributed::Communicator> comm_;
+  std::unique_ptr<parallel::DeviceMesh> mesh_;
   std::unique_ptr<strategy::Strategy> strategy_;
   std::shared_ptr<torch::nn::Module> setup_original_;
   // The modules that name the set-up model: what was passed, what setup returned, and

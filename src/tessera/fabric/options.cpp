@@ -132,7 +132,22 @@ ResolvedOptions resolve(const FabricOptions& o, int cuda_devices) {
                   "FabricOptions.fsdp is set (mixed_precision/cpu_offload/activation_checkpointing) but the strategy is \"",
                   r.strategy, "\"; choose strategy \"fsdp\" or leave FabricOptions.fsdp at its defaults");
   }
-  r.state_dict_type = o.state_dict_type.value_or(strategy::default_state_dict_type(r.strategy_kind));
+  const int tp = o.tensor_parallel_size;
+  TESSERA_CHECK(tp >= 1, "FabricOptions.tensor_parallel_size must be at least 1, got ", tp);
+  TESSERA_CHECK(o.devices % tp == 0, "FabricOptions.tensor_parallel_size=", tp, " does not divide devices=", o.devices,
+                " (a tensor-parallel group is ", tp, " ranks of one node)");
+  if (tp > 1) {
+    TESSERA_CHECK(o.fsdp.sharding != strategy::ShardingStrategy::HybridShard,
+                  "FabricOptions.fsdp.sharding HybridShard with tensor_parallel_size=", tp,
+                  ": a (replicate, shard, tp) mesh is not supported yet; use FullShard or ShardGradOp over the ",
+                  world / tp, " data-parallel ranks");
+    TESSERA_CHECK(o.state_dict_type != strategy::StateDictType::Sharded,
+                  "FabricOptions.state_dict_type sharded with tensor_parallel_size=", tp,
+                  ": sharded checkpoints of a tensor-parallel model are not supported yet; use full (the ",
+                  "default with tensor parallelism: one consolidated file of the plain model's tensors)");
+  }
+  r.state_dict_type = tp > 1 ? strategy::StateDictType::Full
+                             : o.state_dict_type.value_or(strategy::default_state_dict_type(r.strategy_kind));
   return r;
 }
 

@@ -51,6 +51,14 @@ struct FabricOptions {
   strategy::DdpOptions ddp;
   // Rendezvous and collective timeouts, backend choice.
   distributed::CommOptions comm;
+  // Tensor parallelism (docs/tensor-parallel.md): the ranks of one tensor-parallel group,
+  // the innermost dimension of Fabric's device mesh (dp = world / tensor_parallel_size,
+  // tp = tensor_parallel_size), so a group is consecutive ranks of one node. 1: none.
+  // The strategy then runs over the dp dimension, and the model is built with
+  // Fabric::tensor_parallel(). Must divide devices.
+  int tensor_parallel_size = 1;
+  // Sequence parallelism inside the tensor-parallel group (as torchtitan: on by default).
+  bool sequence_parallel = true;
 };
 
 // The options after validation, with "auto" values decided. The strings and the kinds
@@ -67,6 +75,9 @@ struct ResolvedOptions {
   strategy::StrategyKind strategy_kind = strategy::StrategyKind::Single;
   Precision precision = Precision::F32;  // options.precision, parsed
   int world_size() const { return options.devices * options.num_nodes; }
+  int tensor_parallel_size() const { return options.tensor_parallel_size; }
+  // The ranks that see different data: world_size() / tensor_parallel_size().
+  int data_parallel_size() const { return world_size() / options.tensor_parallel_size; }
 };
 
 // Validates `o` (no torch op runs; safe before launch()). `cuda_devices` is the number

@@ -45,7 +45,7 @@ Metrics Trainer::evaluate(TrainingModule& module, const TensorData& data, const 
 
 int64_t Trainer::eval_batches(const TensorData& data, const BatchCount& limit) const {
   if (data.empty()) return 0;
-  const int64_t w = fabric_->world_size();
+  const int64_t w = fabric_->data_parallel_size();
   const int64_t per_rank = (data.size() + w - 1) / w;
   const int64_t ebs = options_.eval_batch_size > 0 ? options_.eval_batch_size : options_.batch_size;
   return limit.of((per_rank + ebs - 1) / ebs);

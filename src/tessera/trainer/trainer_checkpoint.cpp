@@ -67,7 +67,7 @@ fabric::FabricState Trainer::checkpoint_state(const std::string& path) {
   state::StateDict loop;
   loop.set("world_size", static_cast<int64_t>(f.world_size()));
   loop.set("batch_size", options_.batch_size);
-  loop.set("global_samples", static_cast<int64_t>(sampler_->position()) * f.world_size());
+  loop.set("global_samples", static_cast<int64_t>(sampler_->position()) * f.data_parallel_size());
   loop.set("epoch_end_done", loop_.position == LoopPosition::EpochEnded);
   loop.set("val_pending", loop_.position == LoopPosition::ValidationDue);
   st.set("loop", loop);
@@ -238,7 +238,7 @@ void Trainer::restore_loop(const std::string& path, const fabric::FabricState& s
   checked_counter(path, ss, "position", "sampler.position", 0, kMaxCheckpointCounter);
   const int64_t saved_w = checked_counter(path, ss, "num_replicas", "sampler.num_replicas", 1,
                                           checkpoint::kMaxWorldSize),
-                w = f.world_size();
+                w = f.data_parallel_size();  // the ranks that read different data
   if (saved_w != w) {
     const int64_t global = ss.integer("position") * saved_w;
     TESSERA_CHECK(global % w == 0, "Trainer: cannot resume '", path, "' on ", w, " ranks: it stopped after ", global,
