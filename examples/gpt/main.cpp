@@ -6,6 +6,7 @@
 //   gpt train --devices 2 --strategy fsdp --max-steps 600 --out runs/gpt --resume auto   # a restarted job
 //   gpt sample --ckpt runs/gpt/checkpoints/last.ckpt --prompt "This License" --tokens 200
 //   gpt train --devices 2 --strategy fsdp --max-steps 300 --out runs/gpt2 --init-from model.safetensors
+//   gpt train --devices 4 --tp 2 --strategy fsdp --max-steps 300 --out runs/gpt-2d   # FSDP 2 x TP 2
 //
 // Started without a launcher, `train` re-runs itself on --devices ranks; started by
 // `tessera run -n N` (or torchrun/srun) it uses the launcher's ranks. --batch-size is the
@@ -61,6 +62,14 @@ int main(int argc, char** argv) {
       ->check(gpt::int_in(1));
   train->add_option("--strategy", ta.strategy, "single|ddp|fsdp")->check(CLI::IsMember({"single", "ddp", "fsdp"}))
       ->capture_default_str();
+  train->add_option("--tp", ta.tp,
+                    "tensor-parallel size: ranks per tensor-parallel group, inside a node (data-parallel size = "
+                    "ranks / N; --tp N alone on N ranks is pure tensor parallelism)")
+      ->check(gpt::int_in(1))
+      ->capture_default_str();
+  train->add_flag("!--no-sequence-parallel", ta.sequence_parallel,
+                  "with --tp: keep the whole sequence on every rank of a group (default: sequence parallelism, "
+                  "each rank holds seq-len / tp positions of the residual stream)");
   train->add_option("--sharding", ta.sharding, "FSDP sharding: full|grad-op|none|hybrid")
       ->check(CLI::IsMember({"full", "grad-op", "none", "hybrid"}))->capture_default_str();
   train->add_option("--accelerator", ta.accelerator, "cpu|cuda|auto (auto: cuda:LOCAL_RANK when GPUs are visible)")

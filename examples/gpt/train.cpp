@@ -53,10 +53,6 @@ std::string lowercase(std::string s) {
   return s;
 }
 
-at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, gpt::kVocab}), targets.reshape({-1}));
-}
-
 // The TrainingModule: the model, AdamW (one-pass by default, --adamw) with linear warmup +
 // cosine decay (stepped after every optimizer step, saved in checkpoints by the Trainer),
 // next-byte cross-entropy.
@@ -74,6 +70,9 @@ struct GptModule : trainer::TrainingModule {
     // Each block through the strategy's module-init context: under FSDP a block is a
     // unit, sharded as soon as it is built (no rank ever holds the whole model); under
     // DDP or a single device it is simply built.
+    // Under --tp the model is cut over Fabric's tensor-parallel group (a group of one
+    // otherwise: the plain model).
+    cfg.tp = fabric().tensor_parallel();
     net = gpt::Gpt(cfg, [this](const std::function<torch::nn::AnyModule()>& b) { return init_module(b); });
     return torch::nn::AnyModule(net);
   }
@@ -87,11 +86,11 @@ struct GptModule : trainer::TrainingModule {
   at::Tensor training_step(const trainer::Batch& b, int64_t) override {
     log("lr", opt->param_groups()[0].options().get_lr());  // the lr this step uses
     auto ac = fabric().autocast();
-    return lm_loss(model().forward<at::Tensor>(b.inputs), b.targets);
+    return net->loss(model().forward<at::Tensor>(b.inputs), b.targets);
   }
   void validation_step(const trainer::Batch& b, int64_t) override {
     auto ac = fabric().autocast();
-    log("val_loss", lm_loss(model().forward<at::Tensor>(b.inputs), b.targets).item<double>(), /*prog_bar=*/true,
+    log("val_loss", net->loss(model().forward<at::Tensor>(b.inputs), b.targets).item<double>(), /*prog_bar=*/true,
         /*sync_dist=*/true);
   }
   std::map<std::string, std::string> hparams() const override {
@@ -298,8 +297,23 @@ int run_train(TrainArgs a) {
   if (launched && a.devices > 0 && a.devices != local)
     throw CLI::ValidationError("--devices " + std::to_string(a.devices) + " disagrees with the launcher's " +
                                std::to_string(local) + " ranks per node (omit --devices under tessera run)");
-  check(a.batch_size % world == 0, "--batch-size " + std::to_string(a.batch_size) + " (the global batch) must be a " +
-                                       "multiple of the " + std::to_string(world) + " ranks");
+  // Tensor parallelism: groups of --tp consecutive ranks inside a node, whole heads per
+  // rank, and under sequence parallelism seq_len / tp positions per rank.
+  check(local % a.tp == 0, "--tp " + std::to_string(a.tp) + " must divide the " + std::to_string(local) +
+                               " ranks per node (--devices / the launcher): a tensor-parallel group stays inside a node");
+  check(a.n_head % a.tp == 0, "--tp " + std::to_string(a.tp) + " must divide --n-head " + std::to_string(a.n_head) +
+                                  " (each rank computes whole attention heads)");
+  if (a.tp > 1 && a.sequence_parallel)
+    check(a.seq_len % a.tp == 0, "--seq-len " + std::to_string(a.seq_len) + " must be a multiple of --tp " +
+                                     std::to_string(a.tp) + " under sequence parallelism (or --no-sequence-parallel)");
+  if (a.tp > 1) {
+    check(a.state_dict != "sharded", "--state-dict sharded is not supported with --tp yet (checkpoints of a "
+                                     "tensor-parallel run are full: the plain model's tensors)");
+    check(a.sharding != "hybrid", "--sharding hybrid is not supported with --tp yet (a 3-D mesh)");
+  }
+  const int dp = world / a.tp;  // the ranks that see different batches
+  check(a.batch_size % dp == 0, "--batch-size " + std::to_string(a.batch_size) + " (the global batch) must be a " +
+                                    "multiple of the " + std::to_string(dp) + " data-parallel ranks");
   check(a.d_model % a.n_head == 0, "--d-model " + std::to_string(a.d_model) + " must be a multiple of --n-head " +
                                        std::to_string(a.n_head));
   // The command line's strategy, parsed once (main.cpp admits only these names).
@@ -335,11 +349,14 @@ int run_train(TrainArgs a) {
                            : a.sharding == "none"    ? SS::NoShard
                                                      : SS::HybridShard;
   // --state-dict left out: the strategy's default (sharded for fsdp, full for the others).
-  o.fabric.state_dict_type = a.state_dict.empty()         ? strategy::default_state_dict_type(kind)
+  o.fabric.tensor_parallel_size = a.tp;
+  o.fabric.sequence_parallel = a.sequence_parallel;
+  o.fabric.state_dict_type = a.tp > 1                     ? strategy::StateDictType::Full
+                             : a.state_dict.empty()         ? strategy::default_state_dict_type(kind)
                              : a.state_dict == "sharded" ? strategy::StateDictType::Sharded
                                                          : strategy::StateDictType::Full;
   o.max_steps = a.max_steps;
-  o.batch_size = a.batch_size / world;
+  o.batch_size = a.batch_size / dp;
   o.seed = a.seed;
   o.gradient_clip_val = a.grad_clip > 0 ? std::optional<double>(a.grad_clip) : std::nullopt;
   o.log_every_n_steps = a.log_every;
@@ -399,7 +416,10 @@ int run_train(TrainArgs a) {
   f.print("gpt: ", data.total_bytes, " bytes from ", files.size(), " file(s): ", data.train.size(),
           " training / ", data.val.size(), " validation windows of ", a.seq_len, "+1 bytes");
   f.print("gpt: ", a.n_layer, " layers, ", a.n_head, " heads, d_model ", a.d_model, ", strategy ", a.strategy,
-          " on ", world, " rank(s), global batch ", a.batch_size, ", ", threads, " thread(s) per rank");
+          " on ", world, " rank(s)",
+          a.tp > 1 ? tessera::concat(" (dp ", world / a.tp, " x tp ", a.tp, a.sequence_parallel ? ", sequence parallel" : "", ")")
+                   : std::string(),
+          ", global batch ", a.batch_size, ", ", threads, " thread(s) per rank");
 
   const std::string metrics_path = (fs::path(a.out) / "metrics.csv").string();
   GptModule m(a, cfg);

@@ -9,6 +9,8 @@ namespace gpt {
 
 struct TrainArgs {
   int devices = 0;  // 0: the launcher's LOCAL_WORLD_SIZE, else 1
+  int tp = 1;       // tensor-parallel size (ranks per group, inside a node)
+  bool sequence_parallel = true;  // with tp > 1
   std::string strategy = "fsdp", sharding = "full", precision = "32", state_dict, resume;
   std::string init_from;  // a checkpoint whose model weights replace the initial ones (step 0)
   std::string accelerator = "auto";

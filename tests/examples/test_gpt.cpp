@@ -183,9 +183,56 @@ static void expect_resume_continues(const GptRun& r, const std::string& name, co
   expect_close(part["lr"], full["lr"], 1e-9, "resumed lr");
 }
 
+// FSDP 2 x TP 2 (sequence parallel) on four ranks, and pure TP on two without sequence
+// parallelism and with a tied head, against one process: the same losses (within 1e-4, as
+// FSDP alone above), and a checkpoint of the plain model's tensors (one consolidated file,
+// which `gpt sample` reads as any other).
+TEST_F(Gpt, TensorParallelRunsMatchOneProcess) {
+  GptRun r;
+  for (const std::string tied : {"", " --tie-weights"}) {
+    SCOPED_TRACE(tied);
+    const std::string tiny = " --max-steps 6 --data " + r.data + tied + kTiny;
+    const std::string tag = tied.empty() ? "untied" : "tied";
+    auto [rc1, out1] = run_command(kNoLauncherEnv + kGpt + " train --strategy single --out " + r.dir + "/single-" + tag + tiny);
+    ASSERT_EQ(rc1, 0) << out1;
+    auto [rc2, out2] = run_command(kNoLauncherEnv + kGpt + " train --strategy fsdp --devices 4 --tp 2 --out " + r.dir +
+                                   "/tp2x2-" + tag + tiny);
+    ASSERT_EQ(rc2, 0) << out2;
+    EXPECT_NE(out2.find("on 4 rank(s) (dp 2 x tp 2, sequence parallel)"), std::string::npos) << out2;
+    auto [rc3, out3] = run_command(kNoLauncherEnv + kGpt + " train --strategy ddp --devices 2 --tp 2 " +
+                                   "--no-sequence-parallel --out " + r.dir + "/tp2-" + tag + tiny);
+    ASSERT_EQ(rc3, 0) << out3;
+    EXPECT_NE(out3.find("(dp 1 x tp 2)"), std::string::npos) << out3;
+    auto single = read_metrics(r.dir + "/single-" + tag + "/metrics.csv");
+    ASSERT_EQ(single["train_loss"].size(), 6u);
+    for (const std::string run : {"tp2x2-", "tp2-"}) {
+      auto got = read_metrics(r.dir + "/" + run + tag + "/metrics.csv");
+      expect_close(got["train_loss"], single["train_loss"], 1e-4, run + tag + " train_loss vs single");
+      expect_close(got["val_loss"], single["val_loss"], 1e-4, run + tag + " val_loss vs single");
+    }
+    const std::string ckpt = r.dir + "/tp2x2-" + tag + "/checkpoints/last.ckpt";
+    ASSERT_TRUE(fs::is_regular_file(ckpt));
+    const auto meta = tessera::checkpoint::open_checkpoint(ckpt);
+    ASSERT_EQ(meta.entries.count("model.blocks.0.qkv.weight"), 1u);
+    EXPECT_EQ(meta.entries.at("model.blocks.0.qkv.weight").shape, (std::vector<int64_t>{96, 32}));
+    const std::string sample = " --prompt 'shard' --tokens 12 --seed 3";
+    auto [rc4, text] = run_command(kGpt + " sample --ckpt " + ckpt + sample);
+    ASSERT_EQ(rc4, 0) << text;
+    EXPECT_EQ(text.rfind("shard", 0), 0u) << text;
+  }
+}
+
 TEST_F(Gpt, ResumeFromLastCheckpointContinuesTheRun) {
   GptRun r;
   expect_resume_continues(r, "sync", "");
+}
+
+// Pure tensor parallelism (FSDP over one data-parallel rank, TP 2, sequence parallel):
+// the checkpoint is full (the plain model's tensors) and the resumed run continues exactly.
+TEST_F(Gpt, ResumeUnderTensorParallelismContinuesTheRun) {
+  GptRun r;
+  expect_resume_continues(r, "tp", " --tp 2");
+  EXPECT_TRUE(fs::is_regular_file(r.dir + "/tp-part/checkpoints/last.ckpt"));
 }
 
 // --async-ckpt: checkpoints written in the background while training goes on, Full
@@ -236,6 +283,10 @@ TEST_F(Gpt, BadFlagsNameTheFlag) {
       {"train --max-steps 10 --warmup-steps 10", "--warmup-steps"},
       {"train --sharding grad-op --strategy ddp", "--sharding"},
       {"train --state-dict both", "--state-dict"},
+      {"train --devices 2 --tp 3", "--tp"},
+      {"train --devices 2 --tp 2 --n-head 3 --d-model 30", "--n-head"},
+      {"train --devices 2 --tp 2 --seq-len 15", "--seq-len"},
+      {"train --devices 2 --tp 2 --state-dict sharded", "--state-dict sharded"},
       {"train --max-steps 2 --resume " + r.dir + "/nothing --data " + r.data + " --out " + r.dir + "/o" + kTiny,
        "nothing"},
       {"sample --ckpt " + r.dir + "/nope", "--ckpt"},
