@@ -5,7 +5,8 @@
 // node, replicate across nodes):
 //  - training matches a one-process run (strategy_parity);
 //  - a sharded checkpoint saved by both nodes (one writer per box) verifies, reads back
-//    bit for bit, and resumes across the two nodes and at other world sizes.
+//    bit for bit, and resumes across the two nodes and at other world sizes;
+//  - and a (dp 2, tp 2) mesh: tensor parallelism inside each host, FSDP across.
 // Needs root and iproute2 (`ip netns`, installed by scripts/setup.sh). Without root it
 // is skipped with the reason; as root (CI) a setup failure is a test failure, never a
 // skip, so the test cannot silently stop running.
@@ -142,6 +143,18 @@ TEST_F(ReliabilityTwoHosts, HybridShardingAcrossTwoNetworkNamespacesMatchesOnePr
   EXPECT_NE(n.text[1].find("hybrid n=4"), std::string::npos) << n.both();
   std::cout << "[twohosts] 2 namespaces x 2 ranks, hybrid sharding, 10 steps: " << steady_ms() - t0 << " ms"
             << std::endl;
+}
+
+// A (dp 2, tp 2) mesh over the two hosts: each host's two ranks form a tensor-parallel
+// group (consecutive ranks), whose collectives stay inside the host on shared memory; FSDP
+// runs across the hosts (the veth link). Ten steps of the GPT example, with sequence
+// parallelism, at parity with one process (parallel_scenarios.cpp).
+TEST_F(ReliabilityTwoHosts, TensorParallelInsideEachHostFsdpAcrossMatchesOneProcess) {
+  Nodes n = run_nodes({"tp_parity", "fsdp", "2", "sp-untied,nosp-tied", "10"});
+  for (int r : {0, 1}) EXPECT_NE(n.text[0].find("tp parity ok rank " + std::to_string(r)), std::string::npos) << n.both();
+  for (int r : {2, 3}) EXPECT_NE(n.text[1].find("tp parity ok rank " + std::to_string(r)), std::string::npos) << n.both();
+  for (int i : {0, 1})
+    EXPECT_NE(n.text[i].find("tp group shared memory: 1, dp group shared memory: 0"), std::string::npos) << n.both();
 }
 
 // HYBRID_SHARD with its default layout (one shard group per node, from the launcher's
