@@ -70,8 +70,13 @@ Run reference(const gpt::Config& c, int steps) {
   return r;
 }
 
-// `kind` "ddp" or "fsdp" over the mesh's dp dimension, tensor parallel over its tp one.
-Run on_mesh(const std::string& kind, int tp_size, bool sp, bool tied, int steps) {
+// `kind` "ddp" or "fsdp" over the mesh's dp dimension, tensor parallel over its tp one;
+// "fsdp-ckpt": with activation checkpointing (each block's forward recomputed, its TP
+// collectives with it); "ddp-accum" / "fsdp-accum": each rank's batch in two micro-batches,
+// the first under no_sync (gradient accumulation; the TP collectives still run).
+Run on_mesh(const std::string& kind_in, int tp_size, bool sp, bool tied, int steps) {
+  const std::string kind = kind_in.substr(0, kind_in.find('-'));
+  const bool ckpt = kind_in == "fsdp-ckpt", accum = kind_in.size() > 6 && kind_in.substr(kind_in.size() - 6) == "-accum";
   auto world = comm();
   const int dp_size = world->size() / tp_size;
   parallel::DeviceMesh mesh(world, {{"dp", dp_size}, {"tp", tp_size}});
@@ -83,6 +88,7 @@ Run on_mesh(const std::string& kind, int tp_size, bool sp, bool tied, int steps)
   } else {
     strategy::FsdpOptions o;
     o.auto_wrap = strategy::wrap_by_type<gpt::BlockImpl>();
+    o.activation_checkpointing = ckpt;
     strat = std::make_unique<strategy::FsdpStrategy>(mesh.comm("dp"), o);
   }
   at::manual_seed(11);
@@ -96,8 +102,23 @@ Run on_mesh(const std::string& kind, int tp_size, bool sp, bool tied, int steps)
   Run r;
   for (int s = 0; s < steps; ++s) {
     auto [x, y] = batch(s, c.seq_len);
-    at::Tensor loss = model->loss(m.forward(x.narrow(0, dp_rank * per, per)), y.narrow(0, dp_rank * per, per));
-    strat->backward(loss);
+    at::Tensor xs = x.narrow(0, dp_rank * per, per), ys = y.narrow(0, dp_rank * per, per);
+    at::Tensor loss;
+    if (accum) {  // two halves, mean of their losses: the same gradient as the whole batch
+      const int64_t half = per / 2;
+      {
+        auto guard = strat->no_sync();
+        at::Tensor l0 = model->loss(m.forward(xs.narrow(0, 0, half)), ys.narrow(0, 0, half)) * 0.5;
+        strat->backward(l0);
+        loss = l0.detach();
+      }
+      at::Tensor l1 = model->loss(m.forward(xs.narrow(0, half, per - half)), ys.narrow(0, half, per - half)) * 0.5;
+      strat->backward(l1);
+      loss = loss + l1.detach();
+    } else {
+      loss = model->loss(m.forward(xs), ys);
+      strat->backward(loss);
+    }
     // The global batch's mean loss: the mean of the data-parallel ranks' (equal batches).
     r.losses.push_back(mesh.comm("dp")->all_reduce_double(loss.item<double>()) / dp_size);
     r.norms.push_back(strat->clip_grad_norm(kClip));

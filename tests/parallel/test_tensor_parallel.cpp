@@ -143,6 +143,11 @@ TEST(TensorParallelParity, DdpTimesTensorParallelOnTwoByTwo) {
   expect_tp_parity(4, "ddp", 2, "sp-untied,nosp-tied");
 }
 TEST(TensorParallelParity, PureTensorParallelFourRanks) { expect_tp_parity(4, "fsdp,ddp", 4, "sp-tied,nosp-untied"); }
+// Activation checkpointing (FSDP) and gradient accumulation under no_sync (FSDP and DDP)
+// on the (2, 2) mesh, as without tensor parallelism.
+TEST(TensorParallelParity, CheckpointingAndAccumulationOnTwoByTwo) {
+  expect_tp_parity(4, "fsdp-ckpt,fsdp-accum,ddp-accum", 2, "sp-untied,nosp-tied");
+}
 // A vocabulary that does not divide over the group (256 over 3: 86, 86, 84 rows).
 TEST(TensorParallelParity, UnevenVocabularyOverThreeRanks) { expect_tp_parity(3, "fsdp,ddp", 3, "sp-untied,nosp-tied"); }
 
