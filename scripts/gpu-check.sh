@@ -6,7 +6,9 @@
 #      the library, the CLI, the test programs and the GPT example;
 #   2. runs the CUDA tests (ctest -R '^Cuda\.'): NCCL collectives, DDP/FSDP parity with one
 #      GPU in fp32 and bf16, GPU checkpoint -> CPU -> GPU bit for bit;
-#   3. the GPU benchmark: a 124M GPT (12 layers, d_model 768, sequence 1024, bf16 mixed)
+#   3. on 2+ GPUs, tensor parallelism: gpt --devices 2 --tp 2 (NCCL, sequence parallel)
+#      against one GPU, 10 fp32 steps, losses within 1e-3 (a failure fails the check);
+#   4. the GPU benchmark: a 124M GPT (12 layers, d_model 768, sequence 1024, bf16 mixed)
 #      trained by Tessera FSDP on one GPU and by Lightning Fabric (its single-device
 #      strategy, what Lightning picks for one GPU) in the same run: tokens/s, MFU, peak
 #      memory, and Tessera's sharded checkpoint save and load time.
@@ -41,6 +43,34 @@ tests_rc=${PIPESTATUS[0]}
 set -e
 stamp "CUDA tests exit $tests_rc"
 
+# ---- tensor parallelism on 2+ GPUs: gpt --tp 2 (NCCL, sequence parallel) against one GPU ----
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+TP_RUN=$(mktemp -d /tmp/tessera-gpu-tp-XXXXXX)
+if (( GPUS >= 2 )); then
+  TP_FLAGS=(--accelerator cuda --n-layer 2 --n-head 4 --d-model 128 --seq-len 64 --batch-size 8 --max-steps 10
+            --log-every 1 --val-every 0 --ckpt-every 0 --no-progress-bar --seed 7)
+  set +e
+  build-gpu/bin/gpt train --devices 1 --strategy single "${TP_FLAGS[@]}" --out "$TP_RUN/one" > "$TP_RUN/one.log" 2>&1
+  build-gpu/bin/gpt train --devices 2 --tp 2 --strategy fsdp "${TP_FLAGS[@]}" --out "$TP_RUN/tp2" > "$TP_RUN/tp2.log" 2>&1
+  tp_rc=$?
+  set -e
+  "$PY" - "$TP_RUN" "$tp_rc" <<'PYEOF' | tee "$TP_RUN/compare.log"
+import csv, json, sys
+run, rc = sys.argv[1], int(sys.argv[2])
+def losses(d):
+    try:
+        return {int(r["step"]): float(r["train_loss"]) for r in csv.DictReader(open(f"{run}/{d}/metrics.csv")) if r.get("train_loss")}
+    except OSError:
+        return {}
+one, tp = losses("one"), losses("tp2")
+worst = max((abs(tp[s] - one[s]) / abs(one[s]) for s in one if s in tp), default=float("inf"))
+print(json.dumps({"tp2_rc": rc, "steps": len(tp), "max_rel_loss_diff_vs_one_gpu": worst, "ok": rc == 0 and worst < 1e-3}))
+PYEOF
+  stamp "tensor parallel on 2 GPUs: $(tail -1 "$TP_RUN/compare.log")"
+  grep -q '"ok": true' "$TP_RUN/compare.log" || tests_rc=1
+else
+  stamp "tensor parallel: skipped (1 GPU)"
+fi
 # ---- benchmark: Tessera FSDP vs Lightning Fabric on one GPU, same model and batch ----
 RUN=$(mktemp -d /tmp/tessera-gpu-XXXXXX)
 MODEL=(--n-layer 12 --n-head 12 --d-model 768 --seq-len 1024)

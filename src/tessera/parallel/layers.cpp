@@ -179,14 +179,14 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     TESSERA_CHECK(l.size(0) == t.size(0), "vocab_parallel_cross_entropy: ", l.size(0), " rows of logits for ",
                   t.size(0), " targets");
     const int64_t n = l.size(0);
-    at::Tensor m = v > 0 ? std::get<0>(l.max(1)) : at::full({n}, -std::numeric_limits<float>::infinity());
+    at::Tensor m = v > 0 ? std::get<0>(l.max(1)) : at::full({n}, -std::numeric_limits<float>::infinity(), l.options());
     if (comm) comm->all_reduce(m, distributed::ReduceOp::Max);
     at::Tensor shifted = l - m.unsqueeze(1);
     at::Tensor e = shifted.exp();
     at::Tensor mine = t.ge(vocab_begin).logical_and(t.lt(vocab_begin + v));
     at::Tensor idx = (t - vocab_begin).clamp(0, std::max<int64_t>(v - 1, 0));
     at::Tensor target_logit = v > 0 ? shifted.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(mine.logical_not(), 0.0)
-                                    : at::zeros({n});
+                                    : at::zeros({n}, l.options());
     at::Tensor sums = at::stack({e.sum(1), target_logit});  // [2, N]
     if (comm) comm->all_reduce(sums);
     at::Tensor loss = (sums[0].log() - sums[1]).mean();
