@@ -162,6 +162,7 @@ esac
 echo "-- peers-tp: torch $TORCH_VERSION; Tessera from $BUILD, libtorch: $LIBTORCH" >&2
 [ $SAME = true ] || echo "-- peers-tp: NOTE: Tessera's build does not link the peer's libtorch, so the two sides run different kernels; the figures are not the issue's comparison" >&2
 
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)
 for c in $CHECKS; do
   IFS=: read -r L H D T STEPS CTP <<< "$c"
   check "$L" "$H" "$D" "$T" "$STEPS" "$CTP"
@@ -187,11 +188,12 @@ for ((round = 0; round < ROUNDS; round++)); do
   done
 done
 
+LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)
 "$PY" - "$OUT" "$ROWS" "$CHECKED" "$FAILS" "$ROUNDS" "$BATCH" "$TORCH_VERSION" "$BUILD" "$LIBTORCH" "$SAME" \
-  "$(nproc --all)" "$SIZES" "$N" "$TP" "$QKV" "$TOL" <<'EOF'
+  "$(nproc --all)" "$SIZES" "$N" "$TP" "$QKV" "$TOL" "$LOAD_START" "$LOAD_END" <<'EOF'
 import json, os, statistics, sys
 (out, rows_path, checks_path, fails_path, rounds, batch, torch_v, build, libtorch, same, cores, sizes, n, tp, qkv,
- tol) = sys.argv[1:17]
+ tol, load_start, load_end) = sys.argv[1:19]
 runs, order = {}, []
 for line in open(rows_path):
     if not line.strip():
@@ -230,6 +232,7 @@ doc = {"benchmark": os.environ.get("PEERS_TP_NAME", "peers-tp"), "rows": rows,
        "rounds": int(rounds), "sizes (L:H:D:T:steps)": sizes,
        "batch": f"{batch} sequences global (split over the dp ranks), AdamW (0.9, 0.95, wd 0.01), warmup + cosine lr 2e-3, clipping 1.0, fp32",
        "threads": f"one intra-op thread per rank; {cores} cores",
+       "load average (1, 5, 15 min) at start / end": f"{load_start} / {load_end}",
        "peak_rss_mib": "the largest rank's peak resident set (ru_maxrss); Tessera's includes its end-of-run checkpoint save (a full state dict under --tp); the peer saves nothing",
        "versions": {"torch (peer)": torch_v, "tessera build": build, "tessera libtorch": libtorch,
                     "same libtorch both sides": same == "true"},
