@@ -19,7 +19,7 @@
 #    piece. gpt's peak RSS includes its end-of-run checkpoint save (under --tp a full state
 #    dict); the peer saves nothing. One intra-op thread per rank; 4 ranks on this machine's
 #    cores may oversubscribe them.
-# Writes PEERS_TP_OUT (default bench/results/peers-tp.json).
+# Writes PEERS_TP_OUT (default: peers-tp.json in bench/results/, made by the first run).
 #
 #   bench/peers/run_tp.sh [BUILD]      (default build-torch2: the same libtorch as the peer's
 #                                       wheel; another build, e.g. Debian's libtorch 1.13
@@ -37,7 +37,7 @@
 #     PEERS_BATCH       global batch (default 16)
 #     PEERS_PY          the peer's python (default .venv-torch2/bin/python)
 #     PEERS_TP_OUT, PEERS_TP_NAME   result file and its table's name (default
-#                       bench/results/peers-tp.json, "peers-tp")
+#                       peers-tp.json in bench/results/, "peers-tp")
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -211,15 +211,17 @@ for key in order:
     both = sorted(set(a) & set(b))
     if not both:
         continue
-    tr = statistics.median(a[r][0] / b[r][0] for r in both)
-    rr = statistics.median(a[r][1] / b[r][1] for r in both)
+    tratios = [a[r][0] / b[r][0] for r in both]
+    rratios = [a[r][1] / b[r][1] for r in both]
+    tr, rr = statistics.median(tratios), statistics.median(rratios)
     L, D, T = key
     rows.append({"model": f"L{L} d{D} T{T}", "params_M": round(a[both[0]][2] / 1e6, 2), "mesh": f"dp {int(n) // int(tp)} x tp {tp}",
                  "tessera tokens/s": round(statistics.median(v[0] for v in a.values()), 1),
                  "tessera RSS MiB": round(statistics.median(v[1] for v in a.values()), 1),
                  "peer tokens/s": round(statistics.median(v[0] for v in b.values()), 1),
                  "peer RSS MiB": round(statistics.median(v[1] for v in b.values()), 1),
-                 "tokens/s ratio": round(tr, 3), "RSS ratio": round(rr, 3),
+                 "tokens/s ratio": round(tr, 3), "(min-max)": f"{min(tratios):.3g}-{max(tratios):.3g}",
+                 "RSS ratio": round(rr, 3), "(min-max) ": f"{min(rratios):.3g}-{max(rratios):.3g}",
                  "goal": "tokens/s >= 1.5x, RSS <= 0.6x",
                  "met": ("yes" if tr >= 1.5 and rr <= 0.6 else "no") if agreed else "not compared: losses disagree",
                  "rounds": len(both)})
