@@ -220,8 +220,8 @@ for key in order:
                  "tessera RSS MiB": round(statistics.median(v[1] for v in a.values()), 1),
                  "peer tokens/s": round(statistics.median(v[0] for v in b.values()), 1),
                  "peer RSS MiB": round(statistics.median(v[1] for v in b.values()), 1),
-                 "tokens/s ratio": round(tr, 3), "(min-max)": f"{min(tratios):.3g}-{max(tratios):.3g}",
-                 "RSS ratio": round(rr, 3), "(min-max) ": f"{min(rratios):.3g}-{max(rratios):.3g}",
+                 "tokens/s ratio": round(tr, 3), "tokens/s ratio min-max": f"{min(tratios):.3g}-{max(tratios):.3g}",
+                 "RSS ratio": round(rr, 3), "RSS ratio min-max": f"{min(rratios):.3g}-{max(rratios):.3g}",
                  "goal": "tokens/s >= 1.5x, RSS <= 0.6x",
                  "met": ("yes" if tr >= 1.5 and rr <= 0.6 else "no") if agreed else "not compared: losses disagree",
                  "rounds": len(both)})
