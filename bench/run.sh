@@ -52,6 +52,15 @@ if [ -x build-torch2/bin/gpt ] && [ -x .venv-torch2/bin/python ]; then
 else
   echo "== GPT vs FSDP2 / DDP / Lightning Fabric: skipped, no build-torch2 or .venv-torch2 (make build-torch2 creates both) =="
 fi
+# Tensor + sequence parallelism with FSDP (issue 46): gpt --tp 2 --strategy fsdp on 4 ranks
+# against FSDP2 + DTensor TP (torchtitan-style plan) on a CPU gloo mesh (2, 2), losses
+# checked first.
+if [ -x build-torch2/bin/gpt ] && [ -x .venv-torch2/bin/python ]; then
+  echo "== GPT TP 2 x FSDP 2 vs FSDP2 + DTensor TP (torch 2.x), L8 d512 T64, losses checked first =="
+  bash bench/peers/run_tp.sh build-torch2
+else
+  echo "== GPT TP x FSDP vs FSDP2 + DTensor TP: skipped, no build-torch2 or .venv-torch2 (make build-torch2 creates both) =="
+fi
 echo "== faults: a 2-rank GPT hit by 20 failures (SIGKILL/SIGSEGV/SIGSTOP), restarted by tessera run --max-restarts, vs uninterrupted =="
 bash bench/faults/run.sh "$BUILD"
 /usr/bin/python3 bench/report.py

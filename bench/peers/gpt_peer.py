@@ -19,6 +19,11 @@ Modes:
   fabric-ddp   lightning.fabric.Fabric(strategy="ddp")
   fabric-fsdp  lightning.fabric.Fabric(strategy=FSDPStrategy(auto_wrap_policy={Block}))
   fabric-mp    lightning.fabric.Fabric(strategy=ModelParallelStrategy(fully_shard per block))
+  fsdp2-tp     tensor parallelism (DTensor, parallelize_module with a torchtitan-style plan,
+               sequence parallelism and loss parallelism by default) over the "tp" dimension
+               of a CPU device mesh (dp, tp) = (ranks / --tp, --tp), then fully_shard on each
+               block and the root over "dp" (bench/peers/gpt_tp.py: the plan, and why the
+               fused qkv is split or striped); gpt train --tp N --strategy fsdp's peer
 One intra-op thread per rank (torch.set_num_threads(--threads), default 1; the launcher sets
 OMP_NUM_THREADS=1 when ranks share the machine). Python's default CPU allocator.
 
@@ -50,9 +55,9 @@ import torch.distributed as dist  # noqa: E402
 from gpt_data import default_data_files, rank_batches, train_windows  # noqa: E402
 from gpt_model import Block, Gpt, count_parameters, lm_loss  # noqa: E402
 
-MODES = ("fsdp2", "fsdp1", "ddp", "fabric-ddp", "fabric-fsdp", "fabric-mp")
+MODES = ("fsdp2", "fsdp1", "ddp", "fabric-ddp", "fabric-fsdp", "fabric-mp", "fsdp2-tp")
 IMPL = {"fsdp2": "fsdp2", "fsdp1": "fsdp1", "ddp": "torch-ddp", "fabric-ddp": "fabric-ddp",
-        "fabric-fsdp": "fabric-fsdp", "fabric-mp": "fabric-modelparallel"}
+        "fabric-fsdp": "fabric-fsdp", "fabric-mp": "fabric-modelparallel", "fsdp2-tp": "fsdp2-tp"}
 
 
 def parse_args(argv):
@@ -86,6 +91,19 @@ def parse_args(argv):
                         "tensors) or with fused=True (one kernel per parameter)")
     p.add_argument("--losses-out", help="rank 0 writes each step's loss (mean over the ranks), one per line")
     p.add_argument("--timing-skip", type=int, default=1, help="first steps left out of tokens/s")
+    tp = p.add_argument_group("fsdp2-tp")
+    tp.add_argument("--tp", type=int, default=1, help="tensor-parallel size (data-parallel size = ranks / N)")
+    tp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                    help="keep the whole sequence on every rank of a tensor-parallel group")
+    tp.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
+                    help="all-gather the logits and take the plain cross-entropy (default: loss_parallel, "
+                         "the logits stay sharded over the vocabulary)")
+    tp.add_argument("--qkv", choices=("split", "striped"), default="split",
+                    help="how the fused qkv is cut by heads: three ColwiseParallel q, k, v (torchtitan's) or one "
+                         "ColwiseParallel qkv with its rows reordered [q_r; k_r; v_r] (bench/peers/gpt_tp.py)")
+    tp.add_argument("--check-grads", action="store_true",
+                    help="fsdp2-tp: compare the first step's gradients (before clipping) with one process's on "
+                         "the whole global batch and print the largest relative difference (needs --init full)")
     a = p.parse_args(argv)
     if a.steps < 0:
         p.error(f"--steps must be >= 0, got {a.steps}")
@@ -97,8 +115,18 @@ def parse_args(argv):
         a.warmup_steps = min(30, a.lr_decay_steps // 10)
     if a.warmup_steps >= a.lr_decay_steps:
         p.error(f"--warmup-steps {a.warmup_steps} must be smaller than --lr-decay-steps {a.lr_decay_steps}")
-    if a.init == "meta" and (a.init_from or a.save_init):
-        p.error("--init meta cannot be combined with --init-from / --save-init (they need the whole model)")
+    if a.init == "meta" and (a.init_from or a.save_init or a.check_grads):
+        p.error("--init meta cannot be combined with --init-from / --save-init / --check-grads (they need the whole model)")
+    if a.tp < 1:
+        p.error(f"--tp must be >= 1, got {a.tp}")
+    if a.mode != "fsdp2-tp" and (a.tp != 1 or a.check_grads):
+        p.error("--tp and --check-grads are for --mode fsdp2-tp")
+    if a.mode == "fsdp2-tp" and a.save_dcp:
+        p.error("--save-dcp is not supported with --mode fsdp2-tp")
+    if a.n_head % a.tp:
+        p.error(f"--tp {a.tp} must divide --n-head {a.n_head} (each rank computes whole heads)")
+    if a.tp > 1 and a.sequence_parallel and a.seq_len % a.tp:
+        p.error(f"--seq-len {a.seq_len} must be a multiple of --tp {a.tp} under sequence parallelism")
     return a
 
 
@@ -163,12 +191,98 @@ def init_shards(model, seed, rank):
                 t.normal_(0.0, 0.02, generator=g)
 
 
+def setup_tp(a, model, world, rank):
+    """--mode fsdp2-tp: the mesh (dp, tp), TpGpt with the plain model's weights (or on the
+    meta device), parallelize_module over "tp" (skipped at --tp 1), fully_shard on each block
+    and the root over "dp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from gpt_tp import TpGpt, init_local_shards, plain_to_tp_state_dict, tp_plan
+    mesh = init_device_mesh("cpu", (world // a.tp, a.tp), mesh_dim_names=("dp", "tp"))
+    if a.tp > 1 and world > a.tp:
+        # The flattened dimension lets DTensor reduce over both dimensions in one collective
+        # (the clipping norm: one all-reduce instead of one per dimension), as torchtitan does.
+        mesh[("dp", "tp")]._flatten("dp_tp")
+    with torch.device("meta"):
+        tpm = TpGpt(a.n_layer, a.n_head, a.d_model, a.seq_len, qkv=a.qkv)
+    meta = a.init == "meta"
+    if not meta:
+        tpm.load_state_dict(plain_to_tp_state_dict(model.state_dict(), a.qkv, a.tp), strict=True, assign=True)
+    if a.tp > 1:
+        parallelize_module(tpm, mesh["tp"], tp_plan(tpm, a.sequence_parallel, a.loss_parallel))
+    for b in tpm.blocks:
+        fully_shard(b, mesh=mesh["dp"])
+    fully_shard(tpm, mesh=mesh["dp"])
+    if meta:
+        tpm.to_empty(device="cpu")
+        init_local_shards(tpm, a.seed if a.init_seed is None else a.init_seed, mesh)
+    return tpm
+
+
+def tp_step(a, net, x, y, step, reference, inputs, targets, dp_size):
+    """One fsdp2-tp forward, backward and clipping; returns the local loss (a plain tensor)."""
+    import contextlib
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    # loss_parallel: the cross-entropy of logits sharded over the vocabulary; its backward
+    # must run inside the context too.
+    ctx = loss_parallel() if a.tp > 1 and a.loss_parallel else contextlib.nullcontext()
+    with ctx:
+        loss = lm_loss(net(x), y)
+        loss.backward()
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    if step == 0 and reference is not None:
+        check_grads(a, net, reference, inputs, targets, dp_size, loss)
+    if a.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), a.grad_clip)
+    return loss
+
+
+def check_grads(a, net, reference, inputs, targets, dp_size, loss):
+    """--check-grads: the first step's gradients, gathered whole, against one process's on
+    the same global batch (every data-parallel rank's first batch) from the same weights.
+    A gradient summed instead of averaged over "dp" (pytorch#162338 on Gloo) would be off by
+    a factor dp; a sequence-parallel gradient not summed over "tp" by a factor near tp."""
+    from torch.distributed.tensor import DTensor
+    from gpt_tp import tp_to_plain_state_dict
+    xs, ys = [], []
+    for r in range(dp_size):
+        idx = next(rank_batches(len(inputs), dp_size, r, a.batch_size // dp_size, a.seed))
+        xs.append(torch.from_numpy(inputs[idx]))
+        ys.append(torch.from_numpy(targets[idx]))
+    ref_loss = lm_loss(reference(torch.cat(xs)), torch.cat(ys))
+    ref_loss.backward()
+    ref = {n: p.grad for n, p in reference.named_parameters()}
+    mine = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in net.named_parameters()}
+    mine = tp_to_plain_state_dict(mine, a.qkv, a.tp)
+    assert set(mine) == set(ref), sorted(set(mine) ^ set(ref))
+    worst, where = 0.0, ""
+    for n, g in ref.items():
+        rel = ((mine[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+        if rel > worst:
+            worst, where = rel, n
+    norm_mine = math.sqrt(sum(float(g.double().pow(2).sum()) for g in mine.values()))
+    norm_ref = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.values()))
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+    if dist.get_rank() == 0:
+        print(json.dumps({"check_grads": {"max_rel_diff": worst, "tensor": where, "grad_norm": norm_mine,
+                                          "reference_grad_norm": norm_ref, "loss": mean_loss.item(),
+                                          "reference_loss": ref_loss.item()}}), flush=True)
+
+
 def main(argv):
     a = parse_args(argv)
     rank, world = env_int("RANK"), env_int("WORLD_SIZE")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if a.batch_size % world:
-        sys.exit(f"gpt_peer: --batch-size {a.batch_size} (the global batch) must be a multiple of the {world} ranks")
+    if world % a.tp:
+        sys.exit(f"gpt_peer: --tp {a.tp} must divide the {world} ranks")
+    dp_size, dp_rank = world // a.tp, rank // a.tp  # the mesh (dp, tp), tp innermost (as gpt's)
+    if a.batch_size % dp_size:
+        sys.exit(f"gpt_peer: --batch-size {a.batch_size} (the global batch) must be a multiple of the {dp_size} "
+                 "data-parallel ranks")
     torch.set_num_threads(a.threads)
     mode = a.mode
     fabric = None
@@ -210,12 +324,14 @@ def main(argv):
 
     files = a.data or default_data_files()
     inputs, targets = train_windows(files, a.seq_len, a.val_fraction)
-    local_batch = a.batch_size // world
-    batches = rank_batches(len(inputs), world, rank, local_batch, a.seed)
+    # The ranks of one tensor-parallel group see the same batch (gpt: the sampler over the
+    # data-parallel ranks); without --tp dp_size is the world and dp_rank the rank.
+    local_batch = a.batch_size // dp_size
+    batches = rank_batches(len(inputs), dp_size, dp_rank, local_batch, a.seed)
 
     init_seed = a.seed if a.init_seed is None else a.init_seed
     torch.manual_seed(init_seed)  # gpt: at::manual_seed(seed) before building the model
-    meta = a.init == "meta" and mode in ("fsdp2", "fabric-mp")
+    meta = a.init == "meta" and mode in ("fsdp2", "fabric-mp", "fsdp2-tp")
     if meta:
         with torch.device("meta"):
             model = Gpt(a.n_layer, a.n_head, a.d_model, a.seq_len)
@@ -234,7 +350,14 @@ def main(argv):
         return torch.optim.AdamW(ps, lr=lr_at(a, 0), betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay,
                                  **fused)
 
-    if mode == "fsdp2":
+    reference = None  # --check-grads: the whole model, for one process's gradients
+    if mode == "fsdp2-tp":
+        if a.check_grads:
+            import copy
+            reference = copy.deepcopy(model)
+        net = model = setup_tp(a, model, world, rank)
+        opt = make_opt(model.parameters())
+    elif mode == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (world,))
@@ -278,12 +401,15 @@ def main(argv):
         idx = next(batches)
         x = torch.from_numpy(inputs[idx])
         y = torch.from_numpy(targets[idx])
-        loss = lm_loss(net(x), y)
-        if fabric is not None:
+        if mode == "fsdp2-tp":
+            loss = tp_step(a, net, x, y, step, reference, inputs, targets, dp_size)
+        elif fabric is not None:
+            loss = lm_loss(net(x), y)
             fabric.backward(loss)
             if a.grad_clip > 0:
                 fabric.clip_gradients(net, opt, max_norm=a.grad_clip)
         else:
+            loss = lm_loss(net(x), y)
             loss.backward()
             if a.grad_clip > 0:
                 if mode == "fsdp1":
@@ -314,6 +440,9 @@ def main(argv):
                "steps": a.steps, "timed_steps": max(timed, 0), "threads": torch.get_num_threads(),
                "init": "meta" if meta else ("file" if a.init_from else "full"),
                "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+        if mode == "fsdp2-tp":
+            out.update({"dp": dp_size, "tp": a.tp, "sequence_parallel": a.tp > 1 and a.sequence_parallel,
+                        "loss_parallel": a.tp > 1 and a.loss_parallel, "qkv": a.qkv})
         print(json.dumps(out), flush=True)
     dist.barrier()
     dist.destroy_process_group()
