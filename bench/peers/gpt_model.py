@@ -95,3 +95,18 @@ def count_parameters(n_layer, d_model, seq_len):
 def lm_loss(logits, targets):
     """gpt's lm_loss: cross-entropy of the float logits over the 256 bytes."""
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def gpt2_init_(name, t, resid_std, generator):
+    """GPT-2's initial value of the parameter `name` (or its local piece `t`), in place, as
+    examples/gpt/model.h gives it: zero biases, LayerNorm weights 1, N(0, resid_std) for the
+    residual projections (proj, fc_out), N(0, 0.02) for every other weight."""
+    leaf = name.rsplit(".", 2)
+    if name.endswith(".bias"):
+        t.zero_()
+    elif ".ln" in name or name.startswith("ln_f"):
+        t.fill_(1.0)
+    elif len(leaf) >= 2 and leaf[-2] in ("proj", "fc_out"):
+        t.normal_(0.0, resid_std, generator=generator)
+    else:
+        t.normal_(0.0, 0.02, generator=generator)

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from gpt_data import default_data_files, rank_batches, train_windows  # noqa: E402
-from gpt_model import Block, Gpt, count_parameters, lm_loss  # noqa: E402
+from gpt_model import Block, Gpt, count_parameters, gpt2_init_, lm_loss  # noqa: E402
 
 MODES = ("fsdp2", "fsdp1", "ddp", "fabric-ddp", "fabric-fsdp", "fabric-mp", "fsdp2-tp")
 IMPL = {"fsdp2": "fsdp2", "fsdp1": "fsdp1", "ddp": "torch-ddp", "fabric-ddp": "fabric-ddp",
@@ -180,15 +180,7 @@ def init_shards(model, seed, rank):
     with torch.no_grad():
         for name, p in model.named_parameters():
             t = p.to_local() if isinstance(p, DTensor) else p
-            leaf = name.rsplit(".", 2)
-            if name.endswith(".bias"):
-                t.zero_()
-            elif ".ln" in name or name.startswith("ln_f"):
-                t.fill_(1.0)
-            elif len(leaf) >= 2 and leaf[-2] in ("proj", "fc_out"):
-                t.normal_(0.0, resid_std, generator=g)
-            else:
-                t.normal_(0.0, 0.02, generator=g)
+            gpt2_init_(name, t, resid_std, g)
 
 
 def setup_tp(a, model, world, rank):

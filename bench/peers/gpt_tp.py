@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt_model import VOCAB
+from gpt_model import VOCAB, gpt2_init_
 
 QKV_LAYOUTS = ("split", "striped")
 
@@ -269,12 +269,4 @@ def init_local_shards(model, seed, mesh):
                     if isinstance(place, Shard):
                         key.append(f"{dim_name}={coord[mesh.mesh_dim_names.index(dim_name)]}")
             g = torch.Generator().manual_seed(zlib.crc32("/".join(key).encode()))
-            leaf = name.rsplit(".", 2)
-            if name.endswith(".bias"):
-                t.zero_()
-            elif ".ln" in name or name.startswith("ln_f"):
-                t.fill_(1.0)
-            elif len(leaf) >= 2 and leaf[-2] in ("proj", "fc_out"):
-                t.normal_(0.0, resid_std, generator=g)
-            else:
-                t.normal_(0.0, 0.02, generator=g)
+            gpt2_init_(name, t, resid_std, g)
