@@ -303,6 +303,9 @@ SCENARIO("exit_code") {
   // With "deaf", the other ranks ignore SIGTERM (the launcher's TERM leaves them to its KILL a
   // grace period later), and the failing rank waits for their markers as with "spawn".
   const bool deaf = args.arg(3) == "deaf";
+  // With "ready", the other ranks only leave their marker: the failing rank fails after every
+  // rank has said hello (a test that reads every rank's pid from the output needs them all).
+  const bool ready = args.arg(3) == "ready";
   // With "spawn", the failing rank waits until every other rank has left its grandchild
   // (a marker file per rank, named by this launch's unique MASTER_PORT), so that the test
   // does not depend on how fast the ranks start (ASan builds start slowly).
@@ -315,8 +318,9 @@ SCENARIO("exit_code") {
     std::cout << "deaf to TERM rank " << rank << std::endl;
     std::ofstream(marker(rank)).put('1');  // the failing rank removes it
   }
+  if (ready && rank != bad) std::ofstream(marker(rank)).put('1');  // the failing rank removes it
   if (rank == bad) {
-    if (spawn || deaf) {
+    if (spawn || deaf || ready) {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
       for (int r = 0; r < world; ++r) {
         if (r == bad) continue;

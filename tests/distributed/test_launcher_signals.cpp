@@ -123,7 +123,7 @@ TEST(LauncherSignals, RankGroupIsKilledBeforeTheRankIsReaped) {
   const std::string trace = dir + "/trace";
   auto [code, out] = tessera::testing::run_command(
       "strace -f -qq -e trace=kill,wait4,waitid -o " + trace + " " + TESSERA_CLI + " run -n 2 --grace 5 -- " +
-      TESSERA_WORKER + " exit_code 1 3 0");
+      TESSERA_WORKER + " exit_code 1 3 0 ready");
   const std::string t = tessera::testing::read_bytes(trace);
   if (code != 3 && (out.find("ptrace") != std::string::npos || out.find("PTRACE") != std::string::npos))
     GTEST_SKIP() << "strace cannot trace here: " << out;
