@@ -307,8 +307,6 @@ int run_train(TrainArgs a) {
     check(a.seq_len % a.tp == 0, "--seq-len " + std::to_string(a.seq_len) + " must be a multiple of --tp " +
                                      std::to_string(a.tp) + " under sequence parallelism (or --no-sequence-parallel)");
   if (a.tp > 1) {
-    check(a.state_dict != "sharded", "--state-dict sharded is not supported with --tp yet (checkpoints of a "
-                                     "tensor-parallel run are full: the plain model's tensors)");
     check(a.sharding != "hybrid", "--sharding hybrid is not supported with --tp yet (a 3-D mesh)");
   }
   const int dp = world / a.tp;  // the ranks that see different batches
@@ -351,8 +349,7 @@ int run_train(TrainArgs a) {
   // --state-dict left out: the strategy's default (sharded for fsdp, full for the others).
   o.fabric.tensor_parallel_size = a.tp;
   o.fabric.sequence_parallel = a.sequence_parallel;
-  o.fabric.state_dict_type = a.tp > 1                     ? strategy::StateDictType::Full
-                             : a.state_dict.empty()         ? strategy::default_state_dict_type(kind)
+  o.fabric.state_dict_type = a.state_dict.empty()         ? strategy::default_state_dict_type(kind)
                              : a.state_dict == "sharded" ? strategy::StateDictType::Sharded
                                                          : strategy::StateDictType::Full;
   o.max_steps = a.max_steps;

@@ -286,7 +286,7 @@ TEST_F(Gpt, BadFlagsNameTheFlag) {
       {"train --devices 2 --tp 3", "--tp"},
       {"train --devices 2 --tp 2 --n-head 3 --d-model 30", "--n-head"},
       {"train --devices 2 --tp 2 --seq-len 15", "--seq-len"},
-      {"train --devices 2 --tp 2 --state-dict sharded", "--state-dict sharded"},
+      {"train --devices 2 --tp 2 --sharding hybrid", "--sharding hybrid"},
       {"train --max-steps 2 --resume " + r.dir + "/nothing --data " + r.data + " --out " + r.dir + "/o" + kTiny,
        "nothing"},
       {"sample --ckpt " + r.dir + "/nope", "--ckpt"},

@@ -2,12 +2,15 @@
 // row-aligned cut as flat_rows gives it equals the unit-wide cut FSDP computes, and
 // overlapping() finds exactly the pieces a brute-force scan finds, in O(log P) steps; a
 // list of 100,000 pieces is checked for overlaps by a sweep, not every pair.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <random>
+#include <set>
 
 #include "tessera/core/error.h"
+#include "tessera/sharding/chunk.h"
 #include "tessera/sharding/layout.h"
 
 using namespace tessera::sharding;
@@ -269,4 +272,131 @@ TEST(Layout, ListErrorsComeInTheOrderOfThePieces) {
   L.list = {{0, Box{{0}, {4}}}, {0, Box{{4}, {0}}}, {0, Box{{4}, {4}}}};
   EXPECT_EQ(validate_error(L, shape, 1, "key 'v'"),
             "key 'v': layout.pieces[1] [4:4] is empty (a list layout names only the pieces its data files store)");
+}
+
+// The tp rule (format version 3): for random shapes, cut dimensions, stripes, tensor-parallel
+// sizes (uneven ones included) and inner rules (whole, chunk along either dimension, FSDP's
+// flat cut with each TP piece's own unit), the pieces tile the shape; the stripe pieces of
+// holder (p, t), concatenated along the cut dimension in stripe order, are exactly inner piece
+// p of TP piece t (the t-th range of every stripe, TpCut's rule); overlapping() is the brute
+// force's answer and pieces_in_file inverts file_of.
+TEST(Layout, TpRuleComposesTheTensorParallelCutWithAnInnerCut) {
+  std::mt19937_64 rng(47);
+  auto pick = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1)); };
+  for (int trial = 0; trial < 600; ++trial) {
+    const int64_t dim = pick(0, 1), stripes = pick(1, 3), T = pick(1, 4), P = pick(1, 5);
+    std::vector<int64_t> shape{pick(0, 7), pick(1, 5)};
+    shape[static_cast<size_t>(dim)] = stripes * pick(0, 6);
+    Layout inner;
+    std::vector<int64_t> numel, offset;
+    switch (trial % 4) {
+      case 0: inner = Layout::whole(0); break;
+      case 1: inner = Layout::chunk(pick(0, 1), P); break;
+      default: {
+        inner = Layout::flat(0, 0, P);
+        Layout probe = Layout::tensor_parallel(dim, stripes, T, Layout::whole(0));
+        for (int64_t t = 0; t < T; ++t) {
+          const auto ls = probe.tp_local_shape(shape, t);
+          const int64_t before = pick(0, 30);
+          offset.push_back(before);
+          numel.push_back(before + ls[0] * ls[1] + pick(0, 30));
+        }
+      }
+    }
+    const int64_t holders = T * (inner.rule == Layout::Rule::Whole ? 1 : P);
+    const int64_t R = pick(1, 2), step = pick(1, 2);
+    const FileMap fm{pick(0, 2), step, R, R > 1 ? holders * step + pick(0, 2) : 0, pick(0, 5)};
+    const int64_t world = fm.first + (holders - 1) * step + (R - 1) * fm.replica_step + 1 + pick(0, 2);
+    const Layout L = Layout::tensor_parallel(dim, stripes, T, inner, fm, numel, offset);
+    ASSERT_NO_THROW(L.validate(shape, world, "tp")) << "trial " << trial;
+    ASSERT_EQ(L.count(), holders * stripes);
+    const int64_t n = shape[0] * shape[1];
+    at::Tensor g = at::arange(n, at::kLong).view(shape), seen = at::zeros({n}, at::kLong);
+    for (int64_t i = 0; i < L.count(); ++i) {
+      const Box b = L.box(shape, i);
+      if (!b.empty()) seen.index_add_(0, narrow_to(g, full_box(shape), b).reshape(-1), at::ones({b.numel()}, at::kLong));
+    }
+    ASSERT_TRUE(seen.eq(1).all().item<bool>()) << "trial " << trial << ": the pieces do not tile " << shape[0] << "x" << shape[1];
+    for (int64_t q = 0; q < holders; ++q) {
+      const int64_t t = q % T, p = q / T;
+      std::vector<at::Tensor> ranges, parts;
+      const int64_t per = shape[static_cast<size_t>(dim)] / stripes;
+      for (int64_t s = 0; s < stripes; ++s) {
+        const Range r = chunk_range(per, static_cast<int>(T), static_cast<int>(t));
+        ranges.push_back(g.narrow(dim, s * per + r.begin, r.size));
+        parts.push_back(narrow_to(g, full_box(shape), L.box(shape, q * stripes + s)));
+      }
+      const at::Tensor local = at::cat(ranges, dim);
+      const Layout in = L.tp_inner(t);
+      const at::Tensor want = narrow_to(local, full_box(local.sizes().vec()), in.box(local.sizes().vec(), p));
+      const at::Tensor got = at::cat(parts, dim);
+      ASSERT_TRUE(got.sizes() == want.sizes() && got.equal(want)) << "trial " << trial << " holder " << q;
+    }
+    for (int k = 0; k < 6; ++k) {
+      Box region = full_box(shape);
+      for (size_t d = 0; d < 2; ++d) {
+        const int64_t a = shape[d] == 0 ? 0 : pick(0, shape[d] - 1);
+        region.offsets[d] = a;
+        region.sizes[d] = shape[d] == 0 ? 0 : pick(0, shape[d] - a);
+      }
+      ASSERT_EQ(L.overlapping(shape, region), brute_overlap(L, shape, region)) << "trial " << trial;
+    }
+    for (int64_t f = -1; f <= world; ++f) {
+      std::vector<int64_t> want;
+      for (int64_t i = 0; i < L.count(); ++i)
+        if (L.file_of(i) == f) want.push_back(i);
+      ASSERT_EQ(L.pieces_in_file(f), want) << "trial " << trial << " file " << f;
+    }
+  }
+}
+
+TEST(Layout, TpRuleValidationNamesTheField) {
+  const std::vector<int64_t> shape{12, 4};
+  const Layout flat = Layout::flat(100, 0, 2);
+  EXPECT_NE(validate_error(Layout::tensor_parallel(0, 5, 2, flat), shape, 4, "key 'w'").find("layout.stripes 5 does not divide dimension 0"),
+            std::string::npos);
+  EXPECT_NE(validate_error(Layout::tensor_parallel(0, 65, 2, flat), {65 * 2, 4}, 4, "key 'w'").find("layout.stripes 65 is outside [1, 64]"),
+            std::string::npos);
+  EXPECT_NE(validate_error(Layout::tensor_parallel(2, 1, 2, flat), shape, 4, "key 'w'").find("layout.dim 2 is outside [0, 1]"),
+            std::string::npos);
+  EXPECT_NE(validate_error(Layout::tensor_parallel(0, 3, 4, flat), shape, 4, "key 'w'").find("exceed world_size 4"),
+            std::string::npos);
+  // TP piece 0 of 12 rows over 2 is 6 x 4 = 24 elements: offset 90 leaves only 10.
+  EXPECT_NE(validate_error(Layout::tensor_parallel(0, 1, 2, Layout::flat(100, 90, 2)), shape, 4, "key 'w'")
+                .find("layout.inner.offset 90 + the 24 elements of tensor-parallel piece 0 exceed layout.inner.numel 100"),
+            std::string::npos);
+  EXPECT_NE(validate_error(Layout::tensor_parallel(0, 1, 2, flat, FileMap{1, 1}), shape, 4, "key 'w'")
+                .find("layout.files reach data file 4, outside [0, 3]"),
+            std::string::npos);
+  EXPECT_EQ(validate_error(Layout::tensor_parallel(0, 3, 2, flat), shape, 4, "key 'w'"), "");
+}
+
+// Interleaved replica groups (the data-parallel groups of a (dp, tp) mesh: step tp,
+// replica_step 1, one group per tp rank): every piece of every group in its own file, and
+// pieces_in_file inverts file_of.
+TEST(Layout, InterleavedReplicaGroupsShareNoFileAndInvert) {
+  std::mt19937 rng(48);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int round = 0; round < 300; ++round) {
+    const int64_t step = pick(2, 6), R = pick(2, step), G = pick(1, (step - 1) / (R - 1)), P = pick(1, 6);
+    const FileMap fm{pick(0, 2), step, R, G, pick(0, 9)};
+    ASSERT_TRUE(fm.interleaved());
+    const int64_t world = fm.first + (P - 1) * step + (R - 1) * G + 1 + pick(0, 2);
+    for (const Layout& L : {Layout::chunk(0, P, fm), Layout::flat(100, 0, P, fm)}) {
+      ASSERT_NO_THROW(L.validate({10, 10}, world, "layout")) << round;
+      std::set<int64_t> files;
+      for (int64_t i = 0; i < P; ++i)
+        for (int64_t g = 0; g < R; ++g) ASSERT_TRUE(files.insert(fm.first + i * step + g * G).second) << round;
+      for (int64_t f = -1; f <= world; ++f) {
+        std::vector<int64_t> want;
+        for (int64_t i = 0; i < L.count(); ++i)
+          if (L.file_of(i) == f) want.push_back(i);
+        ASSERT_EQ(L.pieces_in_file(f), want) << "round " << round << " file " << f;
+      }
+    }
+  }
+  // Groups that collide (replica_step 2 over a step of 3 with 3 groups) are refused.
+  EXPECT_NE(validate_error(Layout::chunk(0, 2, FileMap{0, 3, 3, 2, 0}), {10, 10}, 8, "key 'w'")
+                .find("(two pieces would share a file)"),
+            std::string::npos);
 }

@@ -11,16 +11,22 @@ GroupPlacement group_placement(const std::vector<int64_t>& saving_ranks, int64_t
   const int64_t S = static_cast<int64_t>(saving_ranks.size());
   bool block = S >= 1 && world % S == 0 && saving_ranks[0] % S == 0;
   for (int64_t p = 0; block && p < S; ++p) block = saving_ranks[static_cast<size_t>(p)] == saving_ranks[0] + p;
-  if (!block) {
+  if (block) return {S, saving_ranks[0] / S, world / S, false};
+  // Strided: rank q at base + q·(world / S), base below the stride.
+  const int64_t stride = S >= 1 && world % S == 0 ? world / S : 0;
+  bool strided = stride > 1 && saving_ranks[0] < stride;
+  for (int64_t p = 0; strided && p < S; ++p)
+    strided = saving_ranks[static_cast<size_t>(p)] == saving_ranks[0] + p * stride;
+  if (!strided) {
     std::string ranks;
     for (int64_t p = 0; p < S && p < 8; ++p) ranks += concat(p ? ", " : "", saving_ranks[static_cast<size_t>(p)]);
     if (S > 8) ranks += ", ...";
     throw Error(concat("cannot save key '", fqn, "' sharded: it lives on ranks [", ranks, "] of the ", world,
                        " saving ranks, which are not one of ", S > 0 ? world / S : 0,
-                       " aligned blocks of consecutive ranks (the layouts a sharded checkpoint can ",
-                       "record); save it with SaveMode::Full"));
+                       " aligned blocks of consecutive ranks, nor one of that many strided groups (the ",
+                       "layouts a sharded checkpoint can record); save it with SaveMode::Full"));
   }
-  return {S, saving_ranks[0] / S, world / S};
+  return {S, saving_ranks[0], stride, true};
 }
 
 namespace {
@@ -60,15 +66,21 @@ SavedLayout plan_saved_layout(const std::string& fqn, const std::vector<int64_t>
     L.files = sharding::FileMap{};
     if (R > 1) {
       L.files.replicas = R;
-      L.files.replica_step = S;
+      if (group.interleaved) {  // the groups' ranks interleave: holder q of group g is g + q·R
+        L.files.step = R;
+        L.files.replica_step = 1;
+      } else {
+        L.files.replica_step = S;
+      }
       L.files.shift = hybrid_shift(key_index, group);
     }
     L.validate(shape, world, concat("key '", fqn, "'"));
-    // The piece stored in this rank's file: the one at its place in its block, if its
-    // group stores it.
-    const int64_t i = rank % S, g = rank / S;
-    if (i < L.pieces && L.files.file(i) == rank && (R == 1 || g < R)) {
-      if (!L.box(shape, i).empty()) out.mine.push_back(i);
+    // The pieces stored in this rank's file: its holder's (a Tp layout's holder holds one
+    // per stripe), if its group stores them.
+    const int64_t q = group.index_of(rank), per = L.pieces_per_holder();
+    if (q < L.holders() && L.files.file(q) == rank) {
+      for (int64_t i = q * per; i < (q + 1) * per; ++i)
+        if (!L.box(shape, i).empty()) out.mine.push_back(i);
     }
     out.layout = std::move(L);
     return out;
@@ -81,8 +93,8 @@ SavedLayout plan_saved_layout(const std::string& fqn, const std::vector<int64_t>
     // A list names only stored pieces: an empty shard is in no data file.
     if (shards[i].box.empty()) continue;
     const int64_t g = R > 1 ? (static_cast<int64_t>(i) + hybrid_shift(key_index, group)) % R : group.group;
-    if (g * S + p == rank) out.mine.push_back(static_cast<int64_t>(L.list.size()));
-    L.list.push_back({g * S + p, shards[i].box});
+    if (group.saving_rank(g, p) == rank) out.mine.push_back(static_cast<int64_t>(L.list.size()));
+    L.list.push_back({group.saving_rank(g, p), shards[i].box});
   }
   L.validate(shape, world, concat("key '", fqn, "'"));
   out.layout = std::move(L);

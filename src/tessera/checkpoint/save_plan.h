@@ -17,12 +17,21 @@ namespace tessera::checkpoint {
 
 // Where the ranks of a tensor's communicator sit among the saving ranks: group `group`
 // of `replicas` blocks of `size` consecutive saving ranks (one block, replicas 1, when the
-// tensor lives on the saving communicator itself; HYBRID_SHARD's shard groups otherwise).
+// tensor lives on the saving communicator itself; HYBRID_SHARD's shard groups otherwise),
+// or, `interleaved`, group `group` of `replicas` strided groups whose rank q is saving rank
+// group + q·replicas (the data-parallel groups of a (dp, tp) mesh: one per tp rank, each
+// holding the replicated parameters). The groups hold the same tensor: one of them stores
+// each piece.
 struct GroupPlacement {
   int64_t size = 1, group = 0, replicas = 1;
+  bool interleaved = false;
+  // The saving rank of rank q of group g, and the reverse.
+  int64_t saving_rank(int64_t g, int64_t q) const { return interleaved ? g + q * replicas : g * size + q; }
+  int64_t group_of(int64_t rank) const { return interleaved ? rank % replicas : rank / size; }
+  int64_t index_of(int64_t rank) const { return interleaved ? rank / replicas : rank % size; }
 };
 // From the saving rank of each rank of the tensor's communicator (in its rank order).
-// Throws tessera::Error naming `fqn` when they are not such a block.
+// Throws tessera::Error naming `fqn` when they are neither kind of group.
 GroupPlacement group_placement(const std::vector<int64_t>& saving_ranks, int64_t world, const std::string& fqn);
 
 // Replica groups (HYBRID_SHARD): which group stores piece i of the entry at `key_index` is
@@ -40,8 +49,8 @@ struct SavedLayout {
   std::vector<int64_t> mine;  // the non-empty pieces saving rank `rank` stores
 };
 // The layout recorded for a sharded tensor of `shape` whose shards (in the tensor's
-// communicator's ranks) are `shards`, following `hint` when given (shard i = piece i on
-// rank i, as ShardedTensor::from_parts checks); else torch.chunk's rule when the shards
+// communicator's ranks) are `shards`, following `hint` when given (holder q = rank q
+// holds its pieces, as ShardedTensor::from_parts and from_rule check); else torch.chunk's rule when the shards
 // follow it, else an explicit list. With several replica groups, group
 // (i + hybrid_shift(key_index)) mod replicas stores piece i. O(1) with a hint and a
 // step-1 map, O(shards) otherwise.

@@ -105,15 +105,16 @@ std::pair<StateDict, checkpoint::SaveOptions> Fabric::checkpoint_of(const Fabric
   const StateParts parts = parts_of(st, "save");
   // The sharded form (it aliases the live tensors): a consolidated save gathers each
   // sharded tensor to rank 0 slice by slice as it writes (checkpoint::save), where the
-  // strategy's Full state would gather every tensor on every rank first. A tensor-parallel
-  // model has no sharded form yet: its Full state (the plain model's global tensors).
-  const auto live_type = opts_.tensor_parallel_size() > 1 ? strategy::StateDictType::Full
-                                                          : strategy::StateDictType::Sharded;
+  // strategy's Full state would gather every tensor on every rank first. A consolidated
+  // save of a tensor-parallel model takes its Full state (the plain model's global
+  // tensors); its sharded save the 2-D form (docs/tensor-parallel.md).
+  const bool sharded = opts_.state_dict_type == strategy::StateDictType::Sharded;
+  const auto live_type = opts_.tensor_parallel_size() > 1 && !sharded ? strategy::StateDictType::Full
+                                                                      : strategy::StateDictType::Sharded;
   const strategy::StrategyState live = strategy_state_of(parts, live_type, "save");
   StateDict out = nest(st, parts.optimizers, live, /*copy=*/false);
   checkpoint::SaveOptions so;
-  so.mode = opts_.state_dict_type == strategy::StateDictType::Sharded ? checkpoint::SaveMode::Sharded
-                                                                      : checkpoint::SaveMode::Full;
+  so.mode = sharded ? checkpoint::SaveMode::Sharded : checkpoint::SaveMode::Full;
   return {std::move(out), so};
 }
 

@@ -128,6 +128,7 @@ void Fabric::launch() {
   const int tp = opts_.tensor_parallel_size();
   mesh_ = std::make_unique<parallel::DeviceMesh>(comm_, std::vector<parallel::MeshDim>{
                                                             {"dp", world_.world_size / tp}, {"tp", tp}});
+  so.mesh_world = comm_;  // the mesh is dp-major over it: a 2-D sharded state spans it
   strategy_ = strategy::make_strategy(opts_.strategy_kind, mesh_->comm("dp"), dev, so);
 }
 

@@ -141,13 +141,8 @@ ResolvedOptions resolve(const FabricOptions& o, int cuda_devices) {
                   "FabricOptions.fsdp.sharding HybridShard with tensor_parallel_size=", tp,
                   ": a (replicate, shard, tp) mesh is not supported yet; use FullShard or ShardGradOp over the ",
                   world / tp, " data-parallel ranks");
-    TESSERA_CHECK(o.state_dict_type != strategy::StateDictType::Sharded,
-                  "FabricOptions.state_dict_type sharded with tensor_parallel_size=", tp,
-                  ": sharded checkpoints of a tensor-parallel model are not supported yet; use full (the ",
-                  "default with tensor parallelism: one consolidated file of the plain model's tensors)");
   }
-  r.state_dict_type = tp > 1 ? strategy::StateDictType::Full
-                             : o.state_dict_type.value_or(strategy::default_state_dict_type(r.strategy_kind));
+  r.state_dict_type = o.state_dict_type.value_or(strategy::default_state_dict_type(r.strategy_kind));
   return r;
 }
 

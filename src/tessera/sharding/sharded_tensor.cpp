@@ -219,29 +219,42 @@ ShardedTensor ShardedTensor::from_parts(std::vector<Shard> local, std::vector<Sh
 
 ShardedTensor ShardedTensor::from_rule(Shard local, Layout layout, const std::vector<int64_t>& shape,
                                         at::ScalarType dtype, std::shared_ptr<distributed::Communicator> comm) {
+  std::vector<Shard> one;
+  one.push_back(std::move(local));
+  return from_rule(std::move(one), std::move(layout), shape, dtype, std::move(comm));
+}
+
+ShardedTensor ShardedTensor::from_rule(std::vector<Shard> local, Layout layout, const std::vector<int64_t>& shape,
+                                        at::ScalarType dtype, std::shared_ptr<distributed::Communicator> comm) {
   TESSERA_CHECK(comm != nullptr, "ShardedTensor needs a communicator");
-  TESSERA_CHECK(layout.rule == Layout::Rule::Chunk || layout.rule == Layout::Rule::Flat, "ShardedTensor::from_rule: a ",
-                layout.rule_name(), " layout is not a rule of one piece per rank");
-  TESSERA_CHECK(layout.count() == comm->size(), "ShardedTensor::from_rule: a ", layout.rule_name(), " layout of ",
-                layout.count(), " pieces for a communicator of ", comm->size(), " ranks");
+  TESSERA_CHECK(layout.rule == Layout::Rule::Chunk || layout.rule == Layout::Rule::Flat || layout.rule == Layout::Rule::Tp,
+                "ShardedTensor::from_rule: a ", layout.rule_name(), " layout is not a rule of pieces per rank");
+  TESSERA_CHECK(layout.holders() == comm->size(), "ShardedTensor::from_rule: a ", layout.rule_name(), " layout of ",
+                layout.holders(), " holders for a communicator of ", comm->size(), " ranks");
   layout.validate(shape, comm->size(), "ShardedTensor::from_rule");
   const int me = comm->rank();
-  const Box mine = layout.box(shape, me);
-  TESSERA_CHECK(local.meta.box == mine && local.meta.placement.rank == me, "ShardedTensor::from_rule: rank ", me,
-                " passes shard ", local.meta.box.to_string(), " on rank ", local.meta.placement.rank, ", not its piece ",
-                mine.to_string(), " of the ", layout.rule_name(), " layout");
-  TESSERA_CHECK(local.tensor.defined() && local.tensor.sizes().vec() == mine.sizes && local.tensor.scalar_type() == dtype,
-                "ShardedTensor::from_rule: rank ", me, " shard ", mine.to_string(), " holds ",
-                local.tensor.defined() ? concat(core::shape_string(local.tensor.sizes().vec()), " ", local.tensor.scalar_type())
-                                       : std::string("no tensor"),
-                ", expected its box's shape and dtype ", dtype);
+  const int64_t per = layout.pieces_per_holder();
+  TESSERA_CHECK(static_cast<int64_t>(local.size()) == per, "ShardedTensor::from_rule: rank ", me, " passes ",
+                local.size(), " shards for the ", per, " pieces of the ", layout.rule_name(), " layout it holds");
+  for (int64_t s = 0; s < per; ++s) {
+    const Shard& sh = local[static_cast<size_t>(s)];
+    const Box mine = layout.box(shape, me * per + s);
+    TESSERA_CHECK(sh.meta.box == mine && sh.meta.placement.rank == me, "ShardedTensor::from_rule: rank ", me,
+                  " passes shard ", sh.meta.box.to_string(), " on rank ", sh.meta.placement.rank, ", not its piece ",
+                  mine.to_string(), " of the ", layout.rule_name(), " layout");
+    TESSERA_CHECK(sh.tensor.defined() && sh.tensor.sizes().vec() == mine.sizes && sh.tensor.scalar_type() == dtype,
+                  "ShardedTensor::from_rule: rank ", me, " shard ", mine.to_string(), " holds ",
+                  sh.tensor.defined() ? concat(core::shape_string(sh.tensor.sizes().vec()), " ", sh.tensor.scalar_type())
+                                      : std::string("no tensor"),
+                  ", expected its box's shape and dtype ", dtype);
+  }
   ShardedTensor st;
   st.shape_ = shape;
   st.dtype_ = dtype;
   st.all_ = std::make_shared<ShardList>();
   st.all_->rule = layout;
-  st.all_->device = local.meta.placement.device;
-  st.local_.push_back(std::move(local));
+  st.all_->device = local.front().meta.placement.device;
+  st.local_ = std::move(local);
   st.comm_ = std::move(comm);
   st.layout_ = std::move(layout);
   return st;
@@ -349,7 +362,8 @@ const std::vector<ShardMetadata>& ShardedTensor::shards_metadata() const {
     const int64_t n = a.rule->count();
     a.list.reserve(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i)
-      a.list.push_back(ShardMetadata{a.rule->box(shape_, i), Placement{static_cast<int>(i), a.device}});
+      a.list.push_back(ShardMetadata{a.rule->box(shape_, i),
+                                     Placement{static_cast<int>(i / a.rule->pieces_per_holder()), a.device}});
     a.listed = true;
   });
   return a.list;

@@ -61,6 +61,11 @@ class ShardedTensor {
   // save), not by the training step or a sharded save.
   static ShardedTensor from_rule(Shard local, Layout layout, const std::vector<int64_t>& shape, at::ScalarType dtype,
                                  std::shared_ptr<distributed::Communicator> comm);
+  // The same for a rule whose holders hold several pieces (a Tp layout: holder q, rank q
+  // of `comm`, holds pieces [q·stripes, (q+1)·stripes)); `local` are this rank's, in order,
+  // empty ones included.
+  static ShardedTensor from_rule(std::vector<Shard> local, Layout layout, const std::vector<int64_t>& shape,
+                                 at::ScalarType dtype, std::shared_ptr<distributed::Communicator> comm);
   // Collective: `full` (significant on `src` only) is split by `spec` and each
   // rank receives its pieces.
   static ShardedTensor scatter(const at::Tensor& full, const ShardingSpec& spec, int src,

@@ -47,14 +47,20 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, std::shared_ptr
 
 std::unique_ptr<Strategy> make_strategy(StrategyKind kind, std::shared_ptr<distributed::Communicator> comm,
                                         c10::Device device, const StrategyOptions& options) {
+  std::unique_ptr<Strategy> s;
   switch (kind) {
-    case StrategyKind::Single: return std::make_unique<SingleDeviceStrategy>(device);
-    case StrategyKind::Ddp: return std::make_unique<DdpStrategy>(std::move(comm), options.ddp, device);
+    case StrategyKind::Single: s = std::make_unique<SingleDeviceStrategy>(device); break;
+    case StrategyKind::Ddp: s = std::make_unique<DdpStrategy>(std::move(comm), options.ddp, device); break;
     case StrategyKind::Fsdp: {
       FsdpOptions fo = options.fsdp;
       if (fo.device.is_cuda() && !fo.device.has_index()) fo.device = device;
-      return std::make_unique<FsdpStrategy>(std::move(comm), fo);
+      s = std::make_unique<FsdpStrategy>(std::move(comm), fo);
+      break;
     }
+  }
+  if (s) {
+    s->set_mesh_world(options.mesh_world);
+    return s;
   }
   throw Error(concat("make_strategy: unknown StrategyKind ", static_cast<int>(kind)));
 }

@@ -20,6 +20,9 @@ namespace tessera::strategy {
 struct StrategyOptions {
   DdpOptions ddp;
   FsdpOptions fsdp;
+  // Tensor parallelism: the (dp, tp) mesh's world communicator, when `comm` is its dp group
+  // (Strategy::set_mesh_world).
+  std::shared_ptr<distributed::Communicator> mesh_world;
 };
 
 // The strategies make_strategy builds: SingleDeviceStrategy, DdpStrategy, FsdpStrategy.

@@ -248,7 +248,8 @@ void FsdpStrategy::optimizer_step(torch::optim::Optimizer& opt) {
 }
 
 StateDictType FsdpStrategy::default_state_dict_type() const {
-  return module_ && tp_view().any() ? StateDictType::Full : kDefaultStateDictType;
+  // A tensor-parallel model with an uneven cut has no sharded form under FSDP (tp_state.h).
+  return module_ && shard_comm_->size() > 1 && tp_view().any_uneven() ? StateDictType::Full : kDefaultStateDictType;
 }
 
 double FsdpStrategy::clip_grad_norm(double max_norm, double norm_type) {

@@ -132,14 +132,6 @@ void make_full(state::StateDict& sd) {
 }
 }  // namespace
 
-void Strategy::refuse_sharded_tp(StateDictType type) const {
-  const detail::TpView& tp = tp_view();
-  TESSERA_CHECK(type != StateDictType::Sharded || !tp.any(), name(),
-                ": a sharded state dict of a tensor-parallel model is not supported yet ('", tp.params().front().fqn,
-                "' is cut: ", tp.params().front().cut.describe(), "); use StateDictType::Full, which holds the ",
-                "global tensors under the plain model's names");
-}
-
 void Strategy::check_optimizer_index(size_t index, const char* what) const {
   TESSERA_CHECK(index < optimizers_.size(), name(), ": ", what, ": no optimizer ", index, " (the strategy has ",
                 optimizers_.size(), ")");
@@ -148,10 +140,12 @@ void Strategy::check_optimizer_index(size_t index, const char* what) const {
 state::StateDict Strategy::module_state(StateDictType type) {
   TESSERA_CHECK(module_, name(), ": module_state before setup()");
   prepare_state();
-  refuse_sharded_tp(type);
   state::StateDict sd = state::state_dict(*module_);
   if (type == StateDictType::Full) make_full(sd);
-  if (tp_view().any()) tp_view().to_global(sd);
+  if (tp_view().any()) {
+    if (type == StateDictType::Full) tp_view().to_global(sd);
+    else tp_view().to_sharded(sd, mesh_world_, comm_);
+  }
   return sd;
 }
 
@@ -159,10 +153,12 @@ state::StateDict Strategy::optimizer_state(size_t index, StateDictType type) {
   TESSERA_CHECK(module_, name(), ": optimizer_state before setup()");
   check_optimizer_index(index, "optimizer_state");
   prepare_state();
-  refuse_sharded_tp(type);
   state::StateDict sd = state::optimizer_state_dict(*optimizers_[index], *module_);
   if (type == StateDictType::Full) make_full(sd);
-  if (tp_view().any()) tp_view().optimizer_to_global(sd);
+  if (tp_view().any()) {
+    if (type == StateDictType::Full) tp_view().optimizer_to_global(sd);
+    else tp_view().optimizer_to_sharded(sd, mesh_world_, comm_);
+  }
   return sd;
 }
 
@@ -185,7 +181,7 @@ std::vector<std::string> Strategy::load_module_state(const state::StateDict& sd,
   state::LoadOptions lo;
   lo.strict = strict;
   lo.allow_reshard = true;
-  if (tp_view().any()) return state::load_state_dict(*module_, tp_view().to_local(sd), lo).unexpected;
+  if (tp_view().any()) return state::load_state_dict(*module_, tp_view().to_local(sd, comm_), lo).unexpected;
   return state::load_state_dict(*module_, sd, lo).unexpected;
 }
 
@@ -194,7 +190,7 @@ void Strategy::load_optimizer_state(size_t index, const state::StateDict& sd) {
   check_optimizer_index(index, "load_optimizer_state");
   prepare_state();
   if (tp_view().any())
-    state::load_optimizer_state_dict(*optimizers_[index], *module_, tp_view().optimizer_to_local(sd));
+    state::load_optimizer_state_dict(*optimizers_[index], *module_, tp_view().optimizer_to_local(sd, comm_));
   else
     state::load_optimizer_state_dict(*optimizers_[index], *module_, sd);
 }

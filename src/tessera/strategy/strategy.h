@@ -149,21 +149,25 @@ class Strategy {
   // A model built of tensor-parallel modules over a group of more than one rank is found
   // at setup; the strategy's communicator is then its data-parallel group (the mesh's
   // other dimensions). Its full state dicts hold the global tensors under the plain
-  // model's names, loads keep each rank's piece, and clip_grad_norm counts every element
-  // of the global model once. Sharded state dicts of such a model are refused for now.
+  // model's names, its sharded ones each cut parameter as a ShardedTensor of the global
+  // shape with a 2-D (tp) layout (docs/tensor-parallel.md), loads keep each rank's piece,
+  // and clip_grad_norm counts every element of the global model once.
   // The group the model is cut over (null when it is not), valid after setup.
   std::shared_ptr<distributed::Communicator> tensor_parallel_comm() const;
+  // The communicator over every rank of the (dp, tp) mesh whose dp group this strategy
+  // runs on, dp-major (world rank = dp rank x tp + tp rank): the sharded state dicts of an
+  // FSDP-cut tensor-parallel model span it. Fabric sets it (StrategyOptions::mesh_world).
+  void set_mesh_world(std::shared_ptr<distributed::Communicator> world) { mesh_world_ = std::move(world); }
 
  protected:
   void check_optimizer_index(size_t index, const char* what) const;
-  // Throws for a sharded state dict of a tensor-parallel model (not supported yet).
-  void refuse_sharded_tp(StateDictType type) const;
   // Brings parameters into their at-rest layout before state dicts (FSDP: reshard).
   virtual void prepare_state() {}
   void set_module(const std::shared_ptr<torch::nn::Module>& m);
   // The tensor-parallel side of the module (internal: strategy/tp_state.h); after setup.
   const detail::TpView& tp_view() const;
   std::shared_ptr<distributed::Communicator> comm_;
+  std::shared_ptr<distributed::Communicator> mesh_world_;
   std::shared_ptr<torch::nn::Module> module_;
   std::vector<OptimizerPtr> optimizers_;
   bool sync_grads_ = true;

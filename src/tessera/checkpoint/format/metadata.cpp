@@ -287,18 +287,34 @@ json layout_json(const sharding::Layout& L) {
       for (const auto& p : L.list) pieces.push_back(json::array({p.file, p.box.offsets, p.box.sizes}));
       return {{"rule", "list"}, {"pieces", pieces}};
     }
+    case R::Tp: {
+      json inner;
+      auto one_or_all = [](const std::vector<int64_t>& v) { return v.size() == 1 ? json(v[0]) : json(v); };
+      switch (L.inner) {
+        case R::Chunk: inner = {{"rule", "chunk"}, {"dim", L.inner_dim}, {"pieces", L.pieces}}; break;
+        case R::Flat:
+          inner = {{"rule", "flat"},
+                   {"numel", one_or_all(L.inner_numel)},
+                   {"offset", one_or_all(L.inner_offset)},
+                   {"pieces", L.pieces}};
+          break;
+        default: inner = {{"rule", "whole"}};
+      }
+      return {{"rule", "tp"},       {"dim", L.dim},   {"stripes", L.stripes},
+              {"tp", L.tp},         {"inner", inner}, {"files", files_json(L.files)}};
+    }
   }
   return {};
 }
 
 json entry_json_v2(const std::string& k, const EntryInfo& e) {
   if (!e.is_tensor()) return value_json(e.value);
-  TESSERA_CHECK(e.layout.has_value(), "internal: key '", k, "' has no layout for format version 2");
+  TESSERA_CHECK(e.layout.has_value(), "internal: key '", k, "' has no layout for format version 2 or 3");
   return {{"kind", e.kind}, {"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"layout", layout_json(*e.layout)}};
 }
 
-std::string to_json_v2(const CheckpointMetadata& m) {
-  json j = header_json(m, 2);
+std::string to_json_v2(const CheckpointMetadata& m, int version) {
+  json j = header_json(m, version);
   j["save_id"] = m.save_id;
   j["keys"] = m.keys;
   json entries = json::object();
@@ -320,9 +336,24 @@ std::string to_json_v2(const CheckpointMetadata& m) {
 
 std::string entry_json(const EntryInfo& e) { return entry_json_v2("", e).dump(); }
 
+int format_version_for(const CheckpointMetadata& m) {
+  for (const auto& kv : m.entries) {
+    const auto& L = kv.second.layout;
+    if (L && (L->rule == sharding::Layout::Rule::Tp || L->files.interleaved())) return 3;
+  }
+  return kFormatVersionRules;
+}
+
 std::string to_json(const CheckpointMetadata& m) {
-  TESSERA_CHECK(m.version == 1 || m.version == 2, "internal: cannot write metadata of format version ", m.version);
-  std::string text = m.version == 1 ? to_json_v1(m) : to_json_v2(m);
+  TESSERA_CHECK(m.version >= 1 && m.version <= kFormatVersion, "internal: cannot write metadata of format version ",
+                m.version);
+  // Past version 1, the version is what the layouts need (format_version_for).
+  std::string text;
+  if (m.version == 1) {
+    text = to_json_v1(m);
+  } else {
+    text = to_json_v2(m, format_version_for(m));
+  }
   TESSERA_CHECK(text.size() <= kMaxMetadataBytes, "the checkpoint's metadata would be ", text.size(),
                 " bytes, more than the ", kMaxMetadataBytes, "-byte limit every reader enforces (", m.keys.size(),
                 " keys): nothing is committed");
@@ -344,15 +375,24 @@ std::string new_save_id() {
 
 std::string piece_name(const std::string& fqn, const sharding::Layout& layout, const std::vector<int64_t>& shape,
                        int64_t i) {
-  if (layout.rule != sharding::Layout::Rule::List) return fqn;
-  const int64_t f = layout.list.at(static_cast<size_t>(i)).file;
+  using R = sharding::Layout::Rule;
+  if (layout.rule != R::List && layout.rule != R::Tp) return fqn;
+  // The non-empty pieces of the entry in piece i's file, in piece order.
   int64_t k = 0, total = 0;
-  for (size_t j = 0; j < layout.list.size(); ++j) {
-    if (layout.list[j].file != f || layout.list[j].box.empty()) continue;
-    if (static_cast<int64_t>(j) < i) ++k;
-    ++total;
+  if (layout.rule == R::List) {
+    const int64_t f = layout.list.at(static_cast<size_t>(i)).file;
+    for (size_t j = 0; j < layout.list.size(); ++j) {
+      if (layout.list[j].file != f || layout.list[j].box.empty()) continue;
+      if (static_cast<int64_t>(j) < i) ++k;
+      ++total;
+    }
+  } else {
+    for (int64_t j : layout.pieces_in_file(layout.file_of(i))) {
+      if (layout.box(shape, j).empty()) continue;
+      if (j < i) ++k;
+      ++total;
+    }
   }
-  (void)shape;
   return total == 1 ? fqn : concat(fqn, "@", k);
 }
 
@@ -398,7 +438,8 @@ namespace {
 // python/tessera_ckpt/_format_metadata.py parse_layout (issue 44 item 5: one rule and one message per
 // field in both readers; tests/checkpoint/test_metadata_agreement.cpp runs each crafted file
 // through both). `what` is "'DIR/tessera-checkpoint.json' key 'FQN'".
-sharding::FileMap files_from_json(const json& j, int64_t pieces, int64_t world_size, const std::string& what) {
+sharding::FileMap files_from_json(const json& j, int64_t pieces, int64_t world_size, int version,
+                                  const std::string& what, const char* holders_are = "layout.pieces") {
   TESSERA_CHECK(j.is_object(), what, ": layout.files is not an object");
   sharding::FileMap f;
   f.first = get_int_in(field(j, "first"), 0, world_size - 1, what + " layout.files.first");
@@ -409,23 +450,81 @@ sharding::FileMap files_from_json(const json& j, int64_t pieces, int64_t world_s
     f.shift = get_int_in(field(j, "shift"), 0, std::numeric_limits<int64_t>::max(),
                          what + " layout.files.shift");  // any: taken mod replicas
   }
-  // All of them at most 2^20: no product below wraps.
-  TESSERA_CHECK(f.replicas == 1 || f.replica_step >= pieces * f.step, what, ": layout.files.replica_step ",
-                f.replica_step, " is below layout.pieces * layout.files.step = ", pieces * f.step,
-                " (two pieces would share a file)");
+  // All of them at most 2^20: no product below wraps. Replica groups follow each other or
+  // interleave inside each step (sharding::FileMap).
+  TESSERA_CHECK(f.replicas == 1 || f.replica_step >= pieces * f.step || (f.interleaved() && version >= 3), what,
+                ": layout.files.replica_step ", f.replica_step, " is below ", holders_are, " * layout.files.step = ",
+                pieces * f.step, " (two pieces would share a file)",
+                f.interleaved() ? "; interleaved replica groups need format version 3" : "");
   const int64_t last = f.first + (pieces - 1) * f.step + (f.replicas - 1) * f.replica_step;
   TESSERA_CHECK(last < world_size, what, ": layout.files reach data file ", last, ", outside [0, ", world_size - 1,
                 "]");
   return f;
 }
 
+// Version 3's tp rule: the tensor-parallel cut, then the inner rule of every TP piece, then
+// the files of its pieces·tp holders.
+sharding::Layout tp_layout_from_json(const json& j, const std::vector<int64_t>& shape, int64_t world_size,
+                                     const std::string& what) {
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  const int64_t rank = static_cast<int64_t>(shape.size());
+  TESSERA_CHECK(rank > 0, what, ": a tp layout needs a tensor of at least one dimension");
+  const int64_t dim = get_int_in(field(j, "dim"), 0, rank - 1, what + " layout.dim");
+  const int64_t stripes = get_int_in(field(j, "stripes"), 1, sharding::kMaxStripes, what + " layout.stripes");
+  const int64_t tp = get_int_in(field(j, "tp"), 1, world_size, what + " layout.tp");
+  const json& in = field(j, "inner");
+  TESSERA_CHECK(in.is_object(), what, ": layout.inner is not an object");
+  const json& rule_j = field(in, "rule");
+  const std::string rule = rule_j.is_string() ? rule_j.get<std::string>() : "";
+  TESSERA_CHECK(rule == "whole" || rule == "chunk" || rule == "flat", what, ": unknown layout.inner.rule ",
+                rule_j.dump(), " (known: whole, chunk, flat)");
+  sharding::Layout inner = sharding::Layout::whole(0);
+  std::vector<int64_t> numel, offset;
+  if (rule == "chunk") {
+    const int64_t d = get_int_in(field(in, "dim"), 0, rank - 1, what + " layout.inner.dim");
+    inner = sharding::Layout::chunk(d, get_int_in(field(in, "pieces"), 1, world_size, what + " layout.inner.pieces"));
+  } else if (rule == "flat") {
+    // One integer, or one per TP piece (tp of them).
+    auto ints = [&](const char* name) {
+      const json& v = field(in, name);
+      const std::string at = concat(what, " layout.inner.", name);
+      std::vector<int64_t> out;
+      if (!v.is_array()) {
+        out.push_back(get_int_in(v, 0, big, at));
+        return out;
+      }
+      TESSERA_CHECK(static_cast<int64_t>(v.size()) == tp, at, " holds ", v.size(), " values (1, or layout.tp = ", tp,
+                    ")");
+      for (size_t t = 0; t < v.size(); ++t) out.push_back(get_int_in(v[t], 0, big, concat(at, "[", t, "]")));
+      return out;
+    };
+    numel = ints("numel");
+    offset = ints("offset");
+    inner = sharding::Layout::flat(numel[0], offset[0],
+                                   get_int_in(field(in, "pieces"), 1, world_size, what + " layout.inner.pieces"));
+  }
+  const int64_t holders = (rule == "whole" ? 1 : inner.pieces) * tp;
+  TESSERA_CHECK(holders <= world_size, what, ": layout.inner.pieces ", holders / tp, " x layout.tp ", tp,
+                " holders exceed world_size ", world_size);
+  const sharding::FileMap files =
+      files_from_json(field(j, "files"), holders, world_size, 3, what, "layout.inner.pieces * layout.tp");
+  return sharding::Layout::tensor_parallel(dim, stripes, tp, inner, files, numel, offset);
+}
+
 sharding::Layout layout_from_json(const json& j, const std::vector<int64_t>& shape, int64_t world_size,
-                                  const std::string& what) {
+                                  int version, const std::string& what) {
   TESSERA_CHECK(j.is_object(), what, ": layout is not an object");
   const json& rule_j = field(j, "rule");
   const std::string rule = rule_j.is_string() ? rule_j.get<std::string>() : "";
-  TESSERA_CHECK(rule == "whole" || rule == "chunk" || rule == "flat" || rule == "list", what,
-                ": unknown layout rule ", rule_j.dump(), " (known: whole, chunk, flat, list)");
+  TESSERA_CHECK(rule == "whole" || rule == "chunk" || rule == "flat" || rule == "list" || (rule == "tp" && version >= 3),
+                what, ": unknown layout rule ", rule_j.dump(),
+                version >= 3 ? " (known: whole, chunk, flat, list, tp)"
+                             : " (known: whole, chunk, flat, list; tp needs format version 3)");
+  if (rule == "tp") {
+    sharding::Layout L = tp_layout_from_json(j, shape, world_size, what);
+    L.validate(shape, world_size, what);
+    return L;
+  }
   const int64_t big = std::numeric_limits<int64_t>::max();
   const int64_t rank = static_cast<int64_t>(shape.size());
   sharding::Layout L;
@@ -437,7 +536,7 @@ sharding::Layout layout_from_json(const json& j, const std::vector<int64_t>& sha
     if (rule == "chunk") {
       const int64_t dim = get_int_in(field(j, "dim"), 0, rank - 1, what + " layout.dim");
       const int64_t pieces = get_int_in(field(j, "pieces"), 1, world_size, what + " layout.pieces");
-      L = sharding::Layout::chunk(dim, pieces, files_from_json(field(j, "files"), pieces, world_size, what));
+      L = sharding::Layout::chunk(dim, pieces, files_from_json(field(j, "files"), pieces, world_size, version, what));
     } else {
       const int64_t numel = get_int_in(field(j, "numel"), 0, big, what + " layout.numel");
       const int64_t offset = get_int_in(field(j, "offset"), 0, big, what + " layout.offset");
@@ -446,7 +545,7 @@ sharding::Layout layout_from_json(const json& j, const std::vector<int64_t>& sha
       for (int64_t d : shape) n = d == 0 ? 0 : n * d;
       TESSERA_CHECK(static_cast<__int128>(offset) + n <= numel, what, ": layout.offset ", offset, " + the tensor's ",
                     n, " elements exceed layout.numel ", numel);
-      L = sharding::Layout::flat(numel, offset, pieces, files_from_json(field(j, "files"), pieces, world_size, what));
+      L = sharding::Layout::flat(numel, offset, pieces, files_from_json(field(j, "files"), pieces, world_size, version, what));
     }
   } else {
     L.rule = sharding::Layout::Rule::List;
@@ -520,7 +619,7 @@ void parse_v2(const json& j, CheckpointMetadata& m, const std::string& where) {
                 field(j, "keys").size(), " keys");
   parse_entries(j, m, where, [&](const json& je, EntryInfo& e, const std::string&, const std::string& what) {
     byte_size(e.shape, e.dtype, concat(what, ": shape ", core::shape_string(e.shape)));  // <= 2^62 bytes
-    e.layout = layout_from_json(field(je, "layout"), e.shape, m.world_size, what);
+    e.layout = layout_from_json(field(je, "layout"), e.shape, m.world_size, m.version, what);
   });
 }
 

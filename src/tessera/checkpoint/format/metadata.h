@@ -21,9 +21,12 @@
 
 namespace tessera::checkpoint {
 
-// The version save and the offline writers write (2: rule layouts, docs/checkpoint-format.md
-// §3); readers take every version from 1.
-constexpr int kFormatVersion = 2;
+// The newest version: 3, which adds the tp layout rule (tensor parallelism composed with a
+// data-parallel cut) to version 2's rules (docs/checkpoint-format.md §3). Writers write 3
+// only when some entry has a tp layout, else 2 (format_version_for), so 1-D checkpoints stay
+// readable by older readers; readers take every version from 1.
+constexpr int kFormatVersion = 3;
+constexpr int kFormatVersionRules = 2;
 constexpr const char* kMetadataFile = "tessera-checkpoint.json";
 constexpr uint64_t kMaxMetadataBytes = 256ull << 20;
 // Version 2 data files: the key of __metadata__ that records each stored piece's offsets in
@@ -72,7 +75,7 @@ struct EntryInfo {
 struct CheckpointMetadata {
   std::string source_kind;  // kSourceSharded, kSourceConsolidated, kSourceSafetensors, kSourceTorch or kSourceHf
   std::string location;     // directory or file path
-  int version = kFormatVersion;
+  int version = kFormatVersion;  // written: 1, or what the layouts need (format_version_for)
   int world_size = 1;
   uint64_t crc_block = 0;
   std::string save_id;  // version 2: 16 hex digits, also in every data file's header
@@ -81,13 +84,16 @@ struct CheckpointMetadata {
   std::map<std::string, EntryInfo> entries;
 };
 
+// The version to write for metadata `m`: 3 when some entry has a tp layout, else 2.
+int format_version_for(const CheckpointMetadata& m);
+
 // JSON text of a plain value (int/float/bool/string/bytes/empty dict).
 std::string encode_value(const state::Value& v);
 // The inverse; errors name `what`.
 state::Value decode_value(const std::string& json_text, const std::string& what);
 
-// Serializes metadata of a sharded checkpoint in format m.version (2: compact, layouts;
-// 1: indented, every chunk), with "metadata_crc32c": the CRC32C of the text with those 8
+// Serializes metadata of a sharded checkpoint in format m.version (2 or 3: compact,
+// layouts, the version format_version_for(m); 1: indented, every chunk), with "metadata_crc32c": the CRC32C of the text with those 8
 // hex digits read as "00000000". Throws when the text would exceed kMaxMetadataBytes,
 // the bound every reader enforces: a writer never commits what a reader refuses.
 std::string to_json(const CheckpointMetadata& m);
