@@ -347,21 +347,42 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
     }
     // Written before any data, so an output no reader would take fails here.
     const std::string text = to_json(o);
+    // Each tensor resolved once, not once per rank: its entries, its source chunks (located
+    // and checked in their data files once) and the ranks its output layout gives a
+    // non-empty piece, so the work below follows the pieces, not ranks x tensors.
+    struct Tensor {
+      const std::string* fqn;
+      const EntryInfo* src;
+      const EntryInfo* out;
+      ChunkReader::Located chunks;
+    };
+    std::vector<Tensor> tensors;
+    std::vector<std::vector<std::pair<size_t, int64_t>>> by_rank(static_cast<size_t>(world_size));  // (tensor, piece)
+    for (const auto& k : m.keys) {
+      const EntryInfo& e = m.entries.at(k);
+      if (!e.is_tensor()) continue;
+      const EntryInfo& oe = o.entries.at(k);
+      const sharding::Box whole = sharding::full_box(e.shape);
+      if (whole.empty()) continue;
+      const size_t t = tensors.size();
+      tensors.push_back({&k, &e, &oe, reader.locate(k, e)});
+      if (oe.kind == kShardedKind) {
+        for (int64_t i : oe.layout->overlapping(e.shape, whole)) by_rank[static_cast<size_t>(oe.layout->file_of(i))].push_back({t, i});
+      } else {
+        by_rank[0].push_back({t, -1});
+      }
+    }
     for (int r = 0; r < world_size; ++r) {
       std::vector<Piece> pieces;
-      for (const auto& k : m.keys) {
-        const EntryInfo& e = m.entries.at(k);
-        if (!e.is_tensor()) continue;
-        sharding::Box box;
-        if (o.entries.at(k).kind == kShardedKind) {
-          box = o.entries.at(k).layout->box(e.shape, r);
-        } else if (r == 0) {
-          box = sharding::full_box(e.shape);
-        } else {
-          continue;
-        }
-        if (box.empty()) continue;
-        pieces.push_back({k, e.dtype, box, [&reader, &e, k, box] { return reader.read_box(k, e, box); }});
+      pieces.reserve(by_rank[static_cast<size_t>(r)].size());
+      for (const auto& [t, i] : by_rank[static_cast<size_t>(r)]) {
+        const Tensor& x = tensors[t];
+        const sharding::Box box = i < 0 ? sharding::full_box(x.src->shape) : x.out->layout->box(x.src->shape, i);
+        pieces.push_back({*x.fqn, x.src->dtype, box, [&reader, &x, box] {
+                            at::Tensor d = at::empty(box.sizes, at::TensorOptions().dtype(x.src->dtype));
+                            reader.fill_box(*x.fqn, *x.src, x.chunks, d, box, "the box read");
+                            return d;
+                          }});
       }
       write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id));
     }
