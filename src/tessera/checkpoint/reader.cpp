@@ -497,7 +497,7 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   // the whole chunk), the range needs no widening to checksum blocks, and the
   // destination holds it contiguously on the CPU: read straight into the destination
   // (a sharded load of a consolidated file reads each rank's rows this way).
-  at::Tensor view = sharding::narrow_to(dst, dst_box, *ov);
+  at::Tensor view = *ov == dst_box ? dst : sharding::narrow_to(dst, dst_box, *ov);
   const bool whole_rows = c.box.dim() == 0 || std::equal(ov->sizes.begin() + 1, ov->sizes.end(), c.box.sizes.begin() + 1);
   const bool direct = whole_rows && (rg.exact || verified) && view.device().is_cpu() && view.is_contiguous();
   // A device destination is filled from a pinned host buffer (a DMA copy per chunk piece).

@@ -22,6 +22,7 @@
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/sync_queue.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/env.h"
 #include "tessera/core/error.h"
@@ -372,6 +373,9 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
         by_rank[0].push_back({t, -1});
       }
     }
+    // Each data file's fsync runs beside the writing of the next ones (SyncQueue), all of
+    // them done before the metadata is written.
+    SyncQueue sync;
     for (int r = 0; r < world_size; ++r) {
       std::vector<Piece> pieces;
       pieces.reserve(by_rank[static_cast<size_t>(r)].size());
@@ -384,8 +388,9 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
                             return d;
                           }});
       }
-      write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id));
+      write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id), &sync);
     }
+    sync.wait();
     write_metadata_text(tmp, text);
   });
 }
