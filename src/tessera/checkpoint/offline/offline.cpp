@@ -10,6 +10,9 @@
 #include <iomanip>
 #include <iostream>
 #include <mutex>
+#include <thread>
+#include <atomic>
+#include <exception>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -376,20 +379,49 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
     // Each data file's fsync runs beside the writing of the next ones (SyncQueue), all of
     // them done before the metadata is written.
     SyncQueue sync;
-    for (int r = 0; r < world_size; ++r) {
-      std::vector<Piece> pieces;
-      pieces.reserve(by_rank[static_cast<size_t>(r)].size());
-      for (const auto& [t, i] : by_rank[static_cast<size_t>(r)]) {
-        const Tensor& x = tensors[t];
-        const sharding::Box box = i < 0 ? sharding::full_box(x.src->shape) : x.out->layout->box(x.src->shape, i);
-        pieces.push_back({*x.fqn, x.src->dtype, box, [&reader, &x, box] {
-                            at::Tensor d = at::empty(box.sizes, at::TensorOptions().dtype(x.src->dtype));
-                            reader.fill_box(*x.fqn, *x.src, x.chunks, d, box, "the box read");
-                            return d;
-                          }});
+    // The data files are written by up to kWriters threads (rank w, w + kWriters, ...), each
+    // with its own ChunkReader (a reader is not shared between threads): one thread's
+    // checksumming and copying runs while another waits for its direct writes.
+    auto write_ranks = [&](ChunkReader& rd, int first, int step, const std::atomic<bool>& stop) {
+      for (int r = first; r < world_size && !stop; r += step) {
+        std::vector<Piece> pieces;
+        pieces.reserve(by_rank[static_cast<size_t>(r)].size());
+        for (const auto& [t, i] : by_rank[static_cast<size_t>(r)]) {
+          const Tensor& x = tensors[t];
+          const sharding::Box box = i < 0 ? sharding::full_box(x.src->shape) : x.out->layout->box(x.src->shape, i);
+          pieces.push_back({*x.fqn, x.src->dtype, box, [&rd, &x, box] {
+                              at::Tensor d = at::empty(box.sizes, at::TensorOptions().dtype(x.src->dtype));
+                              rd.fill_box(*x.fqn, *x.src, x.chunks, d, box, "the box read");
+                              return d;
+                            }});
+        }
+        write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id), &sync);
       }
-      write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id), &sync);
+    };
+    constexpr int kWriters = 2;
+    const int writers = std::min(world_size, kWriters);
+    std::atomic<bool> stop{false};
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(writers));
+    std::vector<std::thread> threads;
+    for (int w = 1; w < writers; ++w)
+      threads.emplace_back([&, w] {
+        try {
+          ChunkReader own(m);
+          write_ranks(own, w, writers, stop);
+        } catch (...) {
+          errors[static_cast<size_t>(w)] = std::current_exception();
+          stop = true;
+        }
+      });
+    try {
+      write_ranks(reader, 0, writers, stop);
+    } catch (...) {
+      errors[0] = std::current_exception();
+      stop = true;
     }
+    for (auto& th : threads) th.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
     sync.wait();
     write_metadata_text(tmp, text);
   });
