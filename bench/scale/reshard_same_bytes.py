@@ -2,6 +2,7 @@
 # reshard_same_bytes.py A B: two outputs of `tessera ckpt reshard` (say, by a binary before and
 # after a change to the reshard) hold the same bytes, save ids and the checksums that cover
 # them (metadata_crc32c, tessera.header_crc32c) normalised. Exit 1 at the first difference.
+import json, os, re, struct, sys
 a, b = sys.argv[1], sys.argv[2]
 fa, fb = sorted(os.listdir(a)), sorted(os.listdir(b))
 assert fa == fb, ("file lists differ", len(fa), len(fb))
