@@ -355,28 +355,43 @@ std::vector<ChunkInfo> ChunkReader::chunks(const std::string& fqn, const EntryIn
       if (!c.box.empty() && sharding::intersect(c.box, box)) out.push_back(c);
     return out;
   }
-  const sharding::Layout& L = *e.layout;
-  for (int64_t i : L.overlapping(e.shape, box)) {
-    ChunkInfo c;
-    c.box = L.box(e.shape, i);
-    const int64_t rank = L.file_of(i);
-    const SafetensorsReader& r = data_file(rank);
-    c.file = data_file_name(static_cast<int>(rank));
-    c.name = piece_name(fqn, L, e.shape, i);
-    const TensorEntry* t = r.find(c.name);
-    TESSERA_CHECK(t != nullptr, "'", r.path(), "' key '", fqn, "': piece ", c.box.to_string(), " (tensor '", c.name,
-                  "') is not in the data file (incomplete or mixed-up checkpoint)");
-    TESSERA_CHECK(t->dtype == e.dtype && t->shape == c.box.sizes, "'", r.path(), "' key '", fqn, "': tensor '", c.name,
-                  "' has dtype ", dtype_name(t->dtype), " and shape ", core::shape_string(t->shape), ", the layout says ",
-                  dtype_name(e.dtype), " ", core::shape_string(c.box.sizes));
-    const std::vector<uint32_t>* crcs = r.crcs(c.name);
-    TESSERA_CHECK(crcs != nullptr, "'", r.path(), "' key '", fqn, "': tensor '", c.name, "' has no checksums");
-    c.begin = t->begin;
-    c.end = t->end;
-    c.crcs = *crcs;
-    out.push_back(std::move(c));
-  }
+  for (int64_t i : e.layout->overlapping(e.shape, box)) out.push_back(locate_piece(fqn, e, i));
   return out;
+}
+
+ChunkInfo ChunkReader::locate_piece(const std::string& fqn, const EntryInfo& e, int64_t i) {
+  const sharding::Layout& L = *e.layout;
+  ChunkInfo c;
+  c.box = L.box(e.shape, i);
+  const int64_t rank = L.file_of(i);
+  const SafetensorsReader& r = data_file(rank);
+  c.file = data_file_name(static_cast<int>(rank));
+  c.name = piece_name(fqn, L, e.shape, i);
+  const TensorEntry* t = r.find(c.name);
+  TESSERA_CHECK(t != nullptr, "'", r.path(), "' key '", fqn, "': piece ", c.box.to_string(), " (tensor '", c.name,
+                "') is not in the data file (incomplete or mixed-up checkpoint)");
+  TESSERA_CHECK(t->dtype == e.dtype && t->shape == c.box.sizes, "'", r.path(), "' key '", fqn, "': tensor '", c.name,
+                "' has dtype ", dtype_name(t->dtype), " and shape ", core::shape_string(t->shape), ", the layout says ",
+                dtype_name(e.dtype), " ", core::shape_string(c.box.sizes));
+  const std::vector<uint32_t>* crcs = r.crcs(c.name);
+  TESSERA_CHECK(crcs != nullptr, "'", r.path(), "' key '", fqn, "': tensor '", c.name, "' has no checksums");
+  c.begin = t->begin;
+  c.end = t->end;
+  c.crcs = *crcs;
+  return c;
+}
+
+ChunkReader::Located ChunkReader::locate(const std::string& fqn, const EntryInfo& e) {
+  Located l;
+  const sharding::Box whole = sharding::full_box(e.shape);
+  if (!e.layout) {
+    l.chunks = chunks(fqn, e, whole);
+    return l;
+  }
+  l.pieces = e.layout->overlapping(e.shape, whole);
+  l.chunks.reserve(l.pieces.size());
+  for (int64_t i : l.pieces) l.chunks.push_back(locate_piece(fqn, e, i));
+  return l;
 }
 
 void ChunkReader::check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c) {
@@ -482,7 +497,7 @@ int64_t ChunkReader::copy_into(const std::string& fqn, const EntryInfo& e, const
   // the whole chunk), the range needs no widening to checksum blocks, and the
   // destination holds it contiguously on the CPU: read straight into the destination
   // (a sharded load of a consolidated file reads each rank's rows this way).
-  at::Tensor view = sharding::narrow_to(dst, dst_box, *ov);
+  at::Tensor view = *ov == dst_box ? dst : sharding::narrow_to(dst, dst_box, *ov);
   const bool whole_rows = c.box.dim() == 0 || std::equal(ov->sizes.begin() + 1, ov->sizes.end(), c.box.sizes.begin() + 1);
   const bool direct = whole_rows && (rg.exact || verified) && view.device().is_cpu() && view.is_contiguous();
   // A device destination is filled from a pinned host buffer (a DMA copy per chunk piece).
@@ -521,6 +536,27 @@ void ChunkReader::fill_box(const std::string& fqn, const EntryInfo& e, at::Tenso
                            const std::string& what) {
   int64_t n = 0;
   for (const auto& c : chunks(fqn, e, box)) n += copy_into(fqn, e, c, dst, box);
+  check_covered(fqn, n, box, what);
+}
+
+void ChunkReader::fill_box(const std::string& fqn, const EntryInfo& e, const Located& located, at::Tensor& dst,
+                           const sharding::Box& box, const std::string& what) {
+  int64_t n = 0;
+  if (!e.layout) {
+    for (const auto& c : located.chunks) n += copy_into(fqn, e, c, dst, box);
+  } else {
+    TESSERA_CHECK(located.pieces.size() == located.chunks.size(), "internal: key '", fqn, "' located without pieces");
+    for (int64_t i : e.layout->overlapping(e.shape, box)) {
+      auto it = std::lower_bound(located.pieces.begin(), located.pieces.end(), i);
+      TESSERA_CHECK(it != located.pieces.end() && *it == i, "internal: key '", fqn, "': piece ", i, " was not located");
+      n += copy_into(fqn, e, located.chunks[static_cast<size_t>(it - located.pieces.begin())], dst, box);
+    }
+  }
+  check_covered(fqn, n, box, what);
+}
+
+void ChunkReader::check_covered(const std::string& fqn, int64_t n, const sharding::Box& box,
+                                const std::string& what) const {
   TESSERA_CHECK(n == box.numel(), "'", meta_.location, "' key '", fqn, "': the chunks cover ", n, " of the ",
                 box.numel(), " elements of ", box.to_string(), " -- ", what, " would hold memory never read ",
                 "from the checkpoint (incomplete or tampered checkpoint)");

@@ -55,6 +55,14 @@ class ChunkReader {
   // checked there (present, dtype, shape) and each file checked to belong to this save
   // and rank (tessera.save_id, tessera.rank).
   std::vector<ChunkInfo> chunks(const std::string& fqn, const EntryInfo& e, const sharding::Box& box);
+  // Every chunk of an entry, located (and checked) once by chunks() for a caller that then
+  // reads many boxes of it (a reshard to many ranks): fill_box(.., located, ..) finds the
+  // chunks a box needs by the layout's binary search, with no data-file header lookup.
+  struct Located {
+    std::vector<ChunkInfo> chunks;  // chunks(fqn, e, whole), in that order
+    std::vector<int64_t> pieces;    // version 2: the layout's piece index of each, ascending
+  };
+  Located locate(const std::string& fqn, const EntryInfo& e);
   // Version 2: opens data file `rank` and checks, the first time, that it belongs to this
   // save and rank and holds exactly the pieces the layouts place there: each present with
   // the entry's dtype and the piece's shape, at the piece's offsets where the file records
@@ -87,6 +95,9 @@ class ChunkReader {
   // checks before it writes the tensor).
   void fill_box(const std::string& fqn, const EntryInfo& e, at::Tensor& dst, const sharding::Box& box,
                 const std::string& what);
+  // The same from the chunks locate(fqn, e) returned.
+  void fill_box(const std::string& fqn, const EntryInfo& e, const Located& located, at::Tensor& dst,
+                const sharding::Box& box, const std::string& what);
   // Reads every block of the chunk and checks it (and the data file's header entry).
   void verify_chunk(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
   // The (validated) safetensors reader of a data file, its file open.
@@ -97,6 +108,9 @@ class ChunkReader {
 
  private:
   void check_header_entry(const std::string& fqn, const EntryInfo& e, const ChunkInfo& c);
+  // Version 2: piece i of the entry's layout, located in its data file and checked there.
+  ChunkInfo locate_piece(const std::string& fqn, const EntryInfo& e, int64_t i);
+  void check_covered(const std::string& fqn, int64_t n, const sharding::Box& box, const std::string& what) const;
   void check_contents(int64_t rank, const SafetensorsReader& r, const std::string& where) const;
   // Checks the checksum blocks of chunk `c` (of data file `path`) that `data` holds: the
   // n bytes from byte `base` of the chunk (block-aligned; the last block may be the

@@ -5,13 +5,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <string_view>
+#include <unordered_map>
 
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/interop/torch_file.h"
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/sync_queue.h"
 #include "tessera/core/error.h"
 
 namespace tessera::checkpoint {
@@ -29,23 +33,36 @@ std::map<std::string, std::string> data_file_identity(int rank, const std::strin
 }
 
 DataFileResult write_data_file(const std::string& dir, const std::string& name, const std::vector<Piece>& pieces,
-                               const std::map<std::string, std::string>& identity) {
+                               const std::map<std::string, std::string>& identity, SyncQueue* sync) {
   std::vector<SafetensorsWriter::Spec> specs;
-  std::map<std::string, int> count, seen;
+  specs.reserve(pieces.size());
+  std::unordered_map<std::string_view, int> count, seen;
   for (const auto& p : pieces) count[p.fqn]++;
-  std::vector<std::string> names;
   for (const auto& p : pieces) {
-    const int k = seen[p.fqn]++;
-    names.push_back(count[p.fqn] == 1 ? p.fqn : concat(p.fqn, "@", k));
-    specs.push_back({names.back(), p.dtype, p.box.sizes});
+    const int n = count[p.fqn];
+    specs.push_back({n == 1 ? p.fqn : concat(p.fqn, "@", seen[p.fqn]++), p.dtype, p.box.sizes});
   }
   const std::string path = join_path(dir, name);
   std::map<std::string, std::string> meta = identity;
   meta["tessera.format"] = "tessera-data";
-  // Each piece's place in its tensor (its identity beside its name and shape).
-  json offsets = json::object();
-  for (size_t i = 0; i < pieces.size(); ++i) offsets[names[i]] = pieces[i].box.offsets;
-  meta[kPieceOffsetsKey] = offsets.dump();
+  // Each piece's place in its tensor (its identity beside its name and shape): the JSON
+  // object of name -> offsets, keys sorted as nlohmann::json writes an object.
+  std::vector<size_t> order(pieces.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return specs[a].name < specs[b].name; });
+  std::string offsets = "{";
+  for (size_t i : order) {
+    if (offsets.size() > 1) offsets.push_back(',');
+    append_json_string(offsets, specs[i].name);
+    offsets += ":[";
+    for (size_t d = 0; d < pieces[i].box.offsets.size(); ++d) {
+      if (d) offsets.push_back(',');
+      offsets += std::to_string(pieces[i].box.offsets[d]);
+    }
+    offsets.push_back(']');
+  }
+  offsets.push_back('}');
+  meta[kPieceOffsetsKey] = std::move(offsets);
   SafetensorsWriter w(path, specs, std::move(meta));
   for (size_t i = 0; i < pieces.size(); ++i) {
     at::Tensor t = pieces[i].data();
@@ -53,15 +70,21 @@ DataFileResult write_data_file(const std::string& dir, const std::string& name, 
                   "': piece ", pieces[i].box.to_string(), " has the wrong shape");
     w.write(t);
   }
-  auto written = w.finish();
+  File unsynced;
+  auto written = w.finish(sync != nullptr ? &unsynced : nullptr);
   DataFileResult r;
   r.file = name;
-  r.size = File(path, "r").size();
+  if (sync != nullptr) {
+    r.size = unsynced.size();
+    sync->add(std::move(unsynced));
+  } else {
+    r.size = File(path, "r").size();
+  }
   for (size_t i = 0; i < pieces.size(); ++i) {
     ChunkInfo c;
     c.box = pieces[i].box;
     c.file = name;
-    c.name = names[i];
+    c.name = specs[i].name;
     c.begin = written[i].begin;
     c.end = written[i].end;
     c.crcs = written[i].crcs;

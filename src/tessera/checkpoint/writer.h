@@ -14,6 +14,8 @@
 
 namespace tessera::checkpoint {
 
+class SyncQueue;
+
 // "data-rank00003.safetensors"
 std::string data_file_name(int rank);
 
@@ -32,9 +34,10 @@ struct DataFileResult {
 
 // Writes `dir/name` (a safetensors file, fsync'ed) holding the pieces (named FQN, or FQN@k
 // when several pieces of one FQN are in the file). `identity` goes into __metadata__
-// (format 2: data_file_identity).
+// (format 2: data_file_identity). With `sync`, the fsync is handed to it (the file is
+// durable once sync->wait() returns).
 DataFileResult write_data_file(const std::string& dir, const std::string& name, const std::vector<Piece>& pieces,
-                               const std::map<std::string, std::string>& identity = {});
+                               const std::map<std::string, std::string>& identity = {}, SyncQueue* sync = nullptr);
 // The __metadata__ that ties a data file of a format-2 checkpoint to its rank and save:
 // tessera.version "2", tessera.rank, tessera.save_id.
 std::map<std::string, std::string> data_file_identity(int rank, const std::string& save_id);

@@ -12,6 +12,8 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <string_view>
+#include <unordered_set>
 
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/metadata.h"
@@ -303,16 +305,43 @@ at::Tensor SafetensorsReader::read(const std::string& name) const {
 
 // ---------------------------------------------------------------- writer
 
+void append_json_string(std::string& out, std::string_view s) {
+  bool plain = true;
+  for (unsigned char ch : s) plain = plain && ch >= 0x20 && ch < 0x80;
+  if (!plain) {  // control characters and UTF-8: nlohmann::json's own escaping (and its UTF-8 check)
+    out += nlohmann::json(std::string(s)).dump();
+    return;
+  }
+  out.push_back('"');
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') out.push_back('\\');
+    out.push_back(ch);
+  }
+  out.push_back('"');
+}
+
+namespace {
+void append_ints(std::string& out, const std::vector<int64_t>& v) {
+  out.push_back('[');
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) out.push_back(',');
+    out += std::to_string(v[i]);
+  }
+  out.push_back(']');
+}
+}  // namespace
+
 SafetensorsLayout layout_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
                                      std::map<std::string, std::string> metadata) {
   check_little_endian();
   SafetensorsLayout L;
-  nlohmann::ordered_json h = nlohmann::ordered_json::object();
+  L.tensors.reserve(specs.size());
   uint64_t off = 0, blocks = 0;
-  std::map<std::string, int> seen;
+  std::unordered_set<std::string_view> seen;
+  seen.reserve(specs.size());
   for (const auto& s : specs) {
     TESSERA_CHECK(!s.name.empty() && s.name != "__metadata__", "'", path, "': bad tensor name '", s.name, "'");
-    TESSERA_CHECK(seen[s.name]++ == 0, "'", path, "': tensor name '", s.name, "' given twice");
+    TESSERA_CHECK(seen.insert(s.name).second, "'", path, "': tensor name '", s.name, "' given twice");
     const uint64_t nb = byte_size(s.shape, s.dtype, concat("'", path, "' tensor '", s.name, "'"));
     L.tensors.push_back({s.name, s.dtype, s.shape, off, off + nb});
     off += nb;
@@ -323,23 +352,47 @@ SafetensorsLayout layout_safetensors(const std::string& path, const std::vector<
   metadata["tessera.crc32c_block"] = std::to_string(kCrcBlock);
   metadata["tessera.crc32c"] = std::string(8 * blocks, '0');
   metadata["tessera.header_crc32c"] = "00000000";  // patched once the data is written
-  nlohmann::ordered_json m = nlohmann::ordered_json::object();
-  for (auto& [k, v] : metadata) m[k] = v;
-  h["__metadata__"] = m;
-  for (const auto& t : L.tensors)
-    h[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
-  std::string text = h.dump();
-  const std::string marker = "\"tessera.crc32c\":\"";
-  const size_t pos = text.find(marker);
-  TESSERA_CHECK(pos != std::string::npos, "internal: checksum placeholder not found");
+  // The header is the compact JSON text nlohmann::ordered_json's dump() gives (the form
+  // every earlier writer produced, byte for byte: tests/checkpoint/test_safetensors.cpp),
+  // written directly: __metadata__ (keys sorted), then each tensor in spec order.
+  std::string text;
+  text.reserve(256 + 8 * blocks + specs.size() * 96);
+  text += "{\"__metadata__\":{";
+  size_t crc_at = std::string::npos, header_crc_at = std::string::npos;
+  bool first = true;
+  for (const auto& [k, v] : metadata) {
+    if (!first) text.push_back(',');
+    first = false;
+    append_json_string(text, k);
+    text.push_back(':');
+    if (k == "tessera.crc32c") crc_at = text.size() + 1;
+    if (k == "tessera.header_crc32c") header_crc_at = text.size() + 1;
+    append_json_string(text, v);
+  }
+  text.push_back('}');
+  for (const auto& t : L.tensors) {
+    text.push_back(',');
+    append_json_string(text, t.name);
+    text += ":{\"dtype\":\"";
+    text += dtype_name(t.dtype);
+    text += "\",\"shape\":";
+    append_ints(text, t.shape);
+    text += ",\"data_offsets\":[";
+    text += std::to_string(t.begin);
+    text.push_back(',');
+    text += std::to_string(t.end);
+    text += "]}";
+  }
+  text.push_back('}');
+  TESSERA_CHECK(crc_at != std::string::npos && header_crc_at != std::string::npos,
+                "internal: checksum placeholder not found");
   while (text.size() % 8) text.push_back(' ');
   TESSERA_CHECK(text.size() <= kMaxHeaderBytes, "'", path, "': the safetensors header would be ", text.size(),
                 " bytes, more than the ", kMaxHeaderBytes, "-byte (", kMaxHeaderBytes >> 20,
                 " MiB) limit every reader enforces (", L.tensors.size(), " tensors): nothing is committed");
-  L.crc_pos = 8 + pos + marker.size();
-  const size_t hpos = text.find(kHeaderCrcMarker);
-  TESSERA_CHECK(hpos != std::string::npos, "internal: header checksum placeholder not found");
-  L.header_crc_pos = 8 + hpos + std::string(kHeaderCrcMarker).size();
+  L.crc_pos = 8 + crc_at;
+  L.header_crc_pos = 8 + header_crc_at;
+  L.prefix.reserve(8 + text.size());
   L.prefix.resize(8);
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i, n >>= 8) L.prefix[i] = static_cast<char>(n & 0xff);
@@ -370,8 +423,14 @@ std::string SafetensorsLayout::final_prefix(const std::vector<std::vector<uint32
 SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Spec> specs,
                                      std::map<std::string, std::string> metadata)
     : path_(path), specs_(std::move(specs)), layout_(layout_safetensors(path, specs_, std::move(metadata))) {
+  written_.reserve(layout_.tensors.size());
   for (const auto& t : layout_.tensors) written_.push_back({t.name, t.begin, t.end, {}});
-  out_ = std::make_unique<StreamWriter>(path);
+  // Staging buffers of the stream's default size (16 MiB each), or of the file's size and a
+  // page when it is smaller: a reshard to 1,024 ranks writes 1,024 files of under a MB, each
+  // of which otherwise allocated (and faulted in, and freed) 32 MiB. The bytes written are
+  // the same either way.
+  constexpr uint64_t kStreamBuffer = 16u << 20;
+  out_ = std::make_unique<StreamWriter>(path, std::min<uint64_t>(kStreamBuffer, layout_.file_size() + (64u << 10)));
   out_->append(layout_.prefix.data(), layout_.prefix.size());
 }
 
@@ -437,14 +496,14 @@ void SafetensorsWriter::append(const void* data, uint64_t n) {
   }
 }
 
-std::vector<SafetensorsWriter::Written> SafetensorsWriter::finish() {
+std::vector<SafetensorsWriter::Written> SafetensorsWriter::finish(File* unsynced) {
   TESSERA_CHECK(!finished_, "'", path_, "': finish() called twice");
   TESSERA_CHECK(next_ == specs_.size(), "'", path_, "': ", specs_.size() - next_, " declared tensors not written");
   std::vector<std::vector<uint32_t>> crcs;
   for (const auto& w : written_) crcs.push_back(w.crcs);
   const std::string header = layout_.final_prefix(crcs);
   out_->patch(0, header.data(), header.size());
-  out_->finish();
+  out_->finish(unsynced);
   finished_ = true;
   return written_;
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tessera/checkpoint/storage/file.h"
@@ -111,6 +112,10 @@ struct SafetensorsLayout {
   // The final header (as `prefix`) once every tensor's block checksums are known.
   std::string final_prefix(const std::vector<std::vector<uint32_t>>& crcs) const;
 };
+// Appends `s` as a JSON string, exactly as nlohmann::json's dump() writes it (quotes and
+// backslashes escaped, control characters and UTF-8 as nlohmann escapes and checks them).
+void append_json_string(std::string& out, std::string_view s);
+
 // Lays out `specs` (names unique, none "__metadata__"); `metadata` goes into
 // __metadata__ next to Tessera's own keys. Errors name `path`.
 SafetensorsLayout layout_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
@@ -135,8 +140,10 @@ class SafetensorsWriter {
   // shape, in order; the tensor is done when all its bytes are written. Lets a caller
   // stream a tensor it never holds whole (consolidated save of a sharded tensor).
   void write_part(const at::Tensor& rows);
-  // Patches the checksums into the header, fsyncs and closes. Every spec must have been written.
-  std::vector<Written> finish();
+  // Patches the checksums into the header, fsyncs and closes. Every spec must have been
+  // written. With `unsynced`, the file is moved there open and not yet fsynced
+  // (StreamWriter::finish).
+  std::vector<Written> finish(File* unsynced = nullptr);
   size_t next_index() const { return next_; }
 
  private:

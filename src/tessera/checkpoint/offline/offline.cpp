@@ -10,6 +10,9 @@
 #include <iomanip>
 #include <iostream>
 #include <mutex>
+#include <thread>
+#include <atomic>
+#include <exception>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -22,6 +25,7 @@
 #include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/storage/commit.h"
 #include "tessera/checkpoint/storage/file.h"
+#include "tessera/checkpoint/storage/sync_queue.h"
 #include "tessera/checkpoint/writer.h"
 #include "tessera/core/env.h"
 #include "tessera/core/error.h"
@@ -347,24 +351,78 @@ void reshard(const std::string& src, int world_size, const std::string& out, boo
     }
     // Written before any data, so an output no reader would take fails here.
     const std::string text = to_json(o);
-    for (int r = 0; r < world_size; ++r) {
-      std::vector<Piece> pieces;
-      for (const auto& k : m.keys) {
-        const EntryInfo& e = m.entries.at(k);
-        if (!e.is_tensor()) continue;
-        sharding::Box box;
-        if (o.entries.at(k).kind == kShardedKind) {
-          box = o.entries.at(k).layout->box(e.shape, r);
-        } else if (r == 0) {
-          box = sharding::full_box(e.shape);
-        } else {
-          continue;
-        }
-        if (box.empty()) continue;
-        pieces.push_back({k, e.dtype, box, [&reader, &e, k, box] { return reader.read_box(k, e, box); }});
+    // Each tensor resolved once, not once per rank: its entries, its source chunks (located
+    // and checked in their data files once) and the ranks its output layout gives a
+    // non-empty piece, so the work below follows the pieces, not ranks x tensors.
+    struct Tensor {
+      const std::string* fqn;
+      const EntryInfo* src;
+      const EntryInfo* out;
+      ChunkReader::Located chunks;
+    };
+    std::vector<Tensor> tensors;
+    std::vector<std::vector<std::pair<size_t, int64_t>>> by_rank(static_cast<size_t>(world_size));  // (tensor, piece)
+    for (const auto& k : m.keys) {
+      const EntryInfo& e = m.entries.at(k);
+      if (!e.is_tensor()) continue;
+      const EntryInfo& oe = o.entries.at(k);
+      const sharding::Box whole = sharding::full_box(e.shape);
+      if (whole.empty()) continue;
+      const size_t t = tensors.size();
+      tensors.push_back({&k, &e, &oe, reader.locate(k, e)});
+      if (oe.kind == kShardedKind) {
+        for (int64_t i : oe.layout->overlapping(e.shape, whole)) by_rank[static_cast<size_t>(oe.layout->file_of(i))].push_back({t, i});
+      } else {
+        by_rank[0].push_back({t, -1});
       }
-      write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id));
     }
+    // Each data file's fsync runs beside the writing of the next ones (SyncQueue), all of
+    // them done before the metadata is written.
+    SyncQueue sync;
+    // The data files are written by up to kWriters threads (rank w, w + kWriters, ...), each
+    // with its own ChunkReader (a reader is not shared between threads): one thread's
+    // checksumming and copying runs while another waits for its direct writes.
+    auto write_ranks = [&](ChunkReader& rd, int first, int step, const std::atomic<bool>& stop) {
+      for (int r = first; r < world_size && !stop; r += step) {
+        std::vector<Piece> pieces;
+        pieces.reserve(by_rank[static_cast<size_t>(r)].size());
+        for (const auto& [t, i] : by_rank[static_cast<size_t>(r)]) {
+          const Tensor& x = tensors[t];
+          const sharding::Box box = i < 0 ? sharding::full_box(x.src->shape) : x.out->layout->box(x.src->shape, i);
+          pieces.push_back({*x.fqn, x.src->dtype, box, [&rd, &x, box] {
+                              at::Tensor d = at::empty(box.sizes, at::TensorOptions().dtype(x.src->dtype));
+                              rd.fill_box(*x.fqn, *x.src, x.chunks, d, box, "the box read");
+                              return d;
+                            }});
+        }
+        write_data_file(tmp, data_file_name(r), pieces, data_file_identity(r, o.save_id), &sync);
+      }
+    };
+    constexpr int kWriters = 2;
+    const int writers = std::min(world_size, kWriters);
+    std::atomic<bool> stop{false};
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(writers));
+    std::vector<std::thread> threads;
+    for (int w = 1; w < writers; ++w)
+      threads.emplace_back([&, w] {
+        try {
+          ChunkReader own(m);
+          write_ranks(own, w, writers, stop);
+        } catch (...) {
+          errors[static_cast<size_t>(w)] = std::current_exception();
+          stop = true;
+        }
+      });
+    try {
+      write_ranks(reader, 0, writers, stop);
+    } catch (...) {
+      errors[0] = std::current_exception();
+      stop = true;
+    }
+    for (auto& th : threads) th.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    sync.wait();
     write_metadata_text(tmp, text);
   });
 }

@@ -137,9 +137,15 @@ void StreamWriter::patch(uint64_t offset, const void* src, uint64_t n) {
   buffered_.pwrite_exact(offset, src, n);
 }
 
-void StreamWriter::finish() {
+void StreamWriter::finish(File* unsynced) {
   TESSERA_CHECK(!closed_, "'", buffered_.path(), "': finish() called twice");
   flush();
+  if (unsynced != nullptr) {
+    direct_fd_.close();
+    *unsynced = std::move(buffered_);
+    closed_ = true;
+    return;
+  }
   buffered_.fsync();
   direct_fd_.close();
   buffered_.close();

@@ -37,8 +37,10 @@ class StreamWriter {
   void seek(uint64_t offset);
   // Overwrites bytes already appended (a header patched at the end). Flushes first.
   void patch(uint64_t offset, const void* src, uint64_t n);
-  // Writes what is buffered, fsyncs and closes.
-  void finish();
+  // Writes what is buffered, fsyncs and closes. With `unsynced`, the fsync is the
+  // caller's: the file is moved there open, its bytes written but not yet fsynced (a
+  // SyncQueue syncs many files together).
+  void finish(File* unsynced = nullptr);
   // The end of the furthest byte appended.
   uint64_t size() const { return end_; }
   const std::string& path() const { return buffered_.path(); }
