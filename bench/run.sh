@@ -33,7 +33,10 @@ TESSERA_SOAK=1 "$BUILD/bin/tessera_tests" --gtest_filter='CheckpointScale.*:Chec
 echo "== checkpoints at scale, against reality: real gpt train saves at 2/8/32/64 ranks equal the planner's prediction =="
 bash bench/scale/validate.sh "$BUILD"
 echo "== checkpoints at scale: the 80-block GPT resharded to 1,024 ranks (vs cp -r), inspected, resumed at 2 ranks =="
-bash bench/scale/gpt80.sh "$BUILD"
+# Its reshard-vs-cp check (>= 0.5x) fails make bench, but only at the end: the benchmarks
+# after it still run and report.
+missed=()
+bash bench/scale/gpt80.sh "$BUILD" || missed+=("bench/scale/gpt80.sh (reshard below 0.5x of cp -r + sync, or a failed step)")
 echo "== optimizer: one AdamW step, libtorch's vs Tessera's one-pass, against a memcpy of the same bytes =="
 OMP_NUM_THREADS=1 "$BUILD/bin/optim_bench" bench/results/optim.json
 if [ -f bench/strategy/run.sh ]; then
@@ -64,3 +67,7 @@ fi
 echo "== faults: a 2-rank GPT hit by 20 failures (SIGKILL/SIGSEGV/SIGSTOP), restarted by tessera run --max-restarts, vs uninterrupted =="
 bash bench/faults/run.sh "$BUILD"
 /usr/bin/python3 bench/report.py
+if [ ${#missed[@]} -gt 0 ]; then
+  printf 'make bench: goal missed: %s\n' "${missed[@]}" >&2
+  exit 1
+fi

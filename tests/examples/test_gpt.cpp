@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/reader.h"
 #include "examples/gpt_test_util.h"
 #include "support/test_util.h"
@@ -185,8 +186,9 @@ static void expect_resume_continues(const GptRun& r, const std::string& name, co
 
 // FSDP 2 x TP 2 (sequence parallel) on four ranks, and pure TP on two without sequence
 // parallelism and with a tied head, against one process: the same losses (within 1e-4, as
-// FSDP alone above), and a checkpoint of the plain model's tensors (one consolidated file,
-// which `gpt sample` reads as any other).
+// FSDP alone above), and FSDP's default checkpoint, sharded in 2-D (format version 3: qkv's
+// weight one tp rule of 3 stripes over tp 2, cut by FSDP's flat rule over dp 2), under the
+// plain model's names and shapes, which `gpt sample` reads on one process.
 TEST_F(Gpt, TensorParallelRunsMatchOneProcess) {
   GptRun r;
   for (const std::string tied : {"", " --tie-weights"}) {
@@ -211,10 +213,41 @@ TEST_F(Gpt, TensorParallelRunsMatchOneProcess) {
       expect_close(got["val_loss"], single["val_loss"], 1e-4, run + tag + " val_loss vs single");
     }
     const std::string ckpt = r.dir + "/tp2x2-" + tag + "/checkpoints/last.ckpt";
-    ASSERT_TRUE(fs::is_regular_file(ckpt));
+    ASSERT_TRUE(fs::is_directory(ckpt));
     const auto meta = tessera::checkpoint::open_checkpoint(ckpt);
+    EXPECT_EQ(meta.version, 3);
     ASSERT_EQ(meta.entries.count("model.blocks.0.qkv.weight"), 1u);
-    EXPECT_EQ(meta.entries.at("model.blocks.0.qkv.weight").shape, (std::vector<int64_t>{96, 32}));
+    const auto& qkv = meta.entries.at("model.blocks.0.qkv.weight");
+    EXPECT_EQ(qkv.shape, (std::vector<int64_t>{96, 32}));
+    ASSERT_TRUE(qkv.layout.has_value());
+    EXPECT_EQ(qkv.layout->rule_name(), "tp");
+    EXPECT_EQ(qkv.layout->stripes, 3);
+    EXPECT_EQ(qkv.layout->tp, 2);
+    EXPECT_EQ(qkv.layout->inner, tessera::sharding::Layout::Rule::Flat);
+    EXPECT_EQ(qkv.layout->pieces, 2);
+    // The 2-D checkpoint's tensors, read whole, equal bit for bit those of its offline
+    // reshards to 1-D layouts (3 ranks, one file) and of a consolidation.
+    auto whole = [](const std::string& path) {
+      const auto m = tessera::checkpoint::open_checkpoint(path);
+      tessera::state::StateDict t;
+      for (const auto& k : m.keys)
+        if (m.entries.at(k).is_tensor()) t.set(k, at::empty(m.entries.at(k).shape, at::TensorOptions().dtype(m.entries.at(k).dtype)));
+      tessera::checkpoint::LoadOptions lax;
+      lax.strict = false;  // the plain values (step, hparams) are not asked for
+      tessera::checkpoint::load_local(t, path, lax);
+      return t;
+    };
+    const tessera::state::StateDict want = whole(ckpt);
+    for (const std::string& cmd : {"reshard " + ckpt + " --world-size 3 -o " + r.dir + "/r3-" + tag,
+                                   "reshard " + ckpt + " --world-size 1 -o " + r.dir + "/r1-" + tag,
+                                   "consolidate " + ckpt + " -o " + r.dir + "/c-" + tag + ".safetensors"}) {
+      auto [rc, out] = run_command(kCli + " ckpt " + cmd);
+      ASSERT_EQ(rc, 0) << cmd << "\n" << out;
+      const std::string to = cmd.substr(cmd.rfind(' ') + 1);
+      const tessera::state::StateDict got = whole(to);
+      ASSERT_EQ(got.keys(), want.keys()) << to;
+      for (const auto& k : want.keys()) EXPECT_TRUE(got.tensor(k).equal(want.tensor(k))) << to << " key " << k;
+    }
     const std::string sample = " --prompt 'shard' --tokens 12 --seed 3";
     auto [rc4, text] = run_command(kGpt + " sample --ckpt " + ckpt + sample);
     ASSERT_EQ(rc4, 0) << text;
@@ -228,11 +261,14 @@ TEST_F(Gpt, ResumeFromLastCheckpointContinuesTheRun) {
 }
 
 // Pure tensor parallelism (FSDP over one data-parallel rank, TP 2, sequence parallel):
-// the checkpoint is full (the plain model's tensors) and the resumed run continues exactly.
+// the checkpoint is sharded in 2-D (each tp rank's pieces, whole over dp) and the resumed
+// run continues exactly; so does one saved full (the plain model's tensors).
 TEST_F(Gpt, ResumeUnderTensorParallelismContinuesTheRun) {
   GptRun r;
   expect_resume_continues(r, "tp", " --tp 2");
-  EXPECT_TRUE(fs::is_regular_file(r.dir + "/tp-part/checkpoints/last.ckpt"));
+  EXPECT_TRUE(fs::is_directory(r.dir + "/tp-part/checkpoints/last.ckpt"));
+  expect_resume_continues(r, "tpfull", " --tp 2 --state-dict full");
+  EXPECT_TRUE(fs::is_regular_file(r.dir + "/tpfull-part/checkpoints/last.ckpt"));
 }
 
 // --async-ckpt: checkpoints written in the background while training goes on, Full
