@@ -24,7 +24,8 @@ def inspect_checkpoint(ck):
             n = len(e.chunks) if e.layout is None else e.pieces()
             keys[k] = {"kind": e.kind, "dtype": e.dtype, "shape": list(e.shape), "chunks": n, "bytes": nb}
             if e.layout is not None:
-                keys[k]["layout"] = e.layout.describe()  # the rule first: "tp dim 0, 3 stripes, tp 2, ..."
+                keys[k]["layout"] = e.layout.rule
+                keys[k]["layout_words"] = e.layout.describe()  # "tp dim 0, 3 stripes, tp 2, inner flat over 2"
             if lay.kind == "hf":
                 keys[k]["file"] = lay.file_of.get(k)
         else:
@@ -48,9 +49,9 @@ def inspect_checkpoint(ck):
 
 class Summary(dict):
     """What inspect() returns: a dict (path, kind, version, world_size, crc32c_block, files,
-    keys: {fqn: {kind, dtype, shape, chunks, bytes} (versions 2 and 3: and layout, the rule in words,
-    as `tessera ckpt inspect` prints it: "chunk dim 0, 4 pieces", "tp dim 0, 3 stripes, tp 2, inner
-    flat over 2"; a Hugging
+    keys: {fqn: {kind, dtype, shape, chunks, bytes} (versions 2 and 3: and layout, the rule, and
+    layout_words, the rule in words as `tessera ckpt inspect` prints it: "chunk dim 0, 4 pieces",
+    "tp dim 0, 3 stripes, tp 2, inner flat over 2"; a Hugging
     Face directory: and file, its shard) or {kind, value}}, tensor_bytes, save_id (version 2,
     else None), notes (remarks that are no error); a Hugging Face directory (kind "hf") also
     index (the index file's name, None for a single model.safetensors) and total_size (the
@@ -70,7 +71,7 @@ class Summary(dict):
         for k, v in self["keys"].items():
             if "dtype" in v:
                 rows.append((k, v["kind"], v["dtype"], str(v["shape"]), str(v["chunks"]), str(v["bytes"]))
-                            + ((v.get("file") or "-",) if hf else ()) + ((v.get("layout", "-"),) if layouts else ()))
+                            + ((v.get("file") or "-",) if hf else ()) + ((v.get("layout_words", "-"),) if layouts else ()))
             else:
                 text = repr(v["value"])
                 rows.append((k, v["kind"], "-", text if len(text) <= 60 else text[:57] + "...", "-", "-")

@@ -21,7 +21,7 @@ import tessera_ckpt  # noqa: E402
 sharded, full = sys.argv[1], sys.argv[2]
 info = tessera_ckpt.inspect(sharded)
 assert info["version"] == 3, info["version"]
-layouts = {k: v.get("layout") for k, v in info["keys"].items() if "layout" in v}
+layouts = {k: v["layout_words"] for k, v in info["keys"].items() if v.get("layout") == "tp"}
 assert any(v.startswith("tp dim 0, 3 stripes") for v in layouts.values()), layouts  # qkv
 assert any(v.startswith("tp dim 1,") for v in layouts.values()), layouts  # row-parallel weights
 report = tessera_ckpt.verify(sharded)  # raises CheckpointError naming every problem
