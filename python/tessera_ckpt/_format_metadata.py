@@ -18,11 +18,11 @@ from ._format_json import (INT64_MAX, INT64_MIN, int_in, is_json_int, jdump, jso
                            too_many_json_items)
 from ._format_safetensors import byte_size, dtype_of
 from ._sharding_chunk import Box, box_text, shape_string
-from ._sharding_layout import RULES, FileMap, PieceLayout
+from ._sharding_layout import INNER_RULES, MAX_STRIPES, RULES, RULES_V3, FileMap, PieceLayout
 from ._sharding_spec import first_overlap
 
 METADATA_FILE = "tessera-checkpoint.json"
-FORMAT_VERSION = 2  # the newest version read; every version from 1 is read
+FORMAT_VERSION = 3  # the newest version read; every version from 1 is read
 MAX_METADATA_BYTES = 256 << 20
 MAX_WORLD_SIZE = 1 << 20
 MAX_LIST_PIECES_PER_FILE = 64  # a list layout names at most 64 pieces per data file (64 * world_size in all)
@@ -221,8 +221,9 @@ def data_file_name(rank):
     return f"data-rank{rank:05d}.safetensors"
 
 
-def _parse_files(j, pieces, world_size, what):
+def _parse_files(j, pieces, world_size, what, version=2, holders_are="layout.pieces"):
     # The C++ reader's files_from_json (metadata.cpp): the same bounds, order and words.
+    # ``pieces``: the map's pieces (a tp layout's holders, named ``holders_are`` in messages).
     if not isinstance(j, dict):
         fail(what, ": layout.files is not an object")
     fm = FileMap(int_in(j.get("first"), 0, world_size - 1, what + " layout.files.first"),
@@ -231,9 +232,11 @@ def _parse_files(j, pieces, world_size, what):
         fm.replicas = int_in(j["replicas"], 1, world_size, what + " layout.files.replicas")
         fm.replica_step = int_in(j.get("replica_step"), 0, world_size - 1, what + " layout.files.replica_step")
         fm.shift = int_in(j.get("shift"), 0, INT64_MAX, what + " layout.files.shift")  # any: taken mod replicas
-    if fm.replicas > 1 and fm.replica_step < pieces * fm.step:
-        fail(what, ": layout.files.replica_step ", fm.replica_step, " is below layout.pieces * layout.files.step = ",
-             pieces * fm.step, " (two pieces would share a file)")
+    # Replica groups follow each other or (version 3) interleave inside each step.
+    if fm.replicas > 1 and fm.replica_step < pieces * fm.step and not (fm.interleaved() and version >= 3):
+        fail(what, ": layout.files.replica_step ", fm.replica_step, " is below ", holders_are,
+             " * layout.files.step = ", pieces * fm.step, " (two pieces would share a file)",
+             "; interleaved replica groups need format version 3" if fm.interleaved() else "")
     # Every replica group's files lie in the world, whether or not a piece reaches the last group.
     f = fm.first + (pieces - 1) * fm.step + (fm.replicas - 1) * fm.replica_step
     if f >= world_size:
@@ -241,7 +244,60 @@ def _parse_files(j, pieces, world_size, what):
     return fm
 
 
-def parse_layout(j, e, fqn, world_size, where):
+def _parse_tp_layout(j, lay, world_size, what):
+    """Version 3's tp rule, as the C++ reader's tp_layout_from_json then Layout::validate_tp
+    check it (metadata.cpp, sharding/layout.cpp): the same fields, order, bounds and words."""
+    shape = lay.shape
+    rank = len(shape)
+    if rank == 0:
+        fail(what, ": a tp layout needs a tensor of at least one dimension")
+    lay.dim = int_in(j.get("dim"), 0, rank - 1, what + " layout.dim")
+    lay.stripes = int_in(j.get("stripes"), 1, MAX_STRIPES, what + " layout.stripes")
+    lay.tp = tp = int_in(j.get("tp"), 1, world_size, what + " layout.tp")
+    jin = j.get("inner")
+    if not isinstance(jin, dict):
+        fail(what, ": layout.inner is not an object")
+    rule = jin.get("rule")
+    if not isinstance(rule, str) or rule not in INNER_RULES:
+        fail(what, ": unknown layout.inner.rule ", jdump(rule), " (known: whole, chunk, flat)")
+    lay.inner = rule
+    lay.pieces = 1
+    if rule == "chunk":
+        lay.inner_dim = int_in(jin.get("dim"), 0, rank - 1, what + " layout.inner.dim")
+        lay.pieces = int_in(jin.get("pieces"), 1, world_size, what + " layout.inner.pieces")
+    elif rule == "flat":
+        def ints(name):  # one integer, or one per TP piece (tp of them)
+            v, at = jin.get(name), f"{what} layout.inner.{name}"
+            if not isinstance(v, list):
+                return [int_in(v, 0, INT64_MAX, at)]
+            if len(v) != tp:
+                fail(at, " holds ", len(v), " values (1, or layout.tp = ", tp, ")")
+            return [int_in(x, 0, INT64_MAX, f"{at}[{t}]") for t, x in enumerate(v)]
+
+        lay.inner_numel = ints("numel")
+        lay.inner_offset = ints("offset")
+        lay.pieces = int_in(jin.get("pieces"), 1, world_size, what + " layout.inner.pieces")
+    if lay.pieces * tp > world_size:
+        fail(what, ": layout.inner.pieces ", lay.pieces, " x layout.tp ", tp, " holders exceed world_size ", world_size)
+    lay.files = _parse_files(j.get("files"), lay.pieces * tp, world_size, what, 3, "layout.inner.pieces * layout.tp")
+    # What Layout::validate_tp checks beyond the fields' own bounds.
+    n = shape[lay.dim]
+    if n % lay.stripes:
+        fail(what, ": layout.stripes ", lay.stripes, " does not divide dimension ", lay.dim, " of shape ",
+             shape_string(shape), " (", n, ")")
+    if rule == "flat":
+        for t in range(tp):
+            local = 1
+            for d in lay.tp_local_shape(t):
+                local *= d
+            numel = lay.inner_numel[0 if len(lay.inner_numel) == 1 else t]
+            offset = lay.inner_offset[0 if len(lay.inner_offset) == 1 else t]
+            if offset + local > numel:
+                fail(what, ": layout.inner.offset ", offset, " + the ", local, " elements of tensor-parallel piece ", t,
+                     " exceed layout.inner.numel ", numel)
+
+
+def parse_layout(j, e, fqn, world_size, where, version=2):
     """The `layout` of tensor entry ``e`` (dtype, shape set), checked as the C++ reader checks
     it (metadata.cpp layout_from_json, sharding::Layout::validate), field by field in the same
     order and words: parameters in range, files in [0, world_size), a list's pieces (at most
@@ -250,18 +306,21 @@ def parse_layout(j, e, fqn, world_size, where):
     if not isinstance(j, dict):
         fail(what, ": layout is not an object")
     rule = j.get("rule")
-    if rule not in RULES:
-        fail(what, ": unknown layout rule ", jdump(rule), " (known: ", ", ".join(RULES), ")")
+    if not isinstance(rule, str) or rule not in (RULES_V3 if version >= 3 else RULES):
+        fail(what, ": unknown layout rule ", jdump(rule), " (known: whole, chunk, flat, list, tp)" if version >= 3
+             else " (known: whole, chunk, flat, list; tp needs format version 3)")
     shape = e.shape
     lay = PieceLayout(rule, shape)
-    if rule == "whole":
+    if rule == "tp":
+        _parse_tp_layout(j, lay, world_size, what)
+    elif rule == "whole":
         lay.file = int_in(j.get("file"), 0, world_size - 1, what + " layout.file")
     elif rule in ("chunk", "flat") and not shape:
         fail(what, ": a ", rule, " layout needs a tensor of at least one dimension (a 0-dimensional one is whole)")
     elif rule == "chunk":
         lay.dim = int_in(j.get("dim"), 0, len(shape) - 1, what + " layout.dim")
         lay.pieces = int_in(j.get("pieces"), 1, world_size, what + " layout.pieces")
-        lay.files = _parse_files(j.get("files"), lay.pieces, world_size, what)
+        lay.files = _parse_files(j.get("files"), lay.pieces, world_size, what, version)
     elif rule == "flat":
         lay.numel = int_in(j.get("numel"), 0, INT64_MAX, what + " layout.numel")
         lay.offset = int_in(j.get("offset"), 0, INT64_MAX, what + " layout.offset")
@@ -272,7 +331,7 @@ def parse_layout(j, e, fqn, world_size, where):
         if lay.offset + n > lay.numel:
             fail(what, ": layout.offset ", lay.offset, " + the tensor's ", n, " elements exceed layout.numel ",
                  lay.numel)
-        lay.files = _parse_files(j.get("files"), lay.pieces, world_size, what)
+        lay.files = _parse_files(j.get("files"), lay.pieces, world_size, what, version)
     else:
         jp = j.get("pieces")
         if not isinstance(jp, list):
@@ -429,7 +488,7 @@ def _parse_metadata_v2(j, m, where):
 
     def layout(fqn, e, je, what):
         byte_size(e.shape, e.dtype, f"{what}: shape {shape_string(e.shape)}")
-        e.layout = parse_layout(je.get("layout"), e, fqn, m.world_size, where)
+        e.layout = parse_layout(je.get("layout"), e, fqn, m.world_size, where, m.version)
 
     return _parse_entries(j, m, where, layout)
 

@@ -25,6 +25,7 @@ def inspect_checkpoint(ck):
             keys[k] = {"kind": e.kind, "dtype": e.dtype, "shape": list(e.shape), "chunks": n, "bytes": nb}
             if e.layout is not None:
                 keys[k]["layout"] = e.layout.rule
+                keys[k]["layout_words"] = e.layout.describe()  # "tp dim 0, 3 stripes, tp 2, inner flat over 2"
             if lay.kind == "hf":
                 keys[k]["file"] = lay.file_of.get(k)
         else:
@@ -48,7 +49,9 @@ def inspect_checkpoint(ck):
 
 class Summary(dict):
     """What inspect() returns: a dict (path, kind, version, world_size, crc32c_block, files,
-    keys: {fqn: {kind, dtype, shape, chunks, bytes} (version 2: and layout, the rule; a Hugging
+    keys: {fqn: {kind, dtype, shape, chunks, bytes} (versions 2 and 3: and layout, the rule, and
+    layout_words, the rule in words as `tessera ckpt inspect` prints it: "chunk dim 0, 4 pieces",
+    "tp dim 0, 3 stripes, tp 2, inner flat over 2"; a Hugging
     Face directory: and file, its shard) or {kind, value}}, tensor_bytes, save_id (version 2,
     else None), notes (remarks that are no error); a Hugging Face directory (kind "hf") also
     index (the index file's name, None for a single model.safetensors) and total_size (the
@@ -62,14 +65,17 @@ class Summary(dict):
             f"world size at save {ws if ws is not None else 'unknown'}, {len(self['files'])} data file(s)")
         lines = [f"{head}, {len(self['keys'])} keys, {self['tensor_bytes']} tensor bytes"]
         lines += [f"note: {n}" for n in self.get("notes", [])]
-        rows = [("KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES") + (("FILE",) if hf else ())]
+        layouts = any("layout" in v for v in self["keys"].values())  # a sharded checkpoint of format 2 or 3
+        rows = [("KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES") + (("FILE",) if hf else ())
+                + (("LAYOUT",) if layouts else ())]
         for k, v in self["keys"].items():
             if "dtype" in v:
                 rows.append((k, v["kind"], v["dtype"], str(v["shape"]), str(v["chunks"]), str(v["bytes"]))
-                            + ((v.get("file") or "-",) if hf else ()))
+                            + ((v.get("file") or "-",) if hf else ()) + ((v.get("layout_words", "-"),) if layouts else ()))
             else:
                 text = repr(v["value"])
-                rows.append((k, v["kind"], "-", text if len(text) <= 60 else text[:57] + "...", "-", "-"))
+                rows.append((k, v["kind"], "-", text if len(text) <= 60 else text[:57] + "...", "-", "-")
+                            + (("-",) if hf else ()) + (("-",) if layouts else ()))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

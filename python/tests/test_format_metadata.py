@@ -112,7 +112,9 @@ def test_the_layout_maps_every_data_file():
 
 
 def test_version_and_header_fields_refused_in_the_readers_words():
-    refused(v2_text(v2(version=3)), "format version 3 is not supported (this reader reads versions 1..2)")
+    refused(v2_text(v2(version=4)), "format version 4 is not supported (this reader reads versions 1..3)")
+    refused(v2_text(v2(version=0)), "format version 0 is not supported (this reader reads versions 1..3)")
+    assert parse_metadata(v2_text(v2(version=3)), "DIR").version == 3  # version 2 plus tp and interleaved groups
     refused(v2_text(v2(version="2")), WHERE + ": no integer version")
     refused(v2_text(v2(world_size=0)), WHERE + " world_size is 0, outside [1, 1048576]")
     refused(v2_text(v2(crc32c_block=12)), WHERE + " crc32c_block: checksum block size 12 is not a multiple of 8 bytes "
@@ -148,7 +150,15 @@ def test_the_item_bound_comes_before_parsing():
 
 
 @pytest.mark.parametrize("fqn,layout,shape,world,words", [
-    ("model.w", {"rule": "ring"}, None, 4, 'unknown layout rule "ring" (known: whole, chunk, flat, list)'),
+    ("model.w", {"rule": "ring"}, None, 4,
+     'unknown layout rule "ring" (known: whole, chunk, flat, list; tp needs format version 3)'),
+    ("model.w", {"rule": "tp", "dim": 0, "stripes": 1, "tp": 2, "inner": {"rule": "whole"},
+                 "files": {"first": 0, "step": 1}}, None, 4,
+     WHERE + ' key \'model.w\': unknown layout rule "tp" (known: whole, chunk, flat, list; tp needs format version 3)'),
+    ("model.w", {"rule": "chunk", "dim": 0, "pieces": 2,
+                 "files": {"first": 0, "step": 2, "replicas": 2, "replica_step": 1, "shift": 0}}, None, 4,
+     WHERE + " key 'model.w': layout.files.replica_step 1 is below layout.pieces * layout.files.step = 4 (two pieces "
+     "would share a file); interleaved replica groups need format version 3"),
     ("model.w", {"rule": "chunk", "dim": 0, "pieces": 0, "files": {"first": 0, "step": 1}}, None, 4,
      WHERE + " key 'model.w' layout.pieces is 0, outside [1, 4]"),
     ("model.w", {"rule": "chunk", "dim": 2, "pieces": 2, "files": {"first": 0, "step": 1}}, None, 4,
@@ -306,3 +316,82 @@ def test_check_tiling():
     assert "outside" in tiling_error(e, [([0, 0], [2, 3]), ([3, 0], [9, 3]), ([1, 0], [1, 3])])
     with pytest.raises(CheckpointError, match=r"M: key 'w': shape \[4611686018427387904, 2\]: shape too large"):
         check_tiling("w", Entry("sharded", "F32", [1 << 62, 2]), "M", [])
+
+
+# ---------------------------------------------------------------- version 3: tp, interleaved groups
+
+
+def v3_with(layout, shape, world_size=4):
+    ents = {"model.t": {"kind": "sharded", "dtype": "F32", "shape": shape, "layout": layout}}
+    return v2_text(v2(ents, version=3, world_size=world_size))
+
+
+def tp(inner, files=None, dim=0, stripes=3, t=2):
+    return {"rule": "tp", "dim": dim, "stripes": stripes, "tp": t, "inner": inner,
+            "files": files or {"first": 0, "step": 1}}
+
+
+def test_a_version_3_tp_layout_parsed():
+    # qkv of 3 stripes of 4 rows, tp 2, FSDP over 2 with per-TP-piece units
+    flat = {"rule": "flat", "numel": [30, 40], "offset": [0, 10], "pieces": 2}
+    m = parse_metadata(v3_with(tp(flat), [12, 5]), "DIR")
+    lay = m.entries["model.t"].layout
+    assert (lay.rule, lay.dim, lay.stripes, lay.tp, lay.inner, lay.pieces) == ("tp", 0, 3, 2, "flat", 2)
+    assert (lay.inner_numel, lay.inner_offset, lay.count(), lay.holders()) == ([30, 40], [0, 10], 12, 4)
+    assert lay.describe() == "tp dim 0, 3 stripes, tp 2, inner flat over 2"
+    # holder q = p*2 + t in file q: pieces [3q, 3q + 3)
+    assert [lay.pieces_in_file(f) for f in range(5)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], []]
+    # one per TP piece is accepted as a scalar too
+    whole = parse_metadata(v3_with(tp({"rule": "whole"}, dim=1, stripes=1), [3, 4]), "DIR").entries["model.t"].layout
+    assert [whole.box(i) for i in range(2)] == [([0, 0], [3, 2]), ([0, 2], [3, 2])]
+    chunk = parse_metadata(v3_with(tp({"rule": "chunk", "dim": 1, "pieces": 2}, stripes=2), [4, 3]), "DIR")
+    assert chunk.entries["model.t"].layout.inner_dim == 1
+
+
+def test_interleaved_groups_at_version_3():
+    # 2 dp groups interleaved over a (2 x 2) mesh: piece i in file 2i + (i mod 2)
+    files = {"first": 0, "step": 2, "replicas": 2, "replica_step": 1, "shift": 0}
+    lay = parse_metadata(v3_with({"rule": "chunk", "dim": 0, "pieces": 2, "files": files}, [4, 2]),
+                         "DIR").entries["model.t"].layout
+    assert lay.files.interleaved() and [lay.file_of(i) for i in range(2)] == [0, 3]
+    assert [lay.pieces_in_file(f) for f in range(4)] == [[0], [], [], [1]]
+    # groups that collide: replica_step 2 = step
+    files["replica_step"] = 2
+    refused(v3_with({"rule": "chunk", "dim": 0, "pieces": 2, "files": files}, [4, 2]),
+            "key 'model.t': layout.files.replica_step 2 is below layout.pieces * layout.files.step = 4 (two pieces "
+            "would share a file)")
+
+
+@pytest.mark.parametrize("layout,shape,world,words", [
+    (tp({"rule": "whole"}, dim=2), [6, 2], 4, "key 'model.t' layout.dim is 2, outside [0, 1]"),
+    (tp({"rule": "whole"}), [], 4, "key 'model.t': a tp layout needs a tensor of at least one dimension"),
+    (tp({"rule": "whole"}, stripes=0), [6, 2], 4, "key 'model.t' layout.stripes is 0, outside [1, 64]"),
+    (tp({"rule": "whole"}, stripes=65), [6, 2], 4, "key 'model.t' layout.stripes is 65, outside [1, 64]"),
+    (tp({"rule": "whole"}, stripes=4), [6, 2], 4,
+     "key 'model.t': layout.stripes 4 does not divide dimension 0 of shape [6, 2] (6)"),
+    (tp({"rule": "whole"}, t=0), [6, 2], 4, "key 'model.t' layout.tp is 0, outside [1, 4]"),
+    (tp({"rule": "whole"}, t=5), [6, 2], 4, "key 'model.t' layout.tp is 5, outside [1, 4]"),
+    (dict(tp({"rule": "whole"}), inner=[1]), [6, 2], 4, "key 'model.t': layout.inner is not an object"),
+    (tp({"rule": "rows"}), [6, 2], 4, "key 'model.t': unknown layout.inner.rule \"rows\" (known: whole, chunk, flat)"),
+    (tp({"rule": "tp"}), [6, 2], 4, "unknown layout.inner.rule \"tp\" (known: whole, chunk, flat)"),
+    (tp({"rule": "chunk", "dim": 2, "pieces": 2}), [6, 2], 4, "key 'model.t' layout.inner.dim is 2, outside [0, 1]"),
+    (tp({"rule": "chunk", "dim": 0, "pieces": 0}), [6, 2], 4, "key 'model.t' layout.inner.pieces is 0, outside [1, 4]"),
+    (tp({"rule": "chunk", "dim": 0, "pieces": 3}), [6, 2], 4,
+     "key 'model.t': layout.inner.pieces 3 x layout.tp 2 holders exceed world_size 4"),
+    (tp({"rule": "flat", "numel": [12, 12, 12], "offset": 0, "pieces": 2}), [6, 2], 4,
+     "key 'model.t' layout.inner.numel holds 3 values (1, or layout.tp = 2)"),
+    (tp({"rule": "flat", "numel": 12, "offset": [0], "pieces": 2}), [6, 2], 4,
+     "key 'model.t' layout.inner.offset holds 1 values (1, or layout.tp = 2)"),
+    (tp({"rule": "flat", "numel": [6, -1], "offset": 0, "pieces": 2}), [6, 2], 4,
+     "key 'model.t' layout.inner.numel[1] is -1, outside [0, 9223372036854775807]"),
+    (tp({"rule": "flat", "numel": [6, 5], "offset": 0, "pieces": 2}), [6, 2], 4,
+     "key 'model.t': layout.inner.offset 0 + the 6 elements of tensor-parallel piece 1 exceed layout.inner.numel 5"),
+    (tp({"rule": "whole"}, files={"first": 3, "step": 1}), [6, 2], 4,
+     "key 'model.t': layout.files reach data file 4, outside [0, 3]"),
+    (tp({"rule": "chunk", "dim": 0, "pieces": 2}, files={"first": 0, "step": 1, "replicas": 2, "replica_step": 2,
+                                                          "shift": 0}), [6, 2], 4,
+     "key 'model.t': layout.files.replica_step 2 is below layout.inner.pieces * layout.tp * layout.files.step = 4 "
+     "(two pieces would share a file)"),
+])
+def test_tp_layouts_refused_field_by_field(layout, shape, world, words):
+    refused(v3_with(layout, shape, world), words)

@@ -1,7 +1,7 @@
 // Issue 44 items 3, 4 and 5: hostile metadata within the documented limits, verify's output,
 // and the C++ and Python readers' agreement.
 //  - Item 5: a table of crafted metadata files (every field of a version-2 checkpoint at and
-//    past its bounds, each re-checksummed as docs/checkpoint-format.md §3 describes) run
+//    past its bounds, and of version 3's tp rule and interleaved replica groups (issue 47), each re-checksummed as docs/checkpoint-format.md §3 describes) run
 //    through `tessera ckpt verify` and `python -m tessera_ckpt verify`, and through both
 //    readers' inspect: the same verdict and the same message in both (files.shift = 2^63-1
 //    was refused by every C++ command and accepted by Python's verify; files.first and
@@ -175,6 +175,26 @@ TEST(MetadataAgreement, BothReadersGiveEveryCraftedFileTheSameVerdictInTheSameWo
   const int64_t i64max = std::numeric_limits<int64_t>::max();
   const uint64_t two63 = uint64_t(1) << 63;
   const std::string C = "/entries/c/layout", F = "/entries/f/layout", H = "/entries/h/layout", L = "/entries/l/layout";
+  // Version 3 (issue 47): the base at version 3 with a tp entry "t" (qkv-like: 3 stripes of 4
+  // rows, tp 2, FSDP's flat cut over 2 of each 6x4 TP piece), then `edits`; version 2 keeps the
+  // entry, which that version refuses.
+  const std::string T = "/entries/t/layout";
+  const ojson tp_layout = {{"rule", "tp"},
+                           {"dim", 0},
+                           {"stripes", 3},
+                           {"tp", 2},
+                           {"inner", {{"rule", "flat"}, {"numel", 60}, {"offset", 4}, {"pieces", 2}}},
+                           {"files", {{"first", 0}, {"step", 1}}}};
+  auto v3 = [tp_layout](std::vector<Edit> edits = {}, int version = 3) -> Edit {
+    return [tp_layout, edits, version](ojson& j) {
+      j["version"] = version;
+      j["keys"].push_back("t");
+      j["entries"]["t"] =
+          ojson{{"kind", "sharded"}, {"dtype", "F32"}, {"shape", ojson::array({12, 4})}, {"layout", tp_layout}};
+      for (const auto& e : edits) e(j);
+    };
+  };
+  const ojson interleaved = {{"first", 0}, {"step", 2}, {"replicas", 2}, {"replica_step", 1}, {"shift", 1}};
   struct Case {
     std::string name;
     Edit edit;
@@ -190,8 +210,9 @@ TEST(MetadataAgreement, BothReadersGiveEveryCraftedFileTheSameVerdictInTheSameWo
       {"world_float", set("/world_size", 1.5), "world_size: expected an integer, got 1.5"},
       {"world_text", set("/world_size", "4"), "world_size: expected an integer, got \"4\""},
       {"world_2p64", set("/world_size", "@BIG@"), "world_size: expected an integer, got 1.8446744073709552e+19"},
-      {"version0", set("/version", 0), "format version 0 is not supported (this reader reads versions 1..2)"},
-      {"version3", set("/version", 3), "format version 3 is not supported"},
+      {"version0", set("/version", 0), "format version 0 is not supported (this reader reads versions 1..3)"},
+      {"version3", set("/version", 3), ""},
+      {"version4", set("/version", 4), "format version 4 is not supported (this reader reads versions 1..3)"},
       {"version_wrap", set("/version", (int64_t(1) << 32) + 2), "format version 4294967298 is not supported"},
       {"version_2p63", set("/version", two63), "format version 9223372036854775808 is not supported"},
       {"version_2p64", set("/version", "@BIG@"), "no integer version"},
@@ -211,7 +232,8 @@ TEST(MetadataAgreement, BothReadersGiveEveryCraftedFileTheSameVerdictInTheSameWo
       {"int_max", set("/entries/step/value", i64max), ""},
       {"int_over", set("/entries/step/value", two63), "key 'step' value is 9223372036854775808, outside"},
       {"no_layout", drop("/entries/c", "layout"), "key 'c': layout is not an object"},
-      {"rule", set(C + "/rule", "rows"), "key 'c': unknown layout rule \"rows\" (known: whole, chunk, flat, list)"},
+      {"rule", set(C + "/rule", "rows"),
+       "key 'c': unknown layout rule \"rows\" (known: whole, chunk, flat, list; tp needs format version 3)"},
       {"rule_none", drop(C, "rule"), "unknown layout rule null"},
       // whole
       {"whole_last", set("/entries/s/layout/file", 3), ""},
@@ -284,6 +306,60 @@ TEST(MetadataAgreement, BothReadersGiveEveryCraftedFileTheSameVerdictInTheSameWo
          j["entries"]["l"]["layout"]["pieces"] = ps;
        },
        "key 'l': layout.pieces lists 257 pieces, more than 64 per data file (256 for world_size 4)"},
+      // version 3: the tp rule, every field at and past its bounds, in the words of
+      // metadata.cpp tp_layout_from_json and Layout::validate_tp
+      {"v3_rule", v3({set(C + "/rule", "rows")}), "key 'c': unknown layout rule \"rows\" (known: whole, chunk, flat, list, tp)"},
+      {"tp_v2", v3({}, 2), "key 't': unknown layout rule \"tp\" (known: whole, chunk, flat, list; tp needs format version 3)"},
+      {"tp_flat", v3(), ""},
+      {"tp_flat_arrays", v3({set(T + "/inner/numel", ojson::array({30, 40})), set(T + "/inner/offset", ojson::array({0, 16}))}), ""},
+      {"tp_chunk", v3({set(T + "/inner", {{"rule", "chunk"}, {"dim", 1}, {"pieces", 2}})}), ""},
+      {"tp_whole", v3({set(T + "/inner", {{"rule", "whole"}}), set(T + "/files/step", 2)}), ""},
+      {"tp_dim1", v3({set(T + "/dim", 1), set(T + "/stripes", 2)}), ""},
+      {"tp_scalar", v3({set("/entries/t/shape", ojson::array())}), "key 't': a tp layout needs a tensor of at least one dimension"},
+      {"tp_dim_out", v3({set(T + "/dim", 2)}), "key 't' layout.dim is 2, outside [0, 1]"},
+      {"tp_dim_neg", v3({set(T + "/dim", -1)}), "key 't' layout.dim is -1, outside [0, 1]"},
+      {"tp_stripes0", v3({set(T + "/stripes", 0)}), "key 't' layout.stripes is 0, outside [1, 64]"},
+      {"tp_stripes64", v3({set(T + "/stripes", 64), set("/entries/t/shape", ojson::array({128, 4})), set(T + "/inner/numel", 1000)}), ""},
+      {"tp_stripes65", v3({set(T + "/stripes", 65)}), "key 't' layout.stripes is 65, outside [1, 64]"},
+      {"tp_stripes_split", v3({set(T + "/stripes", 5)}), "key 't': layout.stripes 5 does not divide dimension 0 of shape [12, 4] (12)"},
+      {"tp_tp0", v3({set(T + "/tp", 0)}), "key 't' layout.tp is 0, outside [1, 4]"},
+      {"tp_tp_max", v3({set(T + "/tp", 4), set(T + "/inner/pieces", 1)}), ""},
+      {"tp_tp_over", v3({set(T + "/tp", 5)}), "key 't' layout.tp is 5, outside [1, 4]"},
+      {"tp_inner_form", v3({set(T + "/inner", ojson::array({1}))}), "key 't': layout.inner is not an object"},
+      {"tp_inner_rule", v3({set(T + "/inner/rule", "list")}), "key 't': unknown layout.inner.rule \"list\" (known: whole, chunk, flat)"},
+      {"tp_inner_rule_none", v3({drop(T + "/inner", "rule")}), "key 't': unknown layout.inner.rule null (known: whole, chunk, flat)"},
+      {"tp_inner_dim_out", v3({set(T + "/inner", {{"rule", "chunk"}, {"dim", 2}, {"pieces", 2}})}), "key 't' layout.inner.dim is 2, outside [0, 1]"},
+      {"tp_inner_pieces0", v3({set(T + "/inner/pieces", 0)}), "key 't' layout.inner.pieces is 0, outside [1, 4]"},
+      {"tp_inner_pieces_over", v3({set(T + "/inner/pieces", 5)}), "key 't' layout.inner.pieces is 5, outside [1, 4]"},
+      {"tp_holders_over", v3({set(T + "/inner/pieces", 3)}), "key 't': layout.inner.pieces 3 x layout.tp 2 holders exceed world_size 4"},
+      {"tp_numel_len", v3({set(T + "/inner/numel", ojson::array({60, 60, 60}))}), "key 't' layout.inner.numel holds 3 values (1, or layout.tp = 2)"},
+      {"tp_offset_len", v3({set(T + "/inner/offset", ojson::array({4}))}), "key 't' layout.inner.offset holds 1 values (1, or layout.tp = 2)"},
+      {"tp_numel_neg", v3({set(T + "/inner/numel", ojson::array({60, -1}))}), "key 't' layout.inner.numel[1] is -1, outside [0, 9223372036854775807]"},
+      {"tp_numel_none", v3({drop(T + "/inner", "numel")}), "key 't' layout.inner.numel: expected an integer, got null"},
+      {"tp_numel_fits", v3({set(T + "/inner/numel", 28)}), ""},
+      {"tp_numel_short", v3({set(T + "/inner/numel", 27)}),
+       "key 't': layout.inner.offset 4 + the 24 elements of tensor-parallel piece 0 exceed layout.inner.numel 27"},
+      {"tp_numel_short_1", v3({set(T + "/inner/numel", ojson::array({60, 40})), set(T + "/inner/offset", ojson::array({0, 17}))}),
+       "key 't': layout.inner.offset 17 + the 24 elements of tensor-parallel piece 1 exceed layout.inner.numel 40"},
+      {"tp_offset_big", v3({set(T + "/inner/offset", i64max)}),
+       "key 't': layout.inner.offset 9223372036854775807 + the 24 elements of tensor-parallel piece 0 exceed layout.inner.numel 60"},
+      {"tp_files_reach", v3({set(T + "/files/first", 1)}), "key 't': layout.files reach data file 4, outside [0, 3]"},
+      {"tp_files_step_reach", v3({set(T + "/files/step", 2)}), "key 't': layout.files reach data file 6, outside [0, 3]"},
+      {"tp_files_hybrid",
+       v3({set(T + "/inner", {{"rule", "whole"}}),
+           set(T + "/files", {{"first", 0}, {"step", 1}, {"replicas", 2}, {"replica_step", 2}, {"shift", 0}})}),
+       ""},
+      // interleaved replica groups: valid at version 3, refused at 2, and colliding ones at 3
+      {"tp_interleaved", v3({set(T + "/inner", {{"rule", "whole"}}), set(T + "/files", interleaved)}), ""},
+      {"tp_interleaved_collide", v3({set(T + "/inner", {{"rule", "whole"}}), set(T + "/files", interleaved), set(T + "/files/replica_step", 2)}),
+       "key 't': layout.files.replica_step 2 is below layout.inner.pieces * layout.tp * layout.files.step = 4 (two pieces would share a file)"},
+      {"tp_interleaved_reach", v3({set(T + "/files", interleaved)}), "key 't': layout.files reach data file 7, outside [0, 3]"},
+      {"interleaved_v3", v3({set(H + "/files", interleaved)}), ""},
+      {"interleaved_v2", set(H + "/files", interleaved),
+       "key 'h': layout.files.replica_step 1 is below layout.pieces * layout.files.step = 4 (two pieces would share a file); "
+       "interleaved replica groups need format version 3"},
+      {"interleaved_collide_v3", v3({set(H + "/files", interleaved), set(H + "/files/replicas", 3)}),
+       "key 'h': layout.files.replica_step 1 is below layout.pieces * layout.files.step = 4 (two pieces would share a file)"},
       // the item bound, exactly at it and one past (a member no reader uses)
       {"items_at", [&](ojson& j) { j["junk"] = ojson::array(); j["junk"].get_ref<ojson::array_t&>().resize(kMaxItems - base_items - 2, 0); }, ""},
       {"items_past", [&](ojson& j) { j["junk"] = ojson::array(); j["junk"].get_ref<ojson::array_t&>().resize(kMaxItems - base_items - 1, 0); },

@@ -745,7 +745,7 @@ def check_damaged(src, tmp, items):
     layout_case("flat_scalar", "fsdp.s", lambda e: e.update(layout={"rule": "flat", "numel": 89, "offset": 38, "pieces": 4,
                                                                      "files": {"first": 0, "step": 1}}),
                 ["a flat layout needs a tensor of at least one dimension"])
-    layout_case("rule", "model.emb", set_(["layout", "rule"], "rows"), ["unknown layout rule \"rows\" (known: whole, chunk, flat, list)"])
+    layout_case("rule", "model.emb", set_(["layout", "rule"], "rows"), ["unknown layout rule \"rows\" (known: whole, chunk, flat, list; tp needs format version 3)"])
     layout_case("no_layout", "model.emb", set_(["layout"], None), ["layout is not an object"])
     layout_case("flat_over", "fsdp.d", lambda e: e["layout"].update(offset=e["layout"]["numel"] - 17),
                 ["layout.offset", "exceed layout.numel"])
@@ -777,7 +777,7 @@ def check_damaged(src, tmp, items):
         write_metadata(d, j)
         refused(d, [mf] + wanted, "metadata " + name)
 
-    meta_case("version3", lambda j: j.update(version=3), ["format version 3 is not supported"])
+    meta_case("version4", lambda j: j.update(version=4), ["format version 4 is not supported (this reader reads versions 1..3)"])
     meta_case("version_wrap", lambda j: j.update(version=(1 << 32) + 2), ["format version 4294967298"])
     meta_case("world0", lambda j: j.update(world_size=0), ["world_size is 0, outside [1, 1048576]"])
     meta_case("world_big", lambda j: j.update(world_size=(1 << 20) + 1), ["world_size is 1048577"])

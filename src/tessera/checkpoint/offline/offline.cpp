@@ -173,6 +173,29 @@ void write_consolidated(const CheckpointMetadata& m, const std::string& tmp) {
 
 }  // namespace
 
+namespace {
+
+// A version-2 or -3 layout in words, as python/tessera_ckpt (PieceLayout.describe) prints it:
+// "chunk dim 0, 4 pieces", "tp dim 0, 3 stripes, tp 2, inner flat over 2".
+std::string layout_words(const sharding::Layout& L) {
+  using R = sharding::Layout::Rule;
+  switch (L.rule) {
+    case R::Whole: return concat("whole in file ", L.file);
+    case R::Chunk: return concat("chunk dim ", L.dim, ", ", L.pieces, " pieces");
+    case R::Flat: return concat("flat over ", L.pieces);
+    case R::List: return concat("list of ", L.list.size(), " pieces");
+    case R::Tp: {
+      const std::string inner = L.inner == R::Chunk  ? concat("chunk dim ", L.inner_dim, " over ", L.pieces)
+                                : L.inner == R::Flat ? concat("flat over ", L.pieces)
+                                                     : std::string("whole");
+      return concat("tp dim ", L.dim, ", ", L.stripes, " stripes, tp ", L.tp, ", inner ", inner);
+    }
+  }
+  return "?";
+}
+
+}  // namespace
+
 std::string inspect(const std::string& path) {
   std::optional<HfDirectory> hf;
   if (is_hf_directory(path)) hf = read_hf_directory(path);
@@ -180,7 +203,7 @@ std::string inspect(const std::string& path) {
   std::ostringstream os;
   uint64_t total = 0;
   struct Row {
-    std::string key, kind, dtype, shape, chunks, bytes, file;
+    std::string key, kind, dtype, shape, chunks, bytes, file, layout;
   };
   std::vector<Row> rows;
   for (const auto& k : m.keys) {
@@ -192,9 +215,10 @@ std::string inspect(const std::string& path) {
       const size_t chunks =
           e.layout ? e.layout->overlapping(e.shape, sharding::full_box(e.shape)).size() : e.chunks.size();
       rows.push_back({k, e.kind, dtype_name(e.dtype), core::shape_string(e.shape), std::to_string(chunks),
-                      std::to_string(b), hf && hf->file_of.count(k) ? hf->file_of.at(k) : "-"});
+                      std::to_string(b), hf && hf->file_of.count(k) ? hf->file_of.at(k) : "-",
+                      e.layout ? layout_words(*e.layout) : "-"});
     } else {
-      rows.push_back({k, e.kind, "-", value_str(e.value), "-", "-", "-"});
+      rows.push_back({k, e.kind, "-", value_str(e.value), "-", "-", "-", "-"});
     }
   }
   os << "checkpoint: " << path << "\n";
@@ -209,18 +233,22 @@ std::string inspect(const std::string& path) {
   if (hf)
     for (const auto& n : hf->notes) os << "note: " << n << "\n";
   os << "entries: " << m.keys.size() << ", tensor bytes: " << total << "\n\n";
-  Row head{"KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES", "FILE"};
-  const int cols = hf ? 7 : 6;  // the shard file of each tensor: a Hugging Face directory only
-  size_t w[7] = {0, 0, 0, 0, 0, 0, 0};
+  Row head{"KEY", "KIND", "DTYPE", "SHAPE/VALUE", "CHUNKS", "BYTES", "FILE", "LAYOUT"};
+  // The shard file of each tensor: a Hugging Face directory only; the layout rule: a sharded
+  // checkpoint of format 2 or 3 only.
+  const bool show[8] = {true, true, true, true, true, true, hf.has_value(),
+                        m.source_kind == kSourceSharded && m.version >= 2};
+  size_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   auto widen = [&](const Row& r) {
-    const std::string* f[7] = {&r.key, &r.kind, &r.dtype, &r.shape, &r.chunks, &r.bytes, &r.file};
-    for (int i = 0; i < cols; ++i) w[i] = std::max(w[i], f[i]->size());
+    const std::string* f[8] = {&r.key, &r.kind, &r.dtype, &r.shape, &r.chunks, &r.bytes, &r.file, &r.layout};
+    for (int i = 0; i < 8; ++i) w[i] = std::max(w[i], f[i]->size());
   };
   widen(head);
   for (auto& r : rows) widen(r);
   auto print = [&](const Row& r) {
-    const std::string* f[7] = {&r.key, &r.kind, &r.dtype, &r.shape, &r.chunks, &r.bytes, &r.file};
-    for (int i = 0; i < cols; ++i) os << std::left << std::setw(static_cast<int>(w[i]) + 2) << *f[i];
+    const std::string* f[8] = {&r.key, &r.kind, &r.dtype, &r.shape, &r.chunks, &r.bytes, &r.file, &r.layout};
+    for (int i = 0; i < 8; ++i)
+      if (show[i]) os << std::left << std::setw(static_cast<int>(w[i]) + 2) << *f[i];
     os << "\n";
   };
   print(head);
