@@ -289,6 +289,9 @@ TEST_F(Gpt, ResumeUnderTensorParallelismContinuesTheRun) {
   EXPECT_TRUE(fs::is_directory(r.dir + "/tp-part/checkpoints/last.ckpt"));
   expect_resume_continues(r, "tpfull", " --tp 2 --state-dict full");
   EXPECT_TRUE(fs::is_regular_file(r.dir + "/tpfull-part/checkpoints/last.ckpt"));
+  // Written in the background: the snapshot keeps each parameter's pieces, one per stripe.
+  expect_resume_continues(r, "tpasync", " --tp 2 --async-ckpt");
+  EXPECT_TRUE(fs::is_directory(r.dir + "/tpasync-part/checkpoints/last.ckpt"));
 }
 
 // --async-ckpt: checkpoints written in the background while training goes on, Full

@@ -104,8 +104,8 @@ std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, cons
       // one (its list is never built for a sharded save).
       const auto& own = s->comm();
       const auto& comm = sharded && own->size() != bg->size() ? own : bg;
-      if (s->metadata_is_rule_only() && local.size() == 1) {
-        out->set(k, sharding::ShardedTensor::from_rule(std::move(local[0]), *s->layout(), s->shape(), s->dtype(), comm));
+      if (s->metadata_is_rule_only()) {  // one shard per rank, or one per stripe (a tp rule)
+        out->set(k, sharding::ShardedTensor::from_rule(std::move(local), *s->layout(), s->shape(), s->dtype(), comm));
       } else {
         auto all = s->shards_metadata();
         for (auto& m : all) m.placement.device = c10::kCPU;
