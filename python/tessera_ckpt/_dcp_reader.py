@@ -110,6 +110,7 @@ class Reader(StorageReader):
         if ck is None:
             self.read_metadata()
             ck = self._ck
+        self._check_targets(plan, planner)
         try:
             for req in plan.items:
                 fqn = req.storage_index.fqn
@@ -144,6 +145,24 @@ class Reader(StorageReader):
         return os.path.isfile(p) and p.endswith(".safetensors")
 
     # -- internals
+    def _check_targets(self, plan, planner):
+        """Refuses, before anything is read, a DTensor target whose local tensor DCP's plan
+        places wrongly (``_one_box_problem``): DCP would fill it with other rows of the
+        checkpoint, whatever the storage reader. The targets are the planner's flattened state
+        dict (DefaultLoadPlanner's ``state_dict``); a planner without one is not checked."""
+        sd = getattr(planner, "state_dict", None)
+        if not isinstance(sd, dict):
+            return
+        seen = set()
+        for req in plan.items:
+            fqn = req.dest_index.fqn
+            if req.type == LoadItemType.BYTE_IO or fqn in seen:
+                continue
+            seen.add(fqn)
+            why = _one_box_problem(sd.get(fqn))
+            if why:
+                raise CheckpointError(f"'{self.path}' key '{req.storage_index.fqn}': {why}")
+
     def _close(self):
         if self._ck is not None:
             self._ck.close()
@@ -231,3 +250,32 @@ class Reader(StorageReader):
         self._ck._read_range(fqn, c, lo, hi, tensor_view(buf), self.verify)
         region = buf.as_strided(lens, strides, 0) if lens else buf.view([])
         target.copy_(region)
+
+
+def _one_box_problem(t):
+    """Why DCP's description of DTensor ``t``'s local tensor is not where that tensor's
+    elements lie in the global tensor, or None. torch 2.x's DCP describes each rank's local
+    tensor as one box (``DTensor.__create_chunk_list__``: its first global offset and its
+    shape). A ``_StridedShard(d, split_factor=s)`` is one box only as FSDP2 makes it over a
+    tensor-parallel cut: s equal to the product of the mesh sizes of the later placements
+    cutting dim d (``(_StridedShard(0, sf=tp), Shard(0))``), or on a mesh dimension of size 1.
+    Otherwise its local tensor is s stripes of dim d (Tessera's layout of a fused qkv at
+    s = 3: one piece of each of q, k and v), which DCP would read from the wrong rows."""
+    placements, mesh = getattr(t, "placements", None), getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return None
+    for i, p in enumerate(placements):
+        if type(p).__name__ != "_StridedShard" or p.split_factor == 1 or mesh.size(i) == 1:
+            continue
+        later = 1
+        for j in range(i + 1, len(placements)):
+            q = placements[j]
+            if type(q).__name__ in ("Shard", "_StridedShard") and q.dim == p.dim:
+                later *= mesh.size(j)
+        if later != p.split_factor:
+            return (f"the target DTensor's placements {tuple(placements)} on a mesh of shape {tuple(mesh.shape)}: "
+                    f"its local tensor is {p.split_factor} stripes of dim {p.dim}, which torch's DCP describes as one "
+                    f"box (DTensor.__create_chunk_list__), so it would be filled from the wrong rows (with any "
+                    f"storage reader); load a Shard({p.dim}) DTensor (ColwiseParallel's cut) or a plain tensor and "
+                    f"reorder the stripes after")
+    return None
