@@ -2,27 +2,33 @@
 through tessera_ckpt.dcp, with real torch FSDP2 + DTensor TP models (Gloo, one process per
 rank, rendezvous through a file: no port).
 
-usage: python dcp_2d_check.py CKPT --bin BUILD/bin --work DIR
+usage: python dcp_2d_check.py CKPT --tessera BUILD/bin/tessera --gpt BUILD/bin/gpt --work DIR
   CKPT   a sharded 2-D checkpoint of `gpt train --strategy fsdp --tp 2 --devices 4`
-  --bin  the directory holding tessera and gpt (the Tessera side of direction B)
+  --tessera, --gpt   the Tessera side of direction B; --work: a directory for the checkpoints
 
 The torch model is bench/peers/gpt_model.Gpt (examples/gpt's names, qkv fused) with a
 tensor-parallel plan after torchtitan's (embedding RowwiseParallel, qkv / fc / head
 ColwiseParallel, proj / fc_out RowwiseParallel, norms and pos whole), then fully_shard over
 the mesh's dp dimension per block and at the root; its state dict
-(get_model_state_dict) holds DTensors on the (dp, tp) mesh: (_StridedShard(0, sf=tp),
-Shard(0)) for the row-cut weights, (Shard(0), Shard(1)) for the column-cut ones, (Shard(0),
-Replicate()) for the rest. No forward is run: the plan's qkv cut (contiguous rows) is not
-the attention's (each head's q, k, v); only the state dict matters here.
+(get_model_state_dict) holds DTensors: on the (dp, tp) mesh (_StridedShard(0, sf=tp),
+Shard(0)) for the row-cut weights (tok, qkv, fc, head), (Shard(0), Shard(1)) for the
+column-cut ones (proj, fc_out), (Shard(0), Replicate()) for their biases; on the dp mesh
+alone (Shard(0),) for the norms and pos. No forward is run: the plan's qkv cut (contiguous
+rows) is not the attention's (each head's q, k, v); only the state dict matters here.
 
 A. The Tessera checkpoint loaded by dcp.load(..., storage_reader=Reader(CKPT)) at meshes
-   (dp, tp) = (2, 2), (1, 4), (4, 1), (1, 3) (tp 3: uneven pieces: 256 rows as 86, 86, 84):
-   every full_tensor() equal to tessera_ckpt.load(CKPT).
+   (dp, tp) = (2, 2), (1, 4), (4, 1), (1, 3) (tp 3: uneven pieces: 256 rows as 86, 86, 84,
+   32 columns as 11, 11, 10): every full_tensor() equal to tessera_ckpt.load(CKPT); at
+   (2, 2) also TrainerState.load with AdamW (weights, exp_avg, exp_avg_sq equal).
 B. Random weights at (2, 2) and (1, 3) saved by dcp.save through Writer(OUT) and through
    DCP's FileSystemWriter: tessera_ckpt.load(OUT) and `tessera ckpt consolidate OUT` equal
    the weights; `tessera ckpt verify OUT`; `gpt train --init-from OUT` at --tp 2 --devices 4
    and at --devices 1 logs the same first loss; `tessera ckpt import-dcp` of the
-   FileSystemWriter directory equals the weights.
+   FileSystemWriter directory equals the weights. TrainerState.save at (2, 2) (AdamW state
+   set, step 4) is resumed by `gpt train --resume` at --tp 2 --devices 4.
+Stripes: a DTensor cut as Tessera cuts qkv (_StridedShard(0, split_factor=3) over tp) is one
+   that torch's DCP describes wrongly; the Reader refuses its load naming the key, DCP's
+   planner its save.
 Prints "ok dcp_2d_check: ..." at the end.
 """
 import os
@@ -98,6 +104,50 @@ def check_equal(what, got_sd, want):
         raise SystemExit(f"{what}: differs at " + "; ".join(bad))
 
 
+def refused(fn):
+    """The text of what fn raised, '' if nothing."""
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: B036
+        return str(e)
+    return ""
+
+
+def stripes(where, dp, tp, path, shape, work):
+    """Tessera's own cut of qkv as a DTensor, _StridedShard(0, split_factor=3) over tp (each
+    rank one piece of each of q, k and v): DCP describes its local tensor as one box, wrongly.
+    The Reader refuses the load naming the key (DCP's FileSystemReader fills it from the
+    wrong rows); DCP's planner refuses the save (overlapping chunks), before the Writer
+    publishes anything."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    import tessera_ckpt.dcp
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    d = shape[2]
+    t = distribute_tensor(torch.randn(3 * d, d), mesh, [Replicate(), _StridedShard(0, split_factor=3)])
+    key = "blocks.0.qkv.weight"
+    # DCP's CheckpointException (each rank's error) is a BaseException.
+    err = refused(lambda: dcp.load({"model": {key: t}}, storage_reader=tessera_ckpt.dcp.Reader(path)))
+    if f"key 'model.{key}'" not in err or "3 stripes of dim 0" not in err:
+        raise SystemExit(f"{where}: dcp.load of a _StridedShard(0, split_factor=3) DTensor: {err or 'not refused'}")
+    out = os.path.join(work, "stripes-not-written")
+    err = refused(lambda: dcp.save({"model": {key: t}}, storage_writer=tessera_ckpt.dcp.Writer(out)))
+    if "validate global plan" not in err:
+        raise SystemExit(f"{where}: dcp.save of a _StridedShard(0, split_factor=3) DTensor: {err or 'not refused'}")
+    left = [n for n in os.listdir(work) if "stripes-not-written" in n]
+    if left:
+        raise SystemExit(f"{where}: the refused save left {left} in {work}")
+    return (f"stripes: ({dp}, {tp}) a _StridedShard(0, split_factor=3) DTensor refused by the Reader (dcp.load) "
+            "and by DCP's planner (dcp.save)")
+
+
 def worker(argv):
     """Runs the steps of argv[2:] in one process group of argv[1] ranks: load:DPxTP:CKPT,
     save:DPxTP:OUT, trainer-load:DPxTP:CKPT, trainer-save:DPxTP:OUT."""
@@ -116,8 +166,14 @@ def worker(argv):
     for step in argv[3:]:
         mode, mesh, path = step.split(":", 2)
         dp, tp = (int(x) for x in mesh.split("x"))
-        model, whole = build(shape, dp, tp)
         where = f"rank {rank} {mode} at ({dp}, {tp})"
+        if mode == "stripes":
+            msg = stripes(where, dp, tp, path, shape, os.path.dirname(rdzv))
+            dist.barrier()
+            if rank == 0:
+                print("  " + msg, flush=True)
+            continue
+        model, whole = build(shape, dp, tp)
         if mode in ("load", "save"):
             sd = get_model_state_dict(model)
             if rank == 0 and os.environ.get("DCP_2D_VERBOSE"):
@@ -129,7 +185,8 @@ def worker(argv):
             if mode == "load":
                 dcp.load({"model": sd}, storage_reader=tessera_ckpt.dcp.Reader(path))
                 check_equal(where, sd, tessera_ckpt.load(path, prefix="model."))
-                msg = f"A: ({dp}, {tp}) dcp.load of {len(sd)} DTensors ({n_strided} _StridedShard) equal to tessera_ckpt.load"
+                msg = (f"A: ({dp}, {tp}) dcp.load of {len(sd)} DTensors ({n_strided} _StridedShard) equal to "
+                       "tessera_ckpt.load")
             else:
                 dcp.save({"model": sd}, storage_writer=tessera_ckpt.dcp.Writer(os.path.join(path, "tessera")))
                 dcp.save({"model": sd}, checkpoint_id=os.path.join(path, "dcp"))
@@ -215,9 +272,7 @@ def main(argv):
     import tessera_ckpt
 
     ckpt = argv[0]
-    bindir = argv[argv.index("--bin") + 1]
-    work = argv[argv.index("--work") + 1]
-    tessera, gpt = os.path.join(bindir, "tessera"), os.path.join(bindir, "gpt")
+    tessera, gpt, work = (argv[argv.index(flag) + 1] for flag in ("--tessera", "--gpt", "--work"))
     os.makedirs(work, exist_ok=True)
     hp = tessera_ckpt.load(ckpt, prefix="hparams.")
     shape = tuple(int(hp[k]) for k in ("n_layer", "n_head", "d_model", "seq_len"))
@@ -230,10 +285,10 @@ def main(argv):
     trainer = os.path.join(work, "trainer-2x2")
     for d in outs.values():
         os.makedirs(d, exist_ok=True)
-    launch(4, [f"load:2x2:{ckpt}", f"trainer-load:2x2:{ckpt}", f"save:2x2:{outs['2x2']}",
+    launch(4, [f"stripes:2x2:{ckpt}", f"load:2x2:{ckpt}", f"trainer-load:2x2:{ckpt}", f"save:2x2:{outs['2x2']}",
                f"trainer-save:2x2:{trainer}", f"load:1x4:{ckpt}", f"load:4x1:{ckpt}"], shape, work)
     launch(3, [f"load:1x3:{ckpt}", f"save:1x3:{outs['1x3']}"], shape, work)
-    checks += 7
+    checks += 8
 
     # B, the Tessera side.
     text = os.path.join(work, "text.txt")
@@ -286,8 +341,8 @@ def main(argv):
     if "resuming at step 4" not in log:
         fail(f"gpt --resume {trainer} did not resume at step 4:\n{log[-3000:]}")
     checks += 1
-    print(f"  B: gpt --resume of the TrainerState checkpoint at --tp 2 --devices 4: step 5 loss {first_loss(rd, 5):.6f}",
-          flush=True)
+    print(f"  B: gpt --resume of the TrainerState checkpoint at --tp 2 --devices 4: step 5 loss "
+          f"{first_loss(rd, 5):.6f}", flush=True)
     print(f"ok dcp_2d_check: {checks} checks in {time.time() - t0:.1f} s", flush=True)
 
 
