@@ -25,7 +25,7 @@ from ._reader import CheckpointReader, tensor_view
 
 class Reader(StorageReader):
     """``torch.distributed.checkpoint.load(state_dict, storage_reader=Reader(path))`` of a
-    Tessera checkpoint: a sharded directory (format 1 or 2, any world size at save) or a
+    Tessera checkpoint: a sharded directory (format 1, 2 or 3, any world size at save) or a
     consolidated / other safetensors file. ``verify=False`` skips the block checksums (the
     metadata and header checksums are always checked)."""
 

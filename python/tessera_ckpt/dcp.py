@@ -3,7 +3,7 @@
     import torch.distributed.checkpoint as dcp
     import tessera_ckpt.dcp
 
-    # load a Tessera checkpoint (sharded at any world size, format 1 or 2, or a consolidated
+    # load a Tessera checkpoint (sharded at any world size, format 1, 2 or 3, or a consolidated
     # safetensors file) into a plain or FSDP2 / DTensor state dict, at any world size
     dcp.load({"model": model.state_dict()}, storage_reader=tessera_ckpt.dcp.Reader(path))
 
