@@ -6,7 +6,7 @@ usage: python dcp_2d_check.py CKPT --tessera BUILD/bin/tessera --gpt BUILD/bin/g
   CKPT   a sharded 2-D checkpoint of `gpt train --strategy fsdp --tp 2 --devices 4`
   --tessera, --gpt   the Tessera side of direction B; --work: a directory for the checkpoints
 
-The torch model is bench/peers/gpt_model.Gpt (examples/gpt's names, qkv fused) with a
+The torch model is the Gpt of bench/peers/gpt_model.py (examples/gpt's names, qkv fused) with a
 tensor-parallel plan after torchtitan's (embedding RowwiseParallel, qkv / fc / head
 ColwiseParallel, proj / fc_out RowwiseParallel, norms and pos whole), then fully_shard over
 the mesh's dp dimension per block and at the root; its state dict
