@@ -40,6 +40,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, HERE)  # rank_processes, the launcher shared with the other multi-rank checks
+from rank_processes import run_ranks  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
 
 
@@ -233,22 +235,7 @@ def launch(world, steps, shape, work, timeout=300):
     rdzv = tempfile.mktemp(prefix="rdzv-", dir=work)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = [sys.executable, os.path.abspath(__file__), "--worker", rdzv, str(world), ",".join(map(str, shape))] + steps
-    procs = [subprocess.Popen(args, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(world)]
-    outs, bad, deadline = [], [], time.time() + timeout
-    for r, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=max(1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            fail(f"{world} ranks {steps}: timed out after {timeout} s")
-        outs.append(out)
-        if p.returncode != 0:
-            bad.append(r)
-    if bad:
-        fail(f"{world} ranks {steps}: rank(s) {bad} failed:\n" + "\n".join(
-            f"--- rank {r} ---\n{outs[r][-4000:]}" for r in bad))
+    outs = run_ranks(args, world, env, timeout, f"{world} ranks {steps}", fail)
     sys.stdout.write("".join(l + "\n" for l in outs[0].splitlines() if l.startswith("  ")))
 
 

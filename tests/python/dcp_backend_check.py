@@ -47,6 +47,8 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, HERE)  # rank_processes, the launcher shared with the other multi-rank checks
+from rank_processes import run_ranks  # noqa: E402
 FIXTURE = os.path.join(ROOT, "tests", "checkpoint", "fixtures", "v1", "fsdp3.ckpt")
 FIXTURE_CONSOLIDATED = os.path.join(ROOT, "tests", "checkpoint", "fixtures", "v1", "fsdp3-consolidated.safetensors")
 BIG_ROWS, BIG_COLS = 3072, 1024  # 12 MiB of float32: three 4 MiB checksum blocks
@@ -411,26 +413,8 @@ def free_port():
 def launch(world, args, timeout=600):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = []
-    for r in range(world):
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"] + args,
-                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs, bad = [], []
-    deadline = time.time() + timeout
-    for r, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=max(1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            fail(f"{args[0]} at {world} rank(s): timed out after {timeout} s")
-        outs.append(out)
-        if p.returncode != 0:
-            bad.append(r)
-    if bad:
-        fail(f"{args[0]} at {world} rank(s): rank(s) {bad} failed:\n" + "\n".join(
-            f"--- rank {r} ---\n{outs[r][-6000:]}" for r in bad))
+    outs = run_ranks([sys.executable, os.path.abspath(__file__), "--worker"] + args, world, env, timeout,
+                     f"{args[0]} at {world} rank(s)", fail, tail=6000)
     sys.stdout.write(outs[0])
 
 

@@ -25,9 +25,8 @@ namespace tessera::checkpoint {
 struct GroupPlacement {
   int64_t size = 1, group = 0, replicas = 1;
   bool interleaved = false;
-  // The saving rank of rank q of group g, and the reverse.
+  // The saving rank of rank q of group g, and a saving rank's q in its group.
   int64_t saving_rank(int64_t g, int64_t q) const { return interleaved ? g + q * replicas : g * size + q; }
-  int64_t group_of(int64_t rank) const { return interleaved ? rank % replicas : rank / size; }
   int64_t index_of(int64_t rank) const { return interleaved ? rank / replicas : rank % size; }
 };
 // From the saving rank of each rank of the tensor's communicator (in its rank order).
