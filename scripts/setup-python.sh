@@ -28,6 +28,8 @@ fi
 echo "setup-python: making $venv from $req" >&2
 rm -rf "$venv"
 "$PY" -m venv "${flags[@]}" "$venv" >&2
-"$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q -r "$req" >&2
+# No wheel cache: torch 2.x's CUDA wheels are ~3 GiB that would stay on disk beside the
+# installed venv (a CI machine ran out of disk in this step).
+"$venv/bin/python" -m pip install --no-cache-dir --disable-pip-version-check --progress-bar off -q -r "$req" >&2
 echo "$want" > "$stamp"
 echo "$PWD/$venv/bin/python"
