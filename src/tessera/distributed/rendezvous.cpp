@@ -129,8 +129,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, std::chrono::milli
       throw CommError(concat("rank ", w.rank, " could not reach the rendezvous store: ", relay_error));
     const bool timed_out = ran_out(waited, timeout, e);
     if (so.isServer && !timed_out) {
-      throw CommError(concat("rank ", w.rank, " could not start the rendezvous store on port ", w.master_port,
-                             " (MASTER_PORT; is another job using it?): ", short_error(e)));
+      throw CommError(concat("rank ", w.rank, " could not start the rendezvous store on port ", so.port,
+                             so.port == w.master_port ? std::string(" (MASTER_PORT; is another job using it?)")
+                                                      : concat(" (its own, behind the gate on MASTER_PORT ", w.master_port, ")"),
+                             ": ", short_error(e)));
     }
     if (timed_out) {
       throw CommError(concat("rank ", w.rank, " could not reach the rendezvous store at ", where(w),
@@ -164,19 +166,37 @@ void throw_join_failure(const World& w, c10d::Store& store, std::chrono::millise
 }
 
 int find_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  // IPv6's wildcard with IPv4 mapped in (both families' conflicts checked), else IPv4's.
+  int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+  if (fd >= 0) {
+    int off = 0;
+    sockaddr_in6 a6{};
+    a6.sin6_family = AF_INET6;
+    a6.sin6_addr = in6addr_any;
+    a6.sin6_port = 0;
+    if (::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof off) == 0 &&
+        ::bind(fd, reinterpret_cast<sockaddr*>(&a6), sizeof(a6)) == 0) {
+      socklen_t len = sizeof(a6);
+      const bool named = ::getsockname(fd, reinterpret_cast<sockaddr*>(&a6), &len) == 0;
+      ::close(fd);
+      if (named && a6.sin6_port != 0) return ntohs(a6.sin6_port);
+    } else {
+      ::close(fd);
+    }
+  }
+  fd = ::socket(AF_INET, SOCK_STREAM, 0);
   TESSERA_CHECK(fd >= 0, "socket() failed while looking for a free port");
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
   addr.sin_port = 0;
   if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     ::close(fd);
-    throw Error("bind() to a free loopback port failed");
+    throw Error("bind() to a free port failed");
   }
   socklen_t len = sizeof(addr);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  int port = ntohs(addr.sin_port);
+  const int port = ntohs(addr.sin_port);
   ::close(fd);
   return port;
 }

@@ -24,8 +24,11 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& world, std::chrono::m
 [[noreturn]] void throw_join_failure(const World& world, c10d::Store& store, std::chrono::milliseconds timeout,
                                      std::chrono::milliseconds waited, const std::exception& cause);
 
-// A free TCP port on the loopback interface (bind to port 0, read it, close): the
-// MASTER_PORT `tessera run` gives a one-node job when none is named.
+// A TCP port free on every address (bind the wildcard to port 0, read it, close): the
+// MASTER_PORT `tessera run` gives a one-node job when none is named, and the port of a
+// store behind the rendezvous token's gate. The stores bind the wildcard ([::] and
+// 0.0.0.0), which any socket bound to one address at that port blocks (Gloo's pairs bind
+// the interface's address): a port free on loopback alone was such a port now and then.
 int find_free_port();
 
 // The first line of an exception's message, without the backtrace libtorch appends.
