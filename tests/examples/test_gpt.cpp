@@ -184,6 +184,18 @@ static void expect_resume_continues(const GptRun& r, const std::string& name, co
   expect_close(part["lr"], full["lr"], 1e-9, "resumed lr");
 }
 
+// Every tensor of a checkpoint, read whole on one process.
+static tessera::state::StateDict read_tensors(const std::string& path) {
+  const auto m = tessera::checkpoint::open_checkpoint(path);
+  tessera::state::StateDict t;
+  for (const auto& k : m.keys)
+    if (m.entries.at(k).is_tensor()) t.set(k, at::empty(m.entries.at(k).shape, at::TensorOptions().dtype(m.entries.at(k).dtype)));
+  tessera::checkpoint::LoadOptions lax;
+  lax.strict = false;  // the plain values (step, hparams) are not asked for
+  tessera::checkpoint::load_local(t, path, lax);
+  return t;
+}
+
 // FSDP 2 x TP 2 (sequence parallel) on four ranks, and pure TP on two without sequence
 // parallelism and with a tied head, against one process: the same losses (within 1e-4, as
 // FSDP alone above), and FSDP's default checkpoint, sharded in 2-D (format version 3: qkv's
@@ -227,24 +239,14 @@ TEST_F(Gpt, TensorParallelRunsMatchOneProcess) {
     EXPECT_EQ(qkv.layout->pieces, 2);
     // The 2-D checkpoint's tensors, read whole, equal bit for bit those of its offline
     // reshards to 1-D layouts (3 ranks, one file) and of a consolidation.
-    auto whole = [](const std::string& path) {
-      const auto m = tessera::checkpoint::open_checkpoint(path);
-      tessera::state::StateDict t;
-      for (const auto& k : m.keys)
-        if (m.entries.at(k).is_tensor()) t.set(k, at::empty(m.entries.at(k).shape, at::TensorOptions().dtype(m.entries.at(k).dtype)));
-      tessera::checkpoint::LoadOptions lax;
-      lax.strict = false;  // the plain values (step, hparams) are not asked for
-      tessera::checkpoint::load_local(t, path, lax);
-      return t;
-    };
-    const tessera::state::StateDict want = whole(ckpt);
+    const tessera::state::StateDict want = read_tensors(ckpt);
     for (const std::string& cmd : {"reshard " + ckpt + " --world-size 3 -o " + r.dir + "/r3-" + tag,
                                    "reshard " + ckpt + " --world-size 1 -o " + r.dir + "/r1-" + tag,
                                    "consolidate " + ckpt + " -o " + r.dir + "/c-" + tag + ".safetensors"}) {
       auto [rc, out] = run_command(kCli + " ckpt " + cmd);
       ASSERT_EQ(rc, 0) << cmd << "\n" << out;
       const std::string to = cmd.substr(cmd.rfind(' ') + 1);
-      const tessera::state::StateDict got = whole(to);
+      const tessera::state::StateDict got = read_tensors(to);
       ASSERT_EQ(got.keys(), want.keys()) << to;
       for (const auto& k : want.keys()) EXPECT_TRUE(got.tensor(k).equal(want.tensor(k))) << to << " key " << k;
     }
@@ -252,6 +254,66 @@ TEST_F(Gpt, TensorParallelRunsMatchOneProcess) {
     auto [rc4, text] = run_command(kGpt + " sample --ckpt " + ckpt + sample);
     ASSERT_EQ(rc4, 0) << text;
     EXPECT_EQ(text.rfind("shard", 0), 0u) << text;
+  }
+}
+
+// `tessera ckpt reshard --world-size N --tp T` of a (dp 2, tp 2) checkpoint writes what a
+// job on that mesh saves: every key's kind and rule (files included) equal to those of the
+// checkpoint a run at that mesh wrote. Resuming from the reshard continues exactly as
+// resuming the original at that mesh: the same losses and, at the end, the same tensors bit
+// for bit. Meshes: (dp 1, tp 2), where FSDP keeps the replicated parameters whole, and FSDP
+// alone over 4 and over 2 ranks (the units' flat sizes recomputed from the TP pieces').
+TEST_F(Gpt, OfflineReshardToAnotherMeshResumesLikeTheOriginal) {
+  GptRun r;
+  const std::string common = " --strategy fsdp --data " + r.data + kTiny;
+  const std::string src_dir = r.dir + "/src";
+  auto [rc0, out0] = run_command(kNoLauncherEnv + kGpt + " train --devices 4 --tp 2 --max-steps 3 --lr-decay-steps 6 " +
+                                 "--ckpt-every 3 --out " + src_dir + common);
+  ASSERT_EQ(rc0, 0) << out0;
+  const std::string src = src_dir + "/checkpoints/last.ckpt";
+  ASSERT_EQ(tessera::checkpoint::open_checkpoint(src).version, 3);
+  struct Mesh {
+    int devices, tp;
+  };
+  for (const Mesh mesh : {Mesh{2, 2}, Mesh{4, 1}, Mesh{2, 1}}) {
+    const std::string tag = std::to_string(mesh.devices) + "x" + std::to_string(mesh.tp);
+    SCOPED_TRACE(tag);
+    const std::string resharded = r.dir + "/reshard-" + tag;
+    auto [rc, out] = run_command(kCli + " ckpt reshard " + src + " --world-size " + std::to_string(mesh.devices) +
+                                 " --tp " + std::to_string(mesh.tp) + " -o " + resharded);
+    ASSERT_EQ(rc, 0) << out;
+    const std::string at_mesh = " train --devices " + std::to_string(mesh.devices) + " --tp " + std::to_string(mesh.tp) +
+                                " --max-steps 6 --lr-decay-steps 6 --ckpt-every 3" + common;
+    std::map<std::string, decltype(read_metrics(""))> metrics;
+    for (const std::string& from : {src, resharded}) {
+      const std::string out_dir = r.dir + (from == src ? "/orig-" : "/resh-") + tag;
+      auto [rc2, out2] = run_command(kNoLauncherEnv + kGpt + at_mesh + " --resume " + from + " --out " + out_dir);
+      ASSERT_EQ(rc2, 0) << out2;
+      EXPECT_NE(out2.find("steps_this_run=3"), std::string::npos) << out2;
+      metrics[from] = read_metrics(out_dir + "/metrics.csv");
+    }
+    ASSERT_EQ(metrics[src]["train_loss"].size(), 3u);
+    EXPECT_EQ(metrics[resharded]["train_loss"], metrics[src]["train_loss"]);
+    const std::string a = r.dir + "/orig-" + tag + "/checkpoints/last.ckpt", b = r.dir + "/resh-" + tag + "/checkpoints/last.ckpt";
+    const tessera::state::StateDict ta = read_tensors(a), tb = read_tensors(b);
+    ASSERT_EQ(ta.keys(), tb.keys());
+    for (const auto& k : ta.keys()) EXPECT_TRUE(ta.tensor(k).equal(tb.tensor(k))) << "key " << k;
+    // The reshard's rules are the ones the job at that mesh saved with.
+    const auto saved = tessera::checkpoint::open_checkpoint(a), planned = tessera::checkpoint::open_checkpoint(resharded);
+    EXPECT_EQ(planned.world_size, mesh.devices);
+    EXPECT_EQ(planned.version, saved.version);
+    ASSERT_EQ(planned.keys, saved.keys);
+    int differing = 0;
+    for (const auto& k : saved.keys) {
+      const auto& x = saved.entries.at(k);
+      const auto& y = planned.entries.at(k);
+      if (!x.is_tensor()) continue;
+      const bool same = x.kind == y.kind && x.layout.has_value() == y.layout.has_value() && (!x.layout || *x.layout == *y.layout);
+      if (!same && ++differing <= 5)
+        ADD_FAILURE() << "key " << k << ": saved " << x.kind << " " << (x.layout ? x.layout->rule_name() : "-")
+                      << ", resharded " << y.kind << " " << (y.layout ? y.layout->rule_name() : "-");
+    }
+    EXPECT_EQ(differing, 0);
   }
 }
 

@@ -329,6 +329,29 @@ TEST(CkptCli, WorldSizeIsBounded) {
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator{}), 1);  // the source only
 }
 
+// reshard --tp: it must divide --world-size, and above 1 it needs a checkpoint saved under
+// tensor parallelism (a 1-D one does not say which tensors a tp-way job cuts). Each error
+// names the flag, and nothing is written. (The 2-D cases: Gpt.OfflineReshardToAnotherMesh...)
+TEST(CkptCli, ReshardTpIsCheckedAndNamed) {
+  const std::string dir = temp_dir("tessera-ckpt-tp");
+  ck::save(state_of(4, 1), dir + "/ck", *solo());
+  const std::string out = dir + "/r";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--world-size 4 --tp 3", "--tp 3 must divide --world-size 4"},
+      {"--world-size 4 --tp 0", "--tp: must be between 1 and 65536, got 0"},
+      {"--world-size 4 --tp 2", "records no tensor-parallel cut"},
+  };
+  for (const auto& [flags, want] : cases) {
+    auto [rc, text] = run_command(cli("ckpt reshard " + dir + "/ck " + flags + " -o " + out));
+    EXPECT_NE(rc, 0) << flags << "\n" << text;
+    EXPECT_CONTAINS(text, want);
+  }
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator{}), 1);  // the source only
+  auto [rc, text] = run_command(cli("ckpt reshard " + dir + "/ck --world-size 4 --tp 1 -o " + out));
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_TRUE(ck::verify(out).ok);
+}
+
 // Usage errors exit 2 (CLI11's own codes are 105-114), --help and --version exit 0, and
 // range errors print the bounds as written (no 300-digit float, no "nan" accepted).
 TEST(CkptCli, UsageErrorsExitTwoAndRangeErrorsReadWell) {

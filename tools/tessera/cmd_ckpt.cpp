@@ -1,5 +1,5 @@
 // tessera ckpt: the offline checkpoint tool (no process group needed).
-//   inspect PATH | verify PATH | consolidate DIR -o FILE | reshard DIR --world-size M -o DIR2
+//   inspect PATH | verify PATH | consolidate DIR -o FILE | reshard DIR --world-size M [--tp T] -o DIR2
 //   | export PATH --format torch|safetensors -o OUT
 //   | export PATH --format hf -o DIR [--max-shard-size S] [--dtype bf16|fp16|fp32] [--prefix P]
 //   | import-dcp DIR -o OUT [--skip-non-tensors]
@@ -152,18 +152,25 @@ Subcommand add_consolidate(CLI::App& ckpt) {
 Subcommand add_reshard(CLI::App& ckpt) {
   struct Args {
     std::string path, out;
-    int world_size = 0;
+    int world_size = 0, tp = 1;
     bool force = false;
   };
   auto a = std::make_shared<Args>();
-  CLI::App* c = ckpt.add_subcommand("reshard", "Rewrite a checkpoint as a sharded checkpoint for M ranks");
+  CLI::App* c = ckpt.add_subcommand(
+      "reshard", "Rewrite a checkpoint as the sharded checkpoint a job of M ranks saves (FSDP over M/T x T-way TP)");
   c->add_option("DIR", a->path, "checkpoint to read")->required();
   c->add_option("--world-size", a->world_size, "number of ranks of the new checkpoint")
       ->required()->check(int_range(1, ck::kMaxReshardWorldSize));
+  c->add_option("--tp", a->tp,
+                "tensor-parallel size of the new checkpoint's mesh (default 1: FSDP alone); must divide "
+                "--world-size; above 1 the checkpoint must have been saved under tensor parallelism")
+      ->check(int_range(1, ck::kMaxReshardWorldSize));
   add_output(c, a->out, a->force, "directory to write");
   return {c, true, [a] {
-            ck::reshard(a->path, a->world_size, a->out, a->force);
-            std::cout << "wrote " << a->out << " for " << a->world_size << " ranks\n";
+            ck::reshard(a->path, a->world_size, a->out, a->force, a->tp);
+            std::cout << "wrote " << a->out << " for " << a->world_size << " ranks";
+            if (a->tp > 1) std::cout << " (dp " << a->world_size / a->tp << " x tp " << a->tp << ")";
+            std::cout << "\n";
             return 0;
           }};
 }

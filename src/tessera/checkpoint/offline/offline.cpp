@@ -20,6 +20,7 @@
 #include "tessera/checkpoint/format/checksum.h"
 #include "tessera/checkpoint/format/safetensors.h"
 #include "tessera/checkpoint/interop/hf_dir.h"
+#include "tessera/checkpoint/offline/reshard_plan.h"
 #include "tessera/checkpoint/interop/torch_file.h"
 #include "tessera/checkpoint/offline/offline_publish.h"
 #include "tessera/checkpoint/reader.h"
@@ -111,25 +112,6 @@ void check_output(const std::string& out, bool force, OutputKind kind, const std
                      "yourself or choose another output"));
 }
 
-// The dimension a saved tensor was split along (where its chunks start at different
-// offsets); 0 when it is in one piece.
-int64_t split_dim(const EntryInfo& e) {
-  if (e.layout) {
-    switch (e.layout->rule) {
-      case sharding::Layout::Rule::Chunk: return e.layout->dim;
-      case sharding::Layout::Rule::List:
-        for (size_t d = 0; d < e.shape.size(); ++d)
-          for (const auto& p : e.layout->list)
-            if (p.box.offsets[d] != 0) return static_cast<int64_t>(d);
-        return 0;
-      default: return 0;
-    }
-  }
-  for (size_t d = 0; d < e.shape.size(); ++d)
-    for (const auto& c : e.chunks)
-      if (c.box.offsets[d] != 0) return static_cast<int64_t>(d);
-  return 0;
-}
 
 void write_consolidated(const CheckpointMetadata& m, const std::string& tmp) {
   ChunkReader reader(m);
@@ -348,35 +330,21 @@ void consolidate(const std::string& src, const std::string& out, bool force) {
   publish_via_temp(out, false, [&](const std::string& tmp) { write_consolidated(m, tmp); });
 }
 
-void reshard(const std::string& src, int world_size, const std::string& out, bool force) {
+void reshard(const std::string& src, int world_size, const std::string& out, bool force, int tp) {
   TESSERA_CHECK(world_size >= 1 && world_size <= kMaxReshardWorldSize, "reshard: the world size must be between 1 and ",
                 kMaxReshardWorldSize, ", got ", world_size);
+  TESSERA_CHECK(tp >= 1 && world_size % tp == 0, "reshard: --tp ", tp, " must divide --world-size ", world_size,
+                " (a mesh of world size / tp data-parallel ranks x tp)");
   CheckpointMetadata m = open_whole(src);
   check_not_source(src, m, out);
   check_output(out, force, OutputKind::Directory, "reshard");
+  // The rules a save at that mesh writes (reshard_plan.h), before anything is written.
+  CheckpointMetadata planned = plan_reshard(m, ReshardTarget{world_size, tp});
   ChunkReader reader(m);
   publish_via_temp(out, true, [&](const std::string& tmp) {
-    CheckpointMetadata o;
-    o.world_size = world_size;
+    CheckpointMetadata o = std::move(planned);
     o.crc_block = kCrcBlock;
     o.save_id = new_save_id();
-    o.keys = m.keys;
-    for (const auto& k : m.keys) {
-      EntryInfo e = m.entries.at(k);
-      e.chunks.clear();
-      e.layout.reset();
-      if (e.kind == kShardedKind && e.shape.empty()) e.kind = kTensorKind;
-      // An FSDP tensor keeps FSDP's rule (its unit's flat vector, cut over the new world
-      // size): the layout an FSDP save at that size writes, with about one piece per rank
-      // and unit instead of one per rank and tensor. Others are chunked along the
-      // dimension they were split on.
-      const EntryInfo& saved = m.entries.at(k);
-      if (e.kind == kShardedKind && saved.layout && saved.layout->rule == sharding::Layout::Rule::Flat)
-        e.layout = sharding::Layout::flat(saved.layout->flat_numel, saved.layout->flat_offset, world_size);
-      else if (e.kind == kShardedKind) e.layout = sharding::Layout::chunk(split_dim(saved), world_size);
-      else if (e.kind == kTensorKind) e.layout = sharding::Layout::whole(0);
-      o.entries.emplace(k, std::move(e));
-    }
     // Written before any data, so an output no reader would take fails here.
     const std::string text = to_json(o);
     // Each tensor resolved once, not once per rank: its entries, its source chunks (located

@@ -28,7 +28,11 @@ constexpr int kMaxReshardWorldSize = 65536;
 // ".<name>.tessera-tmp-<pid>-<n>" and renamed into place at the end; temporaries that
 // earlier runs left for the same output are removed first when their process is dead.
 void consolidate(const std::string& src, const std::string& out, bool force);
-void reshard(const std::string& src, int world_size, const std::string& out, bool force);
+// reshard writes what a save on a mesh of `world_size` ranks writes, with FSDP over
+// world_size / tp data-parallel ranks x tp-way tensor parallelism (tp 1: FSDP alone), so
+// that a job resuming there reads only its own data files (reshard_plan.h). tp > 1 needs
+// a checkpoint saved under tensor parallelism (its tp rules name the cuts).
+void reshard(const std::string& src, int world_size, const std::string& out, bool force, int tp = 1);
 enum class ExportFormat { Torch, Safetensors };
 void export_checkpoint(const std::string& src, ExportFormat format, const std::string& out, bool force);
 
