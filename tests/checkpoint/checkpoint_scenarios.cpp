@@ -13,6 +13,7 @@
 
 #include "support/scenario.h"
 #include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/reader.h"
 #include "tessera/checkpoint/test_hooks.h"  // set_async_save_hook_for_tests
 #include "tessera/sharding/sharded_tensor.h"
 #include "tessera/state/state_dict.h"
@@ -76,6 +77,42 @@ state::StateDict make_state(const std::shared_ptr<distributed::Communicator>& c,
   return sd;
 }
 
+// The 2-D keys of the save loop's "2d" form, on a (dp 2, tp 2) mesh of 4 ranks, rank =
+// p·2 + t (tp innermost), laid out as FSDP over TP saves them (strategy/tp_state.cpp): one
+// FSDP unit of each TP rank holds qkv's TP piece ([6, 4]: rows 2t, 2t+1 of each of its 3
+// stripes) then the norm ([4], replicated over tp), 28 elements cut over dp by FSDP's flat
+// rule. "tp.qkv" is one tp rule over the world; "tp.norm" FSDP's flat cut over each tp rank's
+// dp group (ranks t and t + 2), whose two replica groups interleave in the world.
+const std::vector<KeySpec>& tp_specs() {
+  static const std::vector<KeySpec> k = {{"tp.qkv", {12, 4}, at::kFloat, 0}, {"tp.norm", {4}, at::kFloat, -1}};
+  return k;
+}
+constexpr int64_t kTpUnit = 28;
+
+void add_2d_state(state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& world,
+                  const std::shared_ptr<distributed::Communicator>& dp, int64_t iter) {
+  WCHECK(world->size() == 4 && dp->size() == 2, "the 2-D save loop runs on 4 ranks (dp 2 x tp 2)");
+  auto tp = std::make_shared<state::StateDict>();
+  const KeySpec& q = tp_specs()[0];
+  const KeySpec& n = tp_specs()[1];
+  const sharding::Layout L = sharding::Layout::tensor_parallel(0, 3, 2, sharding::Layout::flat(kTpUnit, 0, 2));
+  std::vector<sharding::Shard> mine;
+  const at::Tensor qf = full_value(q, iter);
+  for (int64_t s = 0; s < 3; ++s) {
+    const sharding::Box b = L.box(q.shape, world->rank() * 3 + s);
+    mine.push_back({sharding::narrow_to(qf, sharding::full_box(q.shape), b).clone(),
+                    sharding::ShardMetadata{b, {world->rank(), at::kCPU}}});
+  }
+  tp->set("qkv", sharding::ShardedTensor::from_rule(mine, L, q.shape, q.dtype, world));
+  const sharding::Layout F = sharding::Layout::flat(kTpUnit, 24, 2);
+  const sharding::Box b = F.box(n.shape, dp->rank());
+  tp->set("norm", sharding::ShardedTensor::from_rule(
+                      sharding::Shard{sharding::narrow_to(full_value(n, iter), sharding::full_box(n.shape), b).clone(),
+                                      sharding::ShardMetadata{b, {dp->rank(), at::kCPU}}},
+                      F, n.shape, n.dtype, dp));
+  sd.set("tp", tp);
+}
+
 void check_state(state::StateDict& sd, int64_t iter, const std::string& tag) {
   for (const auto& k : key_specs()) {
     const auto& part = sd.dict(k.fqn.substr(0, k.fqn.find('.')));
@@ -92,6 +129,11 @@ void check_state(state::StateDict& sd, int64_t iter, const std::string& tag) {
       }
     }
   }
+  if (sd.contains("tp"))
+    for (const auto& k : tp_specs()) {
+      const at::Tensor& t = sd.dict("tp").tensor(k.fqn.substr(3));
+      WCHECK(at::equal(t, full_value(k, iter)), tag, ": key ", k.fqn, " differs: ", t, " vs ", full_value(k, iter));
+    }
   WCHECK(sd.dict("opt").integer("step") == 7 + iter, tag, ": step");
   WCHECK(sd.dict("opt").number("lr") == 0.125, tag, ": lr");
   WCHECK(sd.string("name") == "tessera", tag, ": name");
@@ -167,17 +209,21 @@ SCENARIO("ckpt_load_error") {
   return 0;
 }
 
-// ckpt_save_loop DIR MODE [async]: saves iterations 1, 2, ... until killed (bounded:
-// 60 s), printing "saved I" once iteration I is committed. async: each iteration is a
-// save_async, and the next one is prepared while it is written (save_async waits for the
-// previous one, so its return means that one is committed).
+// ckpt_save_loop DIR MODE [async|sync] [2d]: saves iterations 1, 2, ... until killed
+// (bounded: 60 s), printing "saved I" once iteration I is committed. async: each iteration
+// is a save_async, and the next one is prepared while it is written (save_async waits for
+// the previous one, so its return means that one is committed). 2d: on 4 ranks, the state
+// also holds the 2-D keys (tp_specs), a format-3 checkpoint when sharded.
 SCENARIO("ckpt_save_loop") {
   auto c = comm();
   const auto mode = args.arg(1, "sharded") == "full" ? ck::SaveMode::Full : ck::SaveMode::Sharded;
   const bool async = args.arg(2) == "async";
+  std::shared_ptr<distributed::Communicator> dp;
+  if (args.arg(3) == "2d") dp = c->split({{0, 2}, {1, 3}});
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 1; std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60); ++i) {
     auto sd = make_state(c, true, false, i);
+    if (dp) add_2d_state(sd, c, dp, i);
     if (!async) {
       ck::save(sd, args.arg(0), *c, {mode});
       std::cout << "saved " << i << std::endl;
@@ -190,10 +236,33 @@ SCENARIO("ckpt_save_loop") {
   return 0;
 }
 
+// ckpt_async_full_2d DIR: on 4 ranks, a consolidated background save of the 2-D state
+// (tp.norm lives on a data-parallel group of 2) must fail naming the key; prints the error.
+SCENARIO("ckpt_async_full_2d") {
+  auto c = comm();
+  auto dp = c->split({{0, 2}, {1, 3}});
+  auto sd = make_state(c, true, false, 1);
+  add_2d_state(sd, c, dp, 1);
+  std::string error = "no error";
+  try {
+    ck::save_async(sd, args.arg(0), c, {ck::SaveMode::Full}).wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::cout << "error: " << error << std::endl;
+  c->barrier();
+  return 0;
+}
+
 // ckpt_verify_iter DIR: loads DIR (plain layout) and checks it is one whole iteration.
 SCENARIO("ckpt_verify_iter") {
   auto c = comm();
   auto sd = make_state(c, false, true, 0);
+  if (ck::open_checkpoint(args.arg(0)).entries.count("tp.qkv")) {  // the 2-D form: its keys whole
+    auto tp = std::make_shared<state::StateDict>();
+    for (const auto& k : tp_specs()) tp->set(k.fqn.substr(3), at::zeros(k.shape, at::TensorOptions().dtype(k.dtype)));
+    sd.set("tp", tp);
+  }
   ck::load(sd, args.arg(0), *c, {true});
   const int64_t iter = sd.dict("opt").integer("step") - 7;
   check_state(sd, iter, concat("iteration ", iter));

@@ -118,6 +118,20 @@ TEST(CheckpointDist, AsyncSavesOverlapCollectivesAndSecondWaitsForFirst) {
   EXPECT_TRUE(ck::verify(dir + ".2").ok);
 }
 
+// A consolidated background save cannot gather a tensor sharded over a subgroup (a
+// data-parallel group of a (dp 2, tp 2) mesh here): every rank refuses it naming the key,
+// before anything is written.
+TEST(CheckpointDist, AsyncFullSaveOfASubgroupTensorNamesTheKey) {
+  const std::string dir = temp_dir() + "/full.safetensors";
+  auto r = run_ranks(4, {"ckpt_async_full_2d", dir}, 120);
+  EXPECT_EQ(r.launch.exit_code, 0) << r.all_output();
+  for (int rank = 0; rank < 4; ++rank) {
+    ASSERT_FALSE(r.out[rank].empty()) << r.all_output();
+    EXPECT_CONTAINS(r.out[rank].back(), "key 'tp.norm' is sharded over a group of 2 of the 4 ranks");
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir));
+}
+
 // A byte of rank 1's data file is flipped (size unchanged): only rank 1 reads that file
 // at the same world size, so only rank 1 meets the checksum error; rank 0 must fail too,
 // naming rank 1 and its error. Each rank's own output is checked.

@@ -84,7 +84,7 @@ at::Tensor host_copy(const at::Tensor& t, std::vector<c10::Device>& staged) {
 }
 
 std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg,
-                                                std::vector<c10::Device>& staged, bool sharded) {
+                                                std::vector<c10::Device>& staged, bool sharded, const std::string& prefix) {
   auto out = std::make_shared<state::StateDict>();
   for (const auto& k : sd.keys()) {
     const Value& v = sd.at(k);
@@ -103,6 +103,11 @@ std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, cons
       // tensor's communicator, which must be the background one.) A rule-made tensor stays
       // one (its list is never built for a sharded save).
       const auto& own = s->comm();
+      TESSERA_CHECK(sharded || own->size() == bg->size(), "save_async: key '", prefix, k, "' is sharded over a group of ",
+                    own->size(), " of the ", bg->size(),
+                    " ranks (HYBRID_SHARD's shard groups, or a data-parallel group under tensor parallelism), which a ",
+                    "full (consolidated) background save cannot gather; save it with SaveMode::Sharded, or pass the ",
+                    "strategy's full state dict");
       const auto& comm = sharded && own->size() != bg->size() ? own : bg;
       if (s->metadata_is_rule_only()) {  // one shard per rank, or one per stripe (a tp rule)
         out->set(k, sharding::ShardedTensor::from_rule(std::move(local), *s->layout(), s->shape(), s->dtype(), comm));
@@ -112,7 +117,7 @@ std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, cons
         out->set(k, sharding::ShardedTensor::from_parts(std::move(local), all, s->shape(), s->dtype(), comm, s->layout()));
       }
     } else if (auto d = std::get_if<std::shared_ptr<state::StateDict>>(&v); d && *d) {
-      out->set(k, snapshot_into(**d, bg, staged, sharded));
+      out->set(k, snapshot_into(**d, bg, staged, sharded, prefix + k + "."));
     } else {
       out->set(k, v);
     }
@@ -123,7 +128,7 @@ std::shared_ptr<state::StateDict> snapshot_into(const state::StateDict& sd, cons
 std::shared_ptr<state::StateDict> snapshot(const state::StateDict& sd, const std::shared_ptr<distributed::Communicator>& bg,
                                            bool sharded) {
   std::vector<c10::Device> staged;
-  auto out = snapshot_into(sd, bg, staged, sharded);
+  auto out = snapshot_into(sd, bg, staged, sharded, "");
   for (const auto& d : staged) core::synchronize(d);  // the pinned copies are complete
   return out;
 }
