@@ -306,9 +306,10 @@ int run_train(TrainArgs a) {
   if (a.tp > 1 && a.sequence_parallel)
     check(a.seq_len % a.tp == 0, "--seq-len " + std::to_string(a.seq_len) + " must be a multiple of --tp " +
                                      std::to_string(a.tp) + " under sequence parallelism (or --no-sequence-parallel)");
-  if (a.tp > 1) {
-    check(a.sharding != "hybrid", "--sharding hybrid is not supported with --tp yet (a 3-D mesh)");
-  }
+  if (a.tp > 1 && a.sharding == "hybrid")  // a (replicate, shard, tp) mesh: consolidated checkpoints
+    check(a.state_dict != "sharded", "--state-dict sharded with --sharding hybrid and --tp " + std::to_string(a.tp) +
+                                         ": a (replicate, shard, tp) mesh has no sharded checkpoint form yet (use full, "
+                                         "its default)");
   const int dp = world / a.tp;  // the ranks that see different batches
   check(a.batch_size % dp == 0, "--batch-size " + std::to_string(a.batch_size) + " (the global batch) must be a " +
                                     "multiple of the " + std::to_string(dp) + " data-parallel ranks");
@@ -349,7 +350,8 @@ int run_train(TrainArgs a) {
   // --state-dict left out: the strategy's default (sharded for fsdp, full for the others).
   o.fabric.tensor_parallel_size = a.tp;
   o.fabric.sequence_parallel = a.sequence_parallel;
-  o.fabric.state_dict_type = a.state_dict.empty()         ? strategy::default_state_dict_type(kind)
+  o.fabric.state_dict_type = a.state_dict.empty() && a.tp > 1 && a.sharding == "hybrid" ? strategy::StateDictType::Full
+                             : a.state_dict.empty()      ? strategy::default_state_dict_type(kind)
                              : a.state_dict == "sharded" ? strategy::StateDictType::Sharded
                                                          : strategy::StateDictType::Full;
   o.max_steps = a.max_steps;

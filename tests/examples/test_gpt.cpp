@@ -356,6 +356,15 @@ TEST_F(Gpt, ResumeUnderTensorParallelismContinuesTheRun) {
   EXPECT_TRUE(fs::is_directory(r.dir + "/tpasync-part/checkpoints/last.ckpt"));
 }
 
+// --sharding hybrid with --tp: FSDP's HYBRID_SHARD over the data-parallel ranks of a (dp,
+// tp) mesh (the node's dp ranks one shard group), checkpoints consolidated by default (a
+// (replicate, shard, tp) state has no sharded form yet), and the resumed run continues.
+TEST_F(Gpt, HybridShardingUnderTensorParallelismResumes) {
+  GptRun r;
+  expect_resume_continues(r, "tphsdp", " --tp 2 --sharding hybrid");
+  EXPECT_TRUE(fs::is_regular_file(r.dir + "/tphsdp-part/checkpoints/last.ckpt"));
+}
+
 // --async-ckpt: checkpoints written in the background while training goes on, Full
 // (consolidated) here (a single file, streamed to rank 0 by the background thread).
 TEST_F(Gpt, ResumeFromAnAsyncFullCheckpointContinuesTheRun) {
@@ -407,7 +416,7 @@ TEST_F(Gpt, BadFlagsNameTheFlag) {
       {"train --devices 2 --tp 3", "--tp"},
       {"train --devices 2 --tp 2 --n-head 3 --d-model 30", "--n-head"},
       {"train --devices 2 --tp 2 --seq-len 15", "--seq-len"},
-      {"train --devices 2 --tp 2 --sharding hybrid", "--sharding hybrid"},
+      {"train --devices 2 --tp 2 --sharding hybrid --state-dict sharded", "--state-dict sharded"},
       {"train --max-steps 2 --resume " + r.dir + "/nothing --data " + r.data + " --out " + r.dir + "/o" + kTiny,
        "nothing"},
       {"sample --ckpt " + r.dir + "/nope", "--ckpt"},

@@ -228,9 +228,14 @@ TEST(FabricOptions, TensorParallelSizeIsCheckedAndSplitsTheWorld) {
   msg = tessera::testing::error_of([&] { resolve(o, 0); });
   EXPECT_NE(msg.find("FabricOptions.tensor_parallel_size must be at least 1"), std::string::npos) << msg;
   o.tensor_parallel_size = 2;
+  // A (replicate, shard, tp) mesh: consolidated checkpoints by default, a sharded one refused.
   o.fsdp.sharding = strategy::ShardingStrategy::HybridShard;
+  EXPECT_EQ(resolve(o, 0).state_dict_type, strategy::StateDictType::Full);
+  o.state_dict_type = strategy::StateDictType::Sharded;
   msg = tessera::testing::error_of([&] { resolve(o, 0); });
-  EXPECT_NE(msg.find("HybridShard with tensor_parallel_size=2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("state_dict_type Sharded with fsdp.sharding HybridShard and tensor_parallel_size=2"),
+            std::string::npos)
+      << msg;
   o.fsdp.sharding = strategy::ShardingStrategy::FullShard;
   o.state_dict_type = strategy::StateDictType::Full;
   EXPECT_EQ(resolve(o, 0).state_dict_type, strategy::StateDictType::Full);

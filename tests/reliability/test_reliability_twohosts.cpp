@@ -157,6 +157,14 @@ TEST_F(ReliabilityTwoHosts, TensorParallelInsideEachHostFsdpAcrossMatchesOneProc
     EXPECT_NE(n.text[i].find("tp group shared memory: 1, dp group shared memory: 0"), std::string::npos) << n.both();
 }
 
+// A 3-D mesh over the two hosts, (replicate 2, shard 1, tp 2): TP inside each host, FSDP's
+// HYBRID_SHARD with one replica group per host (its gradient all-reduce crosses the link).
+TEST_F(ReliabilityTwoHosts, HybridShardTimesTensorParallelAcrossTwoHostsMatchesOneProcess) {
+  Nodes n = run_nodes({"tp_parity", "hsdp", "2", "sp-untied", "10"});
+  for (int r : {0, 1}) EXPECT_NE(n.text[0].find("tp parity ok rank " + std::to_string(r)), std::string::npos) << n.both();
+  for (int r : {2, 3}) EXPECT_NE(n.text[1].find("tp parity ok rank " + std::to_string(r)), std::string::npos) << n.both();
+}
+
 // HYBRID_SHARD with its default layout (one shard group per node, from the launcher's
 // LOCAL_WORLD_SIZE): 2 replica groups, one per host. The sharded save writes each box
 // once (the hosts share the writing), every rank reads its state back bit for bit, and

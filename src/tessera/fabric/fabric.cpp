@@ -126,6 +126,10 @@ void Fabric::launch() {
   so.ddp = opts_.options.ddp;
   so.fsdp = opts_.options.fsdp;
   const int tp = opts_.tensor_parallel_size();
+  // HYBRID_SHARD over the dp dimension of a (dp, tp) mesh: its shard groups are the dp
+  // ranks of one node (a 3-D mesh: replicate x shard x tp, tp innermost).
+  if (tp > 1 && so.fsdp.sharding == strategy::ShardingStrategy::HybridShard && so.fsdp.ranks_per_node == 0)
+    so.fsdp.ranks_per_node = world_.local_world_size / tp;
   mesh_ = std::make_unique<parallel::DeviceMesh>(comm_, std::vector<parallel::MeshDim>{
                                                             {"dp", world_.world_size / tp}, {"tp", tp}});
   so.mesh_world = comm_;  // the mesh is dp-major over it: a 2-D sharded state spans it

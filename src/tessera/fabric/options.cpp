@@ -136,13 +136,16 @@ ResolvedOptions resolve(const FabricOptions& o, int cuda_devices) {
   TESSERA_CHECK(tp >= 1, "FabricOptions.tensor_parallel_size must be at least 1, got ", tp);
   TESSERA_CHECK(o.devices % tp == 0, "FabricOptions.tensor_parallel_size=", tp, " does not divide devices=", o.devices,
                 " (a tensor-parallel group is ", tp, " ranks of one node)");
-  if (tp > 1) {
-    TESSERA_CHECK(o.fsdp.sharding != strategy::ShardingStrategy::HybridShard,
-                  "FabricOptions.fsdp.sharding HybridShard with tensor_parallel_size=", tp,
-                  ": a (replicate, shard, tp) mesh is not supported yet; use FullShard or ShardGradOp over the ",
-                  world / tp, " data-parallel ranks");
-  }
   r.state_dict_type = o.state_dict_type.value_or(strategy::default_state_dict_type(r.strategy_kind));
+  if (tp > 1 && r.strategy_kind == strategy::StrategyKind::Fsdp &&
+      o.fsdp.sharding == strategy::ShardingStrategy::HybridShard) {
+    // A (replicate, shard, tp) mesh: its checkpoints are consolidated (FsdpStrategy::
+    // default_state_dict_type says why).
+    TESSERA_CHECK(!o.state_dict_type || *o.state_dict_type == strategy::StateDictType::Full,
+                  "FabricOptions.state_dict_type Sharded with fsdp.sharding HybridShard and tensor_parallel_size=", tp,
+                  ": a (replicate, shard, tp) mesh has no sharded checkpoint form yet; use Full (its default)");
+    r.state_dict_type = strategy::StateDictType::Full;
+  }
   return r;
 }
 

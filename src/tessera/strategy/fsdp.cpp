@@ -248,7 +248,10 @@ void FsdpStrategy::optimizer_step(torch::optim::Optimizer& opt) {
 }
 
 StateDictType FsdpStrategy::default_state_dict_type() const {
-  // A tensor-parallel model with an uneven cut has no sharded form under FSDP (tp_state.h).
+  // A tensor-parallel model with an uneven cut has no sharded form under FSDP (tp_state.h),
+  // nor one under HYBRID_SHARD (a 3-D mesh: its replicated parameters' shard groups are
+  // strided inside each replica group, which no file map of the format describes).
+  if (module_ && tp_view().any() && replicate_comm_->size() > 1) return StateDictType::Full;
   return module_ && shard_comm_->size() > 1 && tp_view().any_uneven() ? StateDictType::Full : kDefaultStateDictType;
 }
 

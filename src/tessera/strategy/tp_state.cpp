@@ -188,6 +188,13 @@ void TpView::to_sharded(state::StateDict& sd, const std::shared_ptr<distributed:
   for (const auto& p : params_) {
     if (!sd.contains(p.fqn)) continue;
     auto r = to_2d(sd.at(p.fqn), p, world, dp);
+    if (!r) {
+      const auto* st = std::get_if<sharding::ShardedTensor>(&sd.at(p.fqn));
+      TESSERA_CHECK(!st || !dp || st->comm() == dp || st->comm()->size() == dp->size(), "tensor parallel: '", p.fqn,
+                    "' is sharded over ", st->comm()->size(), " of the ", dp->size(),
+                    " data-parallel ranks (FSDP's HYBRID_SHARD: a (replicate, shard, tp) mesh), whose sharded state ",
+                    "has no checkpoint form yet; use StateDictType::Full");
+    }
     TESSERA_CHECK(r.has_value(), "tensor parallel: '", p.fqn, "' holds a ", state::kind_name(sd.at(p.fqn)),
                   " that is not this rank's piece (", p.cut.describe(), ")");
     sd.set(p.fqn, *r);
