@@ -13,7 +13,7 @@
 // ones (format 3) tensor parallelism over a model's TP plan (models.h) composed with FSDP
 // over the data-parallel ranks ("DPxTP" meshes) or with HSDP ("RxSxTP": R replica groups of
 // S shard ranks, which FSDP does not run with TP yet: the harness plans what the format
-// would record, hsdp_tp_whole_param), and reshards between meshes. bench/scale/run.sh runs
+// can record, hsdp_tp_whole_param), and reshards between meshes. bench/scale/run.sh runs
 // it with the DCP side (dcp_scale.py) and writes bench/results/scale.json;
 // docs/benchmarks.md explains the figures.
 //
@@ -240,20 +240,18 @@ Placements placements(const Setup& s, int64_t rank, const std::string& fqn) {
 // {(r·S + s)·T + t : s} is one of R·T groups holding it (every replica group's, every tp
 // rank's), which one files map cannot describe: save.cpp's group_placement refuses it, as
 // FSDP refuses HYBRID_SHARD with tensor parallelism (docs/tensor-parallel.md). The harness
-// records what a writer could: the tp-rank-0 groups, one per replica group, as HYBRID_SHARD's
-// rule places them (piece s in replica group (s + h) mod R, h = key index mod min(64, R)):
-// first 0, step T, replicas R, replica_step S·T. Version-2 file maps (replica_step = S·T >=
-// pieces·step), no new rule.
+// records what a writer could: replica group 0's T interleaved groups write it, laid out as
+// FSDP x TP lays out such a parameter on an (S, T) mesh (first 0, step T, replicas T,
+// replica_step 1, shift = key index mod min(64, T)), so a resuming rank reads these pieces
+// from at most T files whatever R. (HYBRID's rule over the R replica groups instead, a file
+// map of step T and replica_step S·T, would send it to up to 64 more files.)
 ck::SavedLayout hsdp_tp_whole_param(const Setup& s, const Key& k, int64_t rank, int64_t key_index) {
-  ck::SavedLayout out;
-  out.layout = fsdp_layout(s, *k.param);
-  const ck::GroupPlacement g{s.shard, mesh_rank(s, rank).r, s.replicas(), false};
-  out.layout.files = sh::FileMap{0, s.tp, s.replicas(), s.shard * s.tp, ck::hybrid_shift(key_index, g)};
-  out.layout.validate(k.param->shape, s.world, "key '" + k.fqn + "'");
-  const MeshRank m = mesh_rank(s, rank);
-  if (m.t == 0 && out.layout.files.file(m.s) == rank && !out.layout.box(k.param->shape, m.s).empty())
-    out.mine.push_back(m.s);
-  return out;
+  static const std::vector<sh::ShardMetadata> kNoShards;
+  std::vector<int64_t> members(static_cast<size_t>(s.shard));
+  for (int64_t p = 0; p < s.shard; ++p) members[static_cast<size_t>(p)] = p * s.tp + mesh_rank(s, rank).t;
+  const ck::GroupPlacement g = ck::group_placement(members, s.shard * s.tp, k.fqn);
+  return ck::plan_saved_layout(k.fqn, k.param->shape, kNoShards, fsdp_layout(s, *k.param), g, s.world, rank,
+                               key_index);
 }
 
 // The entry of a sharded key and the pieces rank `rank` stores: plan_saved_layout with the
