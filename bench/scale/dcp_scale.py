@@ -6,7 +6,7 @@ without tensor data. Needs torch 2.x.
 
   python dcp_scale.py run --models gpt2-124m,... --ranks 8,64,... [--max-items K]
                           [--reshard 1024:16384,...] [--models-2d llama3-70b]
-                          [--meshes-2d 2x8,8x8,16x8] [--reshard-2d 16x8:8x16] --out FILE
+                          [--meshes-2d 2x8,8x8,...,64x8] [--reshard-2d 16x8:8x16] --out FILE
   python dcp_scale.py check      DCP's planners on real DTensors (fake process group)
                                  against this script's plans, at 4 ranks; 2-D on FSDP2 + TP's
                                  own DTensors at (dp 4, tp 2), loads at (2, 4)
@@ -595,8 +595,8 @@ def run(args):
     ap.add_argument("--max-items", type=int, default=int(os.environ.get("DCP_SCALE_MAX_ITEMS", 400000)),
                     help="skip a configuration whose N x items-per-rank exceeds this (time and memory)")
     ap.add_argument("--models-2d", default="llama3-70b")
-    ap.add_argument("--meshes-2d", default="2x8,8x8,16x8",
-                    help="FSDP2 x TP meshes DPxTP (the largest that fit --max-items are measured)")
+    ap.add_argument("--meshes-2d", default="2x8,8x8,16x8,32x8,64x8",
+                    help="FSDP2 x TP meshes DPxTP (those within --max-items are measured)")
     ap.add_argument("--reshard-2d", default="16x8:8x16")
     ap.add_argument("--work", default="/tmp")
     ap.add_argument("--out", required=True)

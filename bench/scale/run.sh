@@ -11,8 +11,9 @@
 #   SCALE_MESHES=...          2-D meshes of Llama-3-70B, DPxTP (FSDP x TP) or RxSxTP (HSDP x
 #                             TP) (default 2x8,8x8,16x8,128x8,512x8,2048x8,8x16x8,32x16x8,128x16x8;
 #                             empty: no 2-D cases); SCALE_RESHARD_2D (default 2048x8:1024x16)
-#   DCP_MESHES_2D=...         DCP's FSDP2 + TP meshes (default 2x8,8x8,16x8: up to the largest
-#                             within DCP_SCALE_MAX_ITEMS), DCP_RESHARD_2D (default 16x8:8x16)
+#   DCP_MESHES_2D=...         DCP's FSDP2 + TP meshes (default 2x8,8x8,16x8,32x8,64x8, each run
+#                             when N x items <= DCP_SCALE_MAX_ITEMS: up to 16x8 by default, 64x8
+#                             at 1500000), DCP_RESHARD_2D (default 16x8:8x16)
 #   SCALE_REPEATS=K           timed repeats per sampled rank, median (default 3)
 #   DCP_SCALE_MAX_ITEMS=K     DCP configurations up to N x items-per-rank <= K (default
 #                             400000: about three minutes; 1500000 needs ~5 GiB and ~25 min)
@@ -37,7 +38,7 @@ MESHES=${SCALE_MESHES-2x8,8x8,16x8,128x8,512x8,2048x8,8x16x8,32x16x8,128x16x8}
 DCP=()
 if [ -x "$PY" ] && "$PY" -c 'import sys, torch; sys.exit(int(torch.__version__.split(".")[0]) < 2)' 2>/dev/null; then
   "$PY" bench/scale/dcp_scale.py run --models "$MODELS" --ranks "$RANKS" --work "$WORK" --out "$WORK/dcp.json" \
-    --meshes-2d "${DCP_MESHES_2D-2x8,8x8,16x8}" --reshard-2d "${DCP_RESHARD_2D-16x8:8x16}"
+    --meshes-2d "${DCP_MESHES_2D-2x8,8x8,16x8,32x8,64x8}" --reshard-2d "${DCP_RESHARD_2D-16x8:8x16}"
   DCP=("$WORK/dcp.json")
 else
   echo "bench/scale: DCP side skipped: $PY is not a torch 2.x python (make test-torch2 creates .venv-torch2)" >&2
