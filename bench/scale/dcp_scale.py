@@ -586,6 +586,34 @@ def check():
                       "torch": torch.__version__}))
 
 
+def measure(model, mesh, targets, work):
+    """One configuration, each step a child process: DCP's save on `mesh` (the
+    coordinator's planning), a resuming rank's load planning on the same mesh, and a loading
+    rank's on each mesh of `targets` (reshards). Returns the row; a line on stderr."""
+    meta = os.path.join(work, f"dcp-scale-{os.getpid()}-{model}-{mesh}.metadata")
+    try:
+        t0 = now()
+        save, save_kib = run_child(["save", model, mesh, meta])
+        save["process_peak_rss_kib"] = save_kib
+        load, load_kib = run_child(["load", model, mesh, meta, mesh])
+        load["process_peak_rss_kib"] = load_kib
+        row = {"model": model, "ranks": save["ranks"], "save": save, "load": load, "reshard": []}
+        for dst in targets:
+            rl, rk = run_child(["load", model, mesh, meta, dst])
+            rl["process_peak_rss_kib"] = rk
+            row["reshard"].append(rl)
+        row["wall_s"] = now() - t0
+        print(f"dcp {model:11s} {mesh:>8s} N={save['ranks']:<6d} metadata {save['metadata_bytes']:>11d} B  "
+              f"global plan {save['create_global_plan_s']:.2f} s  coordinator peak "
+              f"{(save['peak_rss_kib'] - save['base_rss_kib']) / 1024:.0f} MiB  "
+              f"load {load['ranks_sampled'][0]['local_plan_ms']:.1f} ms ({row['wall_s']:.1f} s)",
+              file=sys.stderr, flush=True)
+        return row
+    finally:
+        if os.path.exists(meta):
+            os.unlink(meta)
+
+
 def run(args):
     import argparse
     ap = argparse.ArgumentParser()
@@ -612,28 +640,8 @@ def run(args):
             if n * per_rank > a.max_items:
                 skipped.append({"model": model, "ranks": n, "items": n * per_rank})
                 continue
-            meta = os.path.join(a.work, f"dcp-scale-{os.getpid()}-{model}-{n}.metadata")
-            try:
-                t0 = now()
-                save, save_kib = run_child(["save", model, str(n), meta])
-                save["process_peak_rss_kib"] = save_kib
-                load, load_kib = run_child(["load", model, str(n), meta, str(n)])
-                load["process_peak_rss_kib"] = load_kib
-                row = {"model": model, "ranks": n, "save": save, "load": load, "wall_s": now() - t0}
-                row["reshard"] = []
-                for src, dst in reshard:
-                    if src == n and dst * per_rank <= 64 * a.max_items:
-                        rl, rk = run_child(["load", model, str(n), meta, str(dst)])
-                        rl["process_peak_rss_kib"] = rk
-                        row["reshard"].append(rl)
-                configs.append(row)
-                print(f"dcp {model:11s} N={n:<6d} metadata {save['metadata_bytes']:>11d} B  "
-                      f"global plan {save['create_global_plan_s']:.2f} s  coordinator peak {(save['peak_rss_kib'] - save['base_rss_kib']) / 1024:.0f} MiB  "
-                      f"load {load['ranks_sampled'][0]['local_plan_ms']:.1f} ms ({time.perf_counter() - t0:.1f} s)",
-                      file=sys.stderr, flush=True)
-            finally:
-                if os.path.exists(meta):
-                    os.unlink(meta)
+            targets = [str(dst) for src, dst in reshard if src == n and dst * per_rank <= 64 * a.max_items]
+            configs.append(measure(model, str(n), targets, a.work))
     res["configs"] = configs
     res["skipped"] = skipped
     # 2-D: FSDP2 over dp with TP (torchtitan's plan), DTensors on the (dp, tp) mesh.
@@ -643,34 +651,12 @@ def run(args):
         per_rank = items_per_rank(MODELS[model]())
         for mesh in [m for m in a.meshes_2d.split(",") if m]:
             dp, tp = parse_mesh(mesh)
-            n = dp * tp
-            if n * per_rank > a.max_items:
-                skipped.append({"model": model, "ranks": n, "mesh": mesh, "items": n * per_rank})
+            if dp * tp * per_rank > a.max_items:
+                skipped.append({"model": model, "ranks": dp * tp, "mesh": mesh, "items": dp * tp * per_rank})
                 continue
-            meta = os.path.join(a.work, f"dcp-scale-{os.getpid()}-{model}-{mesh}.metadata")
-            try:
-                t0 = now()
-                save, save_kib = run_child(["save", model, mesh, meta])
-                save["process_peak_rss_kib"] = save_kib
-                load, load_kib = run_child(["load", model, mesh, meta, mesh])
-                load["process_peak_rss_kib"] = load_kib
-                row = {"model": model, "sharding": "fsdp+tp", "ranks": n, "mesh": mesh, "tp": tp, "save": save,
-                       "load": load, "reshard": []}
-                for src, dst in reshard_2d:
-                    if src == mesh:
-                        rl, rk = run_child(["load", model, mesh, meta, dst])
-                        rl["process_peak_rss_kib"] = rk
-                        row["reshard"].append(rl)
-                row["wall_s"] = now() - t0
-                configs_2d.append(row)
-                print(f"dcp {model:11s} {mesh:>8s} N={n:<6d} metadata {save['metadata_bytes']:>11d} B  "
-                      f"global plan {save['create_global_plan_s']:.2f} s  coordinator peak "
-                      f"{(save['peak_rss_kib'] - save['base_rss_kib']) / 1024:.0f} MiB  "
-                      f"load {load['ranks_sampled'][0]['local_plan_ms']:.1f} ms ({now() - t0:.1f} s)",
-                      file=sys.stderr, flush=True)
-            finally:
-                if os.path.exists(meta):
-                    os.unlink(meta)
+            row = measure(model, mesh, [dst for src, dst in reshard_2d if src == mesh], a.work)
+            row.update(sharding="fsdp+tp", mesh=mesh, tp=tp)
+            configs_2d.append(row)
     res["configs_2d"] = configs_2d
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -847,6 +847,17 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
+// "A:B,C:D" as {(A, B), (C, D)}; `what` when an item has no ':'.
+std::vector<std::pair<std::string, std::string>> pairs(const std::string& s, const char* what) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& x : split(s, ',')) {
+    const auto c = x.find(':');
+    if (c == std::string::npos) throw std::runtime_error(what);
+    out.emplace_back(x.substr(0, c), x.substr(c + 1));
+  }
+  return out;
+}
+
 int64_t peak_rss_kib() {
   struct rusage ru {};
   ::getrusage(RUSAGE_SELF, &ru);
@@ -885,22 +896,14 @@ int main(int argc, char** argv) {
         o.shardings = split(next(), ',');
       } else if (a == "--reshard") {
         o.reshard.clear();
-        for (const auto& x : split(next(), ',')) {
-          const auto c = x.find(':');
-          if (c == std::string::npos) throw std::runtime_error("--reshard takes N:M pairs");
-          o.reshard.emplace_back(std::stoll(x.substr(0, c)), std::stoll(x.substr(c + 1)));
-        }
+        for (const auto& [n, m] : pairs(next(), "--reshard takes N:M pairs"))
+          o.reshard.emplace_back(std::stoll(n), std::stoll(m));
       } else if (a == "--models-2d") {
         o.models_2d = split(next(), ',');
       } else if (a == "--meshes") {
         o.meshes = split(next(), ',');
       } else if (a == "--reshard-2d") {
-        o.reshard_2d.clear();
-        for (const auto& x : split(next(), ',')) {
-          const auto c = x.find(':');
-          if (c == std::string::npos) throw std::runtime_error("--reshard-2d takes MESH:MESH pairs");
-          o.reshard_2d.emplace_back(x.substr(0, c), x.substr(c + 1));
-        }
+        o.reshard_2d = pairs(next(), "--reshard-2d takes MESH:MESH pairs");
       } else if (a == "--tp") {
         p.tp = std::stoll(next());
       } else if (a == "--repeats") {
