@@ -352,13 +352,24 @@ uint64_t write_data_file_header(const std::string& dir, const ck::CheckpointMeta
 }
 
 // The data files rank `rank` of `tgt` opens to load from `meta` (Layout::overlapping).
+// Checks on the way that the saved pieces overlapping each target box cover it exactly
+// (the pieces of a layout do not overlap), so that a reshard's targets are what it reads.
 std::set<int64_t> files_needed(const ck::CheckpointMetadata& meta, const Setup& tgt, int64_t rank) {
   std::set<int64_t> files;
   for (const Key& k : tgt.keys) {
     if (k.kind == Key::Plain) continue;
     const ck::EntryInfo& e = meta.entries.at(k.fqn);
-    for (const sh::Box& box : target_boxes(tgt, k, rank))
-      for (int64_t i : e.layout->overlapping(e.shape, box)) files.insert(e.layout->file_of(i));
+    for (const sh::Box& box : target_boxes(tgt, k, rank)) {
+      int64_t covered = 0;
+      for (int64_t i : e.layout->overlapping(e.shape, box)) {
+        files.insert(e.layout->file_of(i));
+        if (auto x = sh::intersect(e.layout->box(e.shape, i), box)) covered += x->numel();
+      }
+      if (covered != box.numel())
+        throw std::runtime_error("rank " + std::to_string(rank) + " of " + tgt.mesh() + ": the saved pieces cover " +
+                                 std::to_string(covered) + " of the " + std::to_string(box.numel()) +
+                                 " elements of its box of " + k.fqn);
+    }
   }
   return files;
 }
