@@ -12,8 +12,8 @@
 // save_sharded). The 1-D cases are FSDP's FULL and HYBRID sharding (format 2); the 2-D
 // ones (format 3) tensor parallelism over a model's TP plan (models.h) composed with FSDP
 // over the data-parallel ranks ("DPxTP" meshes) or with HSDP ("RxSxTP": R replica groups of
-// S shard ranks, which FSDP does not run with TP yet: the harness plans what the format
-// can record, hsdp_tp_whole_param), and reshards between meshes. bench/scale/run.sh runs
+// S shard ranks, whose sharded saves Tessera refuses: the harness plans what the format can
+// record, hsdp_tp_whole_param), and reshards between meshes. bench/scale/run.sh runs
 // it with the DCP side (dcp_scale.py) and writes bench/results/scale.json;
 // docs/benchmarks.md explains the figures.
 //
@@ -238,8 +238,9 @@ Placements placements(const Setup& s, int64_t rank, const std::string& fqn) {
 
 // HSDP x TP: what the format records for a parameter TP keeps whole. Its FSDP shard group
 // {(r·S + s)·T + t : s} is one of R·T groups holding it (every replica group's, every tp
-// rank's), which one files map cannot describe: save.cpp's group_placement refuses it, as
-// FSDP refuses HYBRID_SHARD with tensor parallelism (docs/tensor-parallel.md). The harness
+// rank's), which one files map cannot describe: save.cpp's group_placement refuses it, and
+// a sharded state dict of HYBRID_SHARD with tensor parallelism is refused before that
+// (TpView; such meshes checkpoint consolidated, docs/tensor-parallel.md). The harness
 // records what a writer could: replica group 0's T interleaved groups write it, laid out as
 // FSDP x TP lays out such a parameter on an (S, T) mesh (first 0, step T, replicas T,
 // replica_step 1, shift = key index mod min(64, T)), so a resuming rank reads these pieces
