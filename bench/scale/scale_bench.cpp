@@ -1,28 +1,36 @@
-// Checkpoints at scale (issue 33 item 5): the real planning code of a format-2 sharded
-// save and load (docs/checkpoint-format.md §3) run for N virtual ranks in one process,
-// with no tensor data. For each model, sharding and world size it measures what every
-// rank computes alone: the metadata text (to_json, identical on every rank), a sampled
-// rank's save planning (its CheckpointMetadata, plan_saved_layout of every tensor, the
-// pieces it stores, to_json and the digest RankAgreement::agree compares) and its load planning for a
-// resume at the same N (open_checkpoint: read, parse_metadata, checksum; then
-// ChunkReader::chunks for each of the rank's target boxes, which finds the overlapping
-// pieces with Layout::overlapping and reads the headers of the data files holding them,
-// real sparse files whose headers are exactly what write_data_file writes), plus the
-// bytes of the save's coordination, computed from its protocol (save.cpp save_sharded).
-// bench/scale/run.sh runs it with the DCP side (dcp_scale.py) and writes
-// bench/results/scale.json; docs/benchmarks.md explains the figures.
+// Checkpoints at scale (issue 33 item 5; 2-D: issue 47 item 5): the real planning code of
+// a sharded save and load (docs/checkpoint-format.md §3) run for N virtual ranks in one
+// process, with no tensor data. For each model, sharding and world size it measures what
+// every rank computes alone: the metadata text (to_json, identical on every rank), a
+// sampled rank's save planning (its CheckpointMetadata, plan_saved_layout of every tensor,
+// the pieces it stores, to_json and the digest RankAgreement::agree compares) and its load
+// planning for a resume at the same N (open_checkpoint: read, parse_metadata, checksum;
+// then ChunkReader::chunks for each of the rank's target boxes, which finds the
+// overlapping pieces with Layout::overlapping and reads the headers of the data files
+// holding them, real sparse files whose headers are exactly what write_data_file writes),
+// plus the bytes of the save's coordination, computed from its protocol (save.cpp
+// save_sharded). The 1-D cases are FSDP's FULL and HYBRID sharding (format 2); the 2-D
+// ones (format 3) tensor parallelism over a model's TP plan (models.h) composed with FSDP
+// over the data-parallel ranks ("DPxTP" meshes) or with HSDP ("RxSxTP": R replica groups of
+// S shard ranks, whose sharded saves Tessera refuses: the harness plans what the format can
+// record, hsdp_tp_whole_param), and reshards between meshes. bench/scale/run.sh runs
+// it with the DCP side (dcp_scale.py) and writes bench/results/scale.json;
+// docs/benchmarks.md explains the figures.
 //
 //   scale_bench [--ranks 8,64,...] [--models gpt2-124m,...] [--shardings full,hybrid]
-//               [--reshard 16384:1024,1024:16384] [--repeats 3] [--out FILE] [--work DIR]
+//               [--reshard 16384:1024,1024:16384] [--models-2d llama3-70b]
+//               [--meshes 128x8,2048x8,128x16x8,...] [--reshard-2d 2048x8:1024x16]
+//               [--repeats 3] [--out FILE] [--work DIR]
 //   scale_bench --predict --model tiny-gpt [--n-layer L --n-head H --d-model D --seq-len T
-//               --tie] --ranks N [--sharding full|hybrid --shard-group S] [--strategy fsdp|ddp]
-//               [--metadata DIR/tessera-checkpoint.json]
+//               --tie] --ranks N [--tp T] [--sharding full|hybrid --shard-group S]
+//               [--strategy fsdp|ddp] [--metadata DIR/tessera-checkpoint.json]
 //
 // --predict prints the metadata a `gpt train` run of examples/gpt saves (model + AdamW
-// state under the Trainer's names). With --metadata (a real save's metadata), it rebuilds
-// that file's text with every tensor entry recomputed by the planner from the model's
-// shapes (keys, plain values and save id taken from the file, which no planner can know)
-// and compares it byte for byte: exit 0 and "match" when equal.
+// state under the Trainer's names; with --tp T, on the (N / T, T) mesh of `gpt train --tp
+// T`). With --metadata (a real save's metadata), it rebuilds that file's text with every
+// tensor entry recomputed by the planner from the model's shapes (keys, plain values and
+// save id taken from the file, which no planner can know) and compares it byte for byte:
+// exit 0 and "match" when equal.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -80,29 +88,46 @@ struct Key {
   Value value;                   // plain values
 };
 
-// A state at world size `world` whose FSDP shard groups have `group` ranks (group ==
-// world: FULL_SHARD; 8: HYBRID_SHARD with world / 8 replica groups).
+// A state on `world` ranks laid out as a (replicate R, shard S, tp T) mesh, rank
+// (r·S + s)·T + t (dp-major, as Fabric's mesh): tensor parallelism cuts the parameters a
+// TP plan names over the T ranks of a tp group, then FSDP cuts each unit's flat vector (at
+// TP-local sizes) over the S ranks of a shard group, and the R replica groups hold the same
+// state. T = 1 is the 1-D case: FULL_SHARD (S = world), HYBRID_SHARD (S = 8, R = world / 8),
+// one process per group (S = 1: DDP, every parameter whole). T > 1: FSDP x TP (R = 1, S =
+// dp), HSDP x TP (R > 1), DDP x TP (S = 1).
 struct Setup {
   const Model* model = nullptr;
-  int64_t world = 1, group = 1;
+  int64_t world = 1, shard = 1, tp = 1;
+  scale::TpLocal local;  // the units at TP-local sizes (the model's own when tp = 1)
   std::vector<Key> keys;
-  int64_t replicas() const { return world / group; }
+  std::string sharding;  // the 1-D cases' label ("full", "hybrid"); sharding_of() otherwise
+  int64_t replicas() const { return world / (shard * tp); }
+  bool two_d() const { return tp > 1; }
+  size_t index_of(const Param& p) const { return static_cast<size_t>(&p - model->params.data()); }
+  // The mesh as text: "N" (1-D), "DPxTP", "RxSxTP".
+  std::string mesh() const {
+    if (!two_d()) return std::to_string(world);
+    return (replicas() > 1 ? std::to_string(replicas()) + "x" : std::string()) + std::to_string(shard) + "x" +
+           std::to_string(tp);
+  }
 };
 
 // The keys in the order a Trainer's state flattens: "model.<fqn>" for every parameter,
 // then the optimizer state as state::optimizer_state_dict names it (a one-group AdamW:
-// per parameter a plain int "step" and the exp_avg / exp_avg_sq tensors, sharded like the
-// parameter), then the group's options and parameter names.
-std::vector<Key> trainer_keys(const Model& m, bool sharded) {
+// per parameter a plain int "step" and the exp_avg / exp_avg_sq tensors, laid out like
+// the parameter), then the group's options and parameter names. A parameter's tensors
+// are sharded when FSDP shards them (a shard group of more than one rank; with one, FSDP
+// keeps them whole) or tensor parallelism cuts them.
+std::vector<Key> trainer_keys(const Model& m, int64_t shard, int64_t tp) {
   std::vector<Key> keys;
-  const Key::Kind tk = sharded ? Key::Sharded : Key::Tensor;
-  for (const auto& p : m.params) keys.push_back({tk, "model." + p.fqn, &p, {}});
+  auto kind = [&](const Param& p) { return shard > 1 || (tp > 1 && p.tp_cut()) ? Key::Sharded : Key::Tensor; };
+  for (const auto& p : m.params) keys.push_back({kind(p), "model." + p.fqn, &p, {}});
   keys.push_back({Key::Plain, "optimizer_0.optimizer", nullptr, std::string("adamw")});
   for (const auto& p : m.params) {
     const std::string s = "optimizer_0.state." + p.fqn + ".";
     keys.push_back({Key::Plain, s + "step", nullptr, int64_t{100000}});
-    keys.push_back({tk, s + "exp_avg", &p, {}});
-    keys.push_back({tk, s + "exp_avg_sq", &p, {}});
+    keys.push_back({kind(p), s + "exp_avg", &p, {}});
+    keys.push_back({kind(p), s + "exp_avg_sq", &p, {}});
   }
   const std::string g = "optimizer_0.param_groups.0.";
   keys.push_back({Key::Plain, g + "lr", nullptr, 3e-4});
@@ -116,25 +141,127 @@ std::vector<Key> trainer_keys(const Model& m, bool sharded) {
   return keys;
 }
 
-Setup make_setup(const Model& m, int64_t world, int64_t group) {
+Setup make_setup(const Model& m, int64_t world, int64_t shard, int64_t tp = 1) {
+  if (shard < 1 || tp < 1 || world % (shard * tp) != 0)
+    throw std::runtime_error("a mesh of shard " + std::to_string(shard) + " x tp " + std::to_string(tp) +
+                             " does not divide " + std::to_string(world) + " ranks");
   Setup s;
   s.model = &m;
   s.world = world;
-  s.group = group;
-  s.keys = trainer_keys(m, group > 1);  // FSDP keeps whole parameters when a group has one rank
+  s.shard = shard;
+  s.tp = tp;
+  s.local = scale::tp_local(m, tp);
+  s.keys = trainer_keys(m, shard, tp);
   return s;
 }
 
-// FSDP's layout of a parameter (fsdp.cpp register_sharded_params): the unit's flat
-// vector cut over the shard group.
-sh::Layout fsdp_layout(const Setup& s, const Param& p) {
-  return sh::Layout::flat(s.model->unit_numel[static_cast<size_t>(p.unit)], p.offset, s.group);
+// "DPxTP" or "RxSxTP" (2-D meshes), for `model`.
+Setup make_mesh_setup(const Model& m, const std::string& mesh) {
+  std::vector<int64_t> d;
+  std::stringstream ss(mesh);
+  std::string item;
+  while (std::getline(ss, item, 'x')) d.push_back(std::stoll(item));
+  if (d.size() == 2) return make_setup(m, d[0] * d[1], d[0], d[1]);
+  if (d.size() == 3) return make_setup(m, d[0] * d[1] * d[2], d[1], d[2]);
+  throw std::runtime_error("a 2-D mesh is DPxTP or RxSxTP, not '" + mesh + "'");
 }
 
-// The box rank `rank` holds of key `k` (its local shard; FSDP ranks hold one).
-sh::Box target_box(const Setup& s, const Key& k, int64_t rank) {
-  if (k.kind == Key::Tensor) return sh::full_box(k.param->shape);
-  return fsdp_layout(s, *k.param).box(k.param->shape, rank % s.group);
+// FSDP's layout of a parameter (fsdp.cpp register_sharded_params): the unit's flat
+// vector cut over the shard group, at TP-local sizes.
+sh::Layout fsdp_layout(const Setup& s, const Param& p) {
+  const size_t i = s.index_of(p);
+  return sh::Layout::flat(s.local.unit_numel[static_cast<size_t>(p.unit)], s.local.offset[i], s.shard);
+}
+
+// The rule a sharded key's ShardedTensor carries (ShardedTensor::layout()): FSDP's, or for
+// a parameter tensor parallelism cuts, TpView::to_2d's (strategy/tp_state.cpp): a tp rule
+// whose inner rule is FSDP's cut of the TP piece's unit (whole when FSDP keeps it whole).
+sh::Layout rule_of(const Setup& s, const Param& p) {
+  if (s.two_d() && p.tp_cut())
+    return sh::Layout::tensor_parallel(p.tp_dim, p.tp_stripes, s.tp,
+                                       s.shard > 1 ? fsdp_layout(s, p) : sh::Layout::whole(0));
+  return fsdp_layout(s, p);
+}
+
+// A rank's place in the mesh, and the holder of a sharded key it is: q = s·T + t for a
+// tensor on a replica group's block of S·T ranks (1-D: its shard group; 2-D: a tensor
+// parallelism cuts), s for one FSDP alone shards over the strided dp group (2-D).
+struct MeshRank {
+  int64_t r, s, t;
+};
+MeshRank mesh_rank(const Setup& s, int64_t rank) {
+  return {rank / (s.shard * s.tp), rank / s.tp % s.shard, rank % s.tp};
+}
+bool on_block(const Setup& s, const Key& k) { return !s.two_d() || k.param->tp_cut(); }
+int64_t holder_of(const Setup& s, const Key& k, int64_t rank) {
+  const MeshRank m = mesh_rank(s, rank);
+  return on_block(s, k) ? m.s * s.tp + m.t : m.s;
+}
+
+// The boxes rank `rank` holds of key `k` (its local shards: one for FSDP, one per stripe
+// for a tp rule), empty ones left out.
+std::vector<sh::Box> target_boxes(const Setup& s, const Key& k, int64_t rank) {
+  if (k.kind == Key::Tensor) return {sh::full_box(k.param->shape)};
+  const sh::Layout L = rule_of(s, *k.param);
+  const int64_t q = holder_of(s, k, rank), per = L.pieces_per_holder();
+  std::vector<sh::Box> out;
+  for (int64_t i = q * per; i < (q + 1) * per; ++i) {
+    sh::Box b = L.box(k.param->shape, i);
+    if (!b.empty()) out.push_back(std::move(b));
+  }
+  return out;
+}
+
+// Where a rank's sharded tensors live among the saving ranks, as save.cpp's plan_sharded
+// finds it from the tensor's communicator (group_placement, once per communicator):
+// `block`, the replica group's block of S·T consecutive ranks (1-D: the shard group; 2-D:
+// the world's ShardedTensor of a cut parameter, or the tp group when S = 1), and
+// `strided`, FSDP's dp group {(r·S + s)·T + t : s} of a parameter TP keeps whole (2-D),
+// interleaved over the T tp ranks when R = 1.
+struct Placements {
+  ck::GroupPlacement block, strided;
+};
+Placements placements(const Setup& s, int64_t rank, const std::string& fqn) {
+  const MeshRank m = mesh_rank(s, rank);
+  const int64_t B = s.shard * s.tp;
+  std::vector<int64_t> members(static_cast<size_t>(B));
+  std::iota(members.begin(), members.end(), m.r * B);
+  Placements g;
+  g.block = ck::group_placement(members, s.world, fqn);
+  if (s.two_d() && s.shard > 1 && s.replicas() == 1) {
+    members.resize(static_cast<size_t>(s.shard));
+    for (int64_t p = 0; p < s.shard; ++p) members[static_cast<size_t>(p)] = p * s.tp + m.t;
+    g.strided = ck::group_placement(members, s.world, fqn);
+  }
+  return g;
+}
+
+// HSDP x TP: what the format records for a parameter TP keeps whole. Its FSDP shard group
+// {(r·S + s)·T + t : s} is one of R·T groups holding it (every replica group's, every tp
+// rank's), which one files map cannot describe: save.cpp's group_placement refuses it, and
+// a sharded state dict of HYBRID_SHARD with tensor parallelism is refused before that
+// (TpView; such meshes checkpoint consolidated, docs/tensor-parallel.md). The harness
+// records what a writer could: replica group 0's T interleaved groups write it, laid out as
+// FSDP x TP lays out such a parameter on an (S, T) mesh (first 0, step T, replicas T,
+// replica_step 1, shift = key index mod min(64, T)), so a resuming rank reads these pieces
+// from at most T files whatever R. (HYBRID's rule over the R replica groups instead, a file
+// map of step T and replica_step S·T, would send it to up to 64 more files.)
+ck::SavedLayout hsdp_tp_whole_param(const Setup& s, const Key& k, int64_t rank, int64_t key_index) {
+  static const std::vector<sh::ShardMetadata> kNoShards;
+  std::vector<int64_t> members(static_cast<size_t>(s.shard));
+  for (int64_t p = 0; p < s.shard; ++p) members[static_cast<size_t>(p)] = p * s.tp + mesh_rank(s, rank).t;
+  const ck::GroupPlacement g = ck::group_placement(members, s.shard * s.tp, k.fqn);
+  return ck::plan_saved_layout(k.fqn, k.param->shape, kNoShards, fsdp_layout(s, *k.param), g, s.world, rank,
+                               key_index);
+}
+
+// The entry of a sharded key and the pieces rank `rank` stores: plan_saved_layout with the
+// tensor's rule as the hint, on its communicator's placement.
+ck::SavedLayout plan_sharded(const Setup& s, const Key& k, const Placements& g, int64_t rank, int64_t key_index) {
+  static const std::vector<sh::ShardMetadata> kNoShards;  // the hint makes the list unused
+  if (!on_block(s, k) && s.replicas() > 1) return hsdp_tp_whole_param(s, k, rank, key_index);
+  return ck::plan_saved_layout(k.fqn, k.param->shape, kNoShards, rule_of(s, *k.param),
+                               on_block(s, k) ? g.block : g.strided, s.world, rank, key_index);
 }
 
 // ------------------------------------------------------------------ save planning
@@ -151,18 +278,13 @@ struct SaveOut {
 // rule as the hint, as ShardedTensor::layout() gives it), the pieces this rank stores,
 // the metadata text and the digest of its structure (structure_of) the ranks compare.
 SaveOut plan_save(const Setup& s, int64_t rank, std::string* text_out = nullptr) {
-  static const std::vector<sh::ShardMetadata> kNoShards;  // the hint makes the list unused
   SaveOut out;
   ck::CheckpointMetadata m;
   m.version = ck::kFormatVersion;
   m.world_size = static_cast<int>(s.world);
   m.crc_block = ck::kCrcBlock;
   m.save_id = kSaveId;
-  std::vector<int64_t> saving_rank_of(static_cast<size_t>(s.world));
-  std::iota(saving_rank_of.begin(), saving_rank_of.end(), int64_t{0});
-  std::vector<int64_t> members(static_cast<size_t>(s.group));
-  for (int64_t p = 0; p < s.group; ++p) members[static_cast<size_t>(p)] = saving_rank_of[static_cast<size_t>(rank / s.group * s.group + p)];
-  const ck::GroupPlacement g = ck::group_placement(members, s.world, s.keys.front().fqn);
+  const Placements g = placements(s, rank, s.keys.front().fqn);
   struct PieceDesc {
     const std::string* fqn;
     sh::Box box;
@@ -183,8 +305,7 @@ SaveOut plan_save(const Setup& s, int64_t rank, std::string* text_out = nullptr)
         if (rank == 0 && k.param->numel() > 0) pieces.push_back({&k.fqn, sh::full_box(e.shape)});
       } else {
         e.kind = "sharded";
-        ck::SavedLayout plan =
-            ck::plan_saved_layout(k.fqn, e.shape, kNoShards, fsdp_layout(s, *k.param), g, s.world, rank, key_index);
+        ck::SavedLayout plan = plan_sharded(s, k, g, rank, key_index);
         for (int64_t i : plan.mine) pieces.push_back({&k.fqn, plan.layout.box(e.shape, i)});
         e.layout = std::move(plan.layout);
       }
@@ -203,31 +324,6 @@ SaveOut plan_save(const Setup& s, int64_t rank, std::string* text_out = nullptr)
 
 // ------------------------------------------------------------------ data files
 
-// The pieces of `L` stored in file `f` (the inverse of FileMap::file for the rules).
-std::vector<int64_t> pieces_in_file(const sh::Layout& L, int64_t f) {
-  std::vector<int64_t> out;
-  using R = sh::Layout::Rule;
-  if (L.rule == R::Whole) {
-    if (L.file == f) out.push_back(0);
-  } else if (L.rule == R::List) {
-    for (size_t i = 0; i < L.list.size(); ++i)
-      if (L.list[i].file == f) out.push_back(static_cast<int64_t>(i));
-  } else {
-    const sh::FileMap& m = L.files;
-    const int64_t d = f - m.first;
-    if (d < 0) return out;
-    int64_t i = -1;
-    if (m.replicas == 1) {
-      if (d % m.step == 0) i = d / m.step;
-    } else {
-      const int64_t g = d / m.replica_step, rem = d % m.replica_step;
-      if (rem % m.step == 0 && g < m.replicas) i = rem / m.step;
-    }
-    if (i >= 0 && i < L.pieces && L.file_of(i) == f) out.push_back(i);
-  }
-  return out;
-}
-
 // Writes data file `f` of the checkpoint `meta` describes as a sparse file: the header
 // write_data_file writes for the pieces its layouts place there (identity, names, shapes,
 // offsets, a block checksum per 4 MiB, the header checksum), the data a hole of the right
@@ -237,7 +333,7 @@ uint64_t write_data_file_header(const std::string& dir, const ck::CheckpointMeta
   for (const auto& k : meta.keys) {
     const ck::EntryInfo& e = meta.entries.at(k);
     if (!e.is_tensor()) continue;
-    for (int64_t i : pieces_in_file(*e.layout, f)) {
+    for (int64_t i : e.layout->pieces_in_file(f)) {
       const sh::Box b = e.layout->box(e.shape, i);
       if (!b.empty()) specs.push_back({ck::piece_name(k, *e.layout, e.shape, i), e.dtype, b.sizes});
     }
@@ -257,13 +353,24 @@ uint64_t write_data_file_header(const std::string& dir, const ck::CheckpointMeta
 }
 
 // The data files rank `rank` of `tgt` opens to load from `meta` (Layout::overlapping).
+// Checks on the way that the saved pieces overlapping each target box cover it exactly
+// (the pieces of a layout do not overlap), so that a reshard's targets are what it reads.
 std::set<int64_t> files_needed(const ck::CheckpointMetadata& meta, const Setup& tgt, int64_t rank) {
   std::set<int64_t> files;
   for (const Key& k : tgt.keys) {
     if (k.kind == Key::Plain) continue;
     const ck::EntryInfo& e = meta.entries.at(k.fqn);
-    const sh::Box box = target_box(tgt, k, rank);
-    for (int64_t i : e.layout->overlapping(e.shape, box)) files.insert(e.layout->file_of(i));
+    for (const sh::Box& box : target_boxes(tgt, k, rank)) {
+      int64_t covered = 0;
+      for (int64_t i : e.layout->overlapping(e.shape, box)) {
+        files.insert(e.layout->file_of(i));
+        if (auto x = sh::intersect(e.layout->box(e.shape, i), box)) covered += x->numel();
+      }
+      if (covered != box.numel())
+        throw std::runtime_error("rank " + std::to_string(rank) + " of " + tgt.mesh() + ": the saved pieces cover " +
+                                 std::to_string(covered) + " of the " + std::to_string(box.numel()) +
+                                 " elements of its box of " + k.fqn);
+    }
   }
   return files;
 }
@@ -301,9 +408,11 @@ LoadOut plan_load(const std::string& dir, const Setup& tgt, int64_t rank) {
     }
     if (!e.is_tensor() || e.shape != k.param->shape || e.dtype != at::kFloat)
       throw std::runtime_error("mismatch " + k.fqn);
-    located.push_back(reader.chunks(k.fqn, e, target_box(tgt, k, rank)));
-    for (const auto& c : located.back()) files.insert(c.file);
-    out.pieces += static_cast<int64_t>(located.back().size());
+    for (const sh::Box& box : target_boxes(tgt, k, rank)) {
+      located.push_back(reader.chunks(k.fqn, e, box));
+      for (const auto& c : located.back()) files.insert(c.file);
+      out.pieces += static_cast<int64_t>(located.back().size());
+    }
   }
   out.files = static_cast<int64_t>(files.size());
   return out;
@@ -392,8 +501,8 @@ int64_t shard_list_bytes(const Setup& s) {
     const int64_t before = scale::alloc::live();
     {
       std::vector<sh::ShardMetadata> v;
-      v.reserve(static_cast<size_t>(s.group));
-      for (int64_t r = 0; r < s.group; ++r) {
+      v.reserve(static_cast<size_t>(s.shard));
+      for (int64_t r = 0; r < s.shard; ++r) {
         sh::ShardMetadata m;
         m.box.offsets.assign(k.param->shape.size(), 0);
         m.box.sizes = k.param->shape;
@@ -427,11 +536,23 @@ struct Options {
   std::vector<std::string> models{"gpt2-124m", "llama3-8b", "llama3-70b"};
   std::vector<std::string> shardings{"full", "hybrid"};
   std::vector<std::pair<int64_t, int64_t>> reshard{{16384, 1024}, {1024, 16384}};
+  // 2-D: FSDP x TP ("DPxTP") and HSDP x TP ("RxSxTP") meshes of the 2-D models, and
+  // reshards between meshes (a rank of the second planning its load from the first's save).
+  std::vector<std::string> models_2d{"llama3-70b"};
+  std::vector<std::string> meshes{"2x8", "8x8", "16x8", "128x8", "512x8", "2048x8", "8x16x8", "32x16x8", "128x16x8"};
+  std::vector<std::pair<std::string, std::string>> reshard_2d{{"2048x8", "1024x16"}};
   int repeats = 3;
   std::string out, work, path = "/checkpoints/llama-3-70b/step-00100000";
 };
 
 int64_t group_of(const std::string& sharding, int64_t n) { return sharding == "hybrid" ? std::min(kHybridGroup, n) : n; }
+
+// The label of a setup's sharding: "full", "hybrid" (1-D), "fsdp+tp", "hsdp+tp" (2-D).
+std::string sharding_of(const Setup& s) {
+  if (!s.sharding.empty()) return s.sharding;
+  if (s.two_d()) return s.replicas() > 1 ? "hsdp+tp" : "fsdp+tp";
+  return s.shard == s.world ? "full" : "hybrid";
+}
 
 // Saves `s` "to" dir: the metadata rank 0 writes (every rank computes the same; checked).
 ck::CheckpointMetadata write_checkpoint(const Setup& s, const std::string& dir, std::string& text) {
@@ -483,13 +604,16 @@ json max_of(const json& rows, const char* field) {
   return best;
 }
 
-json run_config(const Model& model, const std::string& sharding, int64_t n, const Options& o, const std::string& work) {
-  const Setup s = make_setup(model, n, group_of(sharding, n));
+json run_config(const Setup& s, const Options& o, const std::string& work) {
+  const Model& model = *s.model;
+  const int64_t n = s.world;
+  const std::string sharding = sharding_of(s);
   json row;
   row["model"] = model.name;
   row["sharding"] = sharding;
   row["ranks"] = n;
-  row["shard_group"] = s.group;
+  row["shard_group"] = s.shard;
+  if (s.two_d()) row["mesh"] = {{"replicate", s.replicas()}, {"shard", s.shard}, {"tp", s.tp}, {"text", s.mesh()}};
   int64_t tensors = 0;
   for (const auto& k : s.keys) tensors += k.kind != Key::Plain;
   row["keys"] = s.keys.size();
@@ -513,7 +637,7 @@ json run_config(const Model& model, const std::string& sharding, int64_t n, cons
   row["save"] = {{"ms_max", max_of(save, "ms")}, {"peak_bytes_max", max_of(save, "peak_bytes")}, {"ranks", save}};
   row["coordination"] = coordination(n, o.path);
   // Load planning of a resume (the same layout at the same N).
-  const std::string dir = ck::join_path(work, model.name + "-" + sharding + "-" + std::to_string(n));
+  const std::string dir = ck::join_path(work, model.name + "-" + sharding + "-" + s.mesh());
   std::string text;
   const ck::CheckpointMetadata meta = write_checkpoint(s, dir, text);
   json load = json::array();
@@ -537,19 +661,19 @@ json run_config(const Model& model, const std::string& sharding, int64_t n, cons
     parse["checksum_ms"] = measure(o.repeats, [&] { ck::check_metadata_checksum(text, "m"); }).ms;
     row["metadata_parse"] = parse;
   }
-  row["state_shard_lists_bytes"] = shard_list_bytes(s);
+  if (!s.two_d()) row["state_shard_lists_bytes"] = shard_list_bytes(s);
   row["trainer_rng_metadata_bytes"] = trainer_rng_bytes(n);
   ck::remove_all(dir);
   return row;
 }
 
-json run_reshard(const Model& model, const std::string& sharding, int64_t n, int64_t m_ranks, const Options& o,
-                 const std::string& work) {
-  const Setup src = make_setup(model, n, group_of(sharding, n));
-  const Setup tgt = make_setup(model, m_ranks, group_of(sharding, m_ranks));
-  if ((src.group > 1) != (tgt.group > 1)) throw std::runtime_error("reshard between sharded and whole states");
-  const std::string dir =
-      ck::join_path(work, model.name + "-" + sharding + "-" + std::to_string(n) + "-to-" + std::to_string(m_ranks));
+json run_reshard(const Setup& src, const Setup& tgt, const Options& o, const std::string& work) {
+  const Model& model = *src.model;
+  const std::string sharding = sharding_of(src);
+  const int64_t n = src.world, m_ranks = tgt.world;
+  if (!src.two_d() && (src.shard > 1) != (tgt.shard > 1))
+    throw std::runtime_error("reshard between sharded and whole states");
+  const std::string dir = ck::join_path(work, model.name + "-" + sharding + "-" + src.mesh() + "-to-" + tgt.mesh());
   std::string text;
   const ck::CheckpointMetadata meta = write_checkpoint(src, dir, text);
   json rows = json::array();
@@ -559,15 +683,20 @@ json run_reshard(const Model& model, const std::string& sharding, int64_t n, int
     clear_data_files(dir, written);
   }
   ck::remove_all(dir);
-  return {{"model", model.name},
-          {"sharding", sharding},
-          {"from_ranks", n},
-          {"to_ranks", m_ranks},
-          {"metadata_bytes", text.size()},
-          {"ms_max", max_of(rows, "ms")},
-          {"peak_bytes_max", max_of(rows, "peak_bytes")},
-          {"files_max", max_of(rows, "files")},
-          {"ranks", rows}};
+  json r = {{"model", model.name},
+            {"sharding", sharding},
+            {"from_ranks", n},
+            {"to_ranks", m_ranks},
+            {"metadata_bytes", text.size()},
+            {"ms_max", max_of(rows, "ms")},
+            {"peak_bytes_max", max_of(rows, "peak_bytes")},
+            {"files_max", max_of(rows, "files")},
+            {"ranks", rows}};
+  if (src.two_d() || tgt.two_d()) {
+    r["from_mesh"] = src.mesh();
+    r["to_mesh"] = tgt.mesh();
+  }
+  return r;
 }
 
 // ------------------------------------------------------------------ --predict
@@ -575,7 +704,8 @@ json run_reshard(const Model& model, const std::string& sharding, int64_t n, int
 struct PredictOptions {
   int64_t n_layer = 4, n_head = 4, d_model = 128, seq_len = 64;
   bool tie = false;
-  int64_t ranks = 1, group = 0;  // group 0: FULL (the world)
+  int64_t ranks = 1, group = 0;  // group 0: FULL (the dp ranks)
+  int64_t tp = 1;                 // tensor-parallel ranks (gpt train --tp)
   std::string strategy = "fsdp", metadata;
 };
 
@@ -589,13 +719,17 @@ std::string read_file(const std::string& path) {
 
 int predict(const PredictOptions& p) {
   const Model model = scale::gpt("tiny-gpt", 256, p.n_layer, p.d_model, p.seq_len, p.tie);  // examples/gpt: byte vocab
-  const int64_t group = p.strategy == "ddp" ? 1 : (p.group > 0 ? p.group : p.ranks);
-  if (p.ranks % group != 0) throw std::runtime_error("--shard-group must divide --ranks");
-  const Setup s = make_setup(model, p.ranks, group);
+  if (p.tp < 1 || p.ranks % p.tp != 0) throw std::runtime_error("--tp must divide --ranks");
+  const int64_t dp = p.ranks / p.tp;
+  const int64_t group = p.strategy == "ddp" ? 1 : (p.group > 0 ? p.group : dp);
+  if (dp % group != 0) throw std::runtime_error("--shard-group must divide the data-parallel ranks");
+  const Setup s = make_setup(model, p.ranks, group, p.tp);
   std::cout << "model: examples/gpt, " << p.n_layer << " layers, d_model " << p.d_model << ", seq_len " << p.seq_len
             << (p.tie ? ", tied head" : ", untied head") << ": " << model.numel() << " parameters in "
             << model.params.size() << " tensors\n";
-  std::cout << "layout: " << p.strategy << ", " << p.ranks << " ranks, shard groups of " << group << "\n";
+  std::cout << "layout: " << p.strategy << ", " << p.ranks << " ranks, shard groups of " << group;
+  if (s.two_d()) std::cout << ", tp " << s.tp << " (mesh " << s.mesh() << ")";
+  std::cout << "\n";
   if (p.metadata.empty()) {
     // The model and AdamW state alone, with placeholder plain values (a Trainer adds its
     // own: loop, sampler, scheduler, callbacks, RNG states, hparams).
@@ -631,7 +765,7 @@ int predict(const PredictOptions& p) {
                              std::to_string(p.ranks));
   std::vector<std::string> problems;
   std::set<std::string> seen;
-  std::vector<int64_t> members(static_cast<size_t>(group));
+  const Placements g = placements(s, 0, got.keys.empty() ? std::string() : got.keys.front());
   int64_t key_index = 0, predicted = 0;
   for (const auto& k : got.keys) {
     const ck::EntryInfo& real_e = got.entries.at(k);
@@ -665,9 +799,7 @@ int predict(const PredictOptions& p) {
         e.layout = sh::Layout::whole(0);
       } else {
         e.kind = "sharded";
-        std::iota(members.begin(), members.end(), int64_t{0});
-        const ck::GroupPlacement g = ck::group_placement(members, p.ranks, k);
-        e.layout = ck::plan_saved_layout(k, e.shape, {}, fsdp_layout(s, *key.param), g, p.ranks, 0, key_index).layout;
+        e.layout = plan_sharded(s, key, g, 0, key_index).layout;
       }
       if (got.version == 1) {
         // Version 1 lists every chunk: compare boxes (and files, which FULL_SHARD's
@@ -678,13 +810,13 @@ int predict(const PredictOptions& p) {
           if (b.empty()) continue;
           std::vector<int64_t> v = b.offsets;
           v.insert(v.end(), b.sizes.begin(), b.sizes.end());
-          want.insert({group == p.ranks ? ck::data_file_name(static_cast<int>(e.layout->file_of(i))) : "", v});
+          want.insert({group == dp ? ck::data_file_name(static_cast<int>(e.layout->file_of(i))) : "", v});
         }
         for (const auto& c : real_e.chunks) {
           if (c.box.empty()) continue;
           std::vector<int64_t> v = c.box.offsets;
           v.insert(v.end(), c.box.sizes.begin(), c.box.sizes.end());
-          have.insert({group == p.ranks ? c.file : "", v});
+          have.insert({group == dp ? c.file : "", v});
         }
         if (want != have || real_e.shape != e.shape || real_e.dtype != e.dtype)
           problems.push_back("'" + k + "': chunks differ from the predicted layout");
@@ -727,6 +859,17 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
+// "A:B,C:D" as {(A, B), (C, D)}; `what` when an item has no ':'.
+std::vector<std::pair<std::string, std::string>> pairs(const std::string& s, const char* what) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& x : split(s, ',')) {
+    const auto c = x.find(':');
+    if (c == std::string::npos) throw std::runtime_error(what);
+    out.emplace_back(x.substr(0, c), x.substr(c + 1));
+  }
+  return out;
+}
+
 int64_t peak_rss_kib() {
   struct rusage ru {};
   ::getrusage(RUSAGE_SELF, &ru);
@@ -765,11 +908,16 @@ int main(int argc, char** argv) {
         o.shardings = split(next(), ',');
       } else if (a == "--reshard") {
         o.reshard.clear();
-        for (const auto& x : split(next(), ',')) {
-          const auto c = x.find(':');
-          if (c == std::string::npos) throw std::runtime_error("--reshard takes N:M pairs");
-          o.reshard.emplace_back(std::stoll(x.substr(0, c)), std::stoll(x.substr(c + 1)));
-        }
+        for (const auto& [n, m] : pairs(next(), "--reshard takes N:M pairs"))
+          o.reshard.emplace_back(std::stoll(n), std::stoll(m));
+      } else if (a == "--models-2d") {
+        o.models_2d = split(next(), ',');
+      } else if (a == "--meshes") {
+        o.meshes = split(next(), ',');
+      } else if (a == "--reshard-2d") {
+        o.reshard_2d = pairs(next(), "--reshard-2d takes MESH:MESH pairs");
+      } else if (a == "--tp") {
+        p.tp = std::stoll(next());
       } else if (a == "--repeats") {
         o.repeats = std::max(1, std::stoi(next()));
       } else if (a == "--out") {
@@ -837,36 +985,65 @@ int main(int argc, char** argv) {
         {"repeats", o.repeats}};
     json rows = json::array(), reshards = json::array(), models = json::array();
     const auto t_start = Clock::now();
-    for (const auto& name : o.models) {
+    auto print_row = [](const json& row, double s) {
+      const std::string label = row.contains("mesh") ? row["mesh"]["text"].get<std::string>()
+                                                      : std::to_string(row["ranks"].get<int64_t>());
+      std::printf("%-11s %-7s N=%-6lld %-10s metadata %-11s save %7.2f ms %-10s load %7.2f ms %-10s files %-5lld (%.1f s)\n",
+                  row["model"].get<std::string>().c_str(), row["sharding"].get<std::string>().c_str(),
+                  static_cast<long long>(row["ranks"].get<int64_t>()), label.c_str(),
+                  fmt_bytes(row["metadata_bytes"].get<double>()).c_str(), row["save"]["ms_max"].get<double>(),
+                  fmt_bytes(row["save"]["peak_bytes_max"].get<double>()).c_str(), row["load"]["ms_max"].get<double>(),
+                  fmt_bytes(row["load"]["peak_bytes_max"].get<double>()).c_str(),
+                  static_cast<long long>(row["load"]["files_max"].get<int64_t>()), s);
+      std::fflush(stdout);
+    };
+    auto print_reshard = [](const json& r, const std::string& from, const std::string& to) {
+      std::printf("%-11s %-7s reshard %s -> %s: load %7.2f ms %-10s files %lld\n", r["model"].get<std::string>().c_str(),
+                  r["sharding"].get<std::string>().c_str(), from.c_str(), to.c_str(), r["ms_max"].get<double>(),
+                  fmt_bytes(r["peak_bytes_max"].get<double>()).c_str(),
+                  static_cast<long long>(r["files_max"].get<int64_t>()));
+      std::fflush(stdout);
+    };
+    std::vector<std::string> all_models = o.models;
+    if (o.meshes.empty() && o.reshard_2d.empty()) o.models_2d.clear();
+    for (const auto& m : o.models_2d)
+      if (std::find(all_models.begin(), all_models.end(), m) == all_models.end()) all_models.push_back(m);
+    for (const auto& name : all_models) {
       const Model model = scale::model_by_name(name);
-      int64_t tensors = 0;
       models.push_back({{"name", name}, {"note", model.note}, {"parameters", model.numel()},
                         {"parameter_tensors", model.params.size()}, {"fsdp_units", model.unit_numel.size()}});
-      (void)tensors;
+      if (std::find(o.models.begin(), o.models.end(), name) == o.models.end()) continue;
       for (const auto& sharding : o.shardings) {
         for (int64_t n : o.ranks) {
           const auto t0 = Clock::now();
-          json row = run_config(model, sharding, n, o, work);
-          std::printf("%-11s %-6s N=%-6lld metadata %-11s save %7.2f ms %-10s load %7.2f ms %-10s files %-5lld (%.1f s)\n",
-                      name.c_str(), sharding.c_str(), static_cast<long long>(n),
-                      fmt_bytes(row["metadata_bytes"].get<double>()).c_str(), row["save"]["ms_max"].get<double>(),
-                      fmt_bytes(row["save"]["peak_bytes_max"].get<double>()).c_str(),
-                      row["load"]["ms_max"].get<double>(),
-                      fmt_bytes(row["load"]["peak_bytes_max"].get<double>()).c_str(),
-                      static_cast<long long>(row["load"]["files_max"].get<int64_t>()),
-                      std::chrono::duration<double>(Clock::now() - t0).count());
-          std::fflush(stdout);
+          Setup setup = make_setup(model, n, group_of(sharding, n));
+          setup.sharding = sharding;
+          json row = run_config(setup, o, work);
+          print_row(row, std::chrono::duration<double>(Clock::now() - t0).count());
           rows.push_back(std::move(row));
         }
         for (const auto& [n, m] : o.reshard) {
-          json r = run_reshard(model, sharding, n, m, o, work);
-          std::printf("%-11s %-6s reshard %lld -> %lld: load %7.2f ms %-10s files %lld\n", name.c_str(),
-                      sharding.c_str(), static_cast<long long>(n), static_cast<long long>(m), r["ms_max"].get<double>(),
-                      fmt_bytes(r["peak_bytes_max"].get<double>()).c_str(),
-                      static_cast<long long>(r["files_max"].get<int64_t>()));
-          std::fflush(stdout);
+          Setup src = make_setup(model, n, group_of(sharding, n)), tgt = make_setup(model, m, group_of(sharding, m));
+          src.sharding = tgt.sharding = sharding;
+          json r = run_reshard(src, tgt, o, work);
+          print_reshard(r, std::to_string(n), std::to_string(m));
           reshards.push_back(std::move(r));
         }
+      }
+    }
+    // 2-D: the meshes and their reshards (tensor parallelism over the model's TP plan).
+    for (const auto& name : o.models_2d) {
+      const Model model = scale::model_by_name(name);
+      for (const auto& mesh : o.meshes) {
+        const auto t0 = Clock::now();
+        json row = run_config(make_mesh_setup(model, mesh), o, work);
+        print_row(row, std::chrono::duration<double>(Clock::now() - t0).count());
+        rows.push_back(std::move(row));
+      }
+      for (const auto& [from, to] : o.reshard_2d) {
+        json r = run_reshard(make_mesh_setup(model, from), make_mesh_setup(model, to), o, work);
+        print_reshard(r, from, to);
+        reshards.push_back(std::move(r));
       }
     }
     result["models"] = models;

@@ -99,7 +99,10 @@ std::vector<sharding::Shard> stripe_shards(const at::Tensor& data, const shardin
   std::vector<sharding::Shard> out;
   for (int64_t s = 0; s < cut.stripes; ++s) {
     const int64_t lo = std::max(have.offsets[d], s * rs), hi = std::min(have.offsets[d] + have.sizes[d], (s + 1) * rs);
-    at::Tensor part = data.narrow(cut.dim, std::max<int64_t>(0, lo - have.offsets[d]), std::max<int64_t>(0, hi - lo));
+    // A stripe this rank's rows miss (FSDP's piece ends before it, or begins after it):
+    // an empty view at the start, not past the data's end.
+    const int64_t len = std::max<int64_t>(0, hi - lo);
+    at::Tensor part = data.narrow(cut.dim, len > 0 ? lo - have.offsets[d] : 0, len);
     out.push_back({part, sharding::ShardMetadata{L.box(cut.global_shape, holder * cut.stripes + s), {rank, data.device()}}});
   }
   return out;
