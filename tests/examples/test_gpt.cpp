@@ -261,8 +261,10 @@ TEST_F(Gpt, TensorParallelRunsMatchOneProcess) {
 // job on that mesh saves: every key's kind and rule (files included) equal to those of the
 // checkpoint a run at that mesh wrote. Resuming from the reshard continues exactly as
 // resuming the original at that mesh: the same losses and, at the end, the same tensors bit
-// for bit. Meshes: (dp 1, tp 2), where FSDP keeps the replicated parameters whole, and FSDP
-// alone over 4 and over 2 ranks (the units' flat sizes recomputed from the TP pieces').
+// for bit. Meshes: (dp 1, tp 2), where FSDP keeps the replicated parameters whole; (dp 4, tp
+// 2), where an FSDP piece misses some of qkv's stripes (its sharded save once read past its
+// rows); and FSDP alone over 4 and over 2 ranks (the units' flat sizes recomputed from the TP
+// pieces').
 TEST_F(Gpt, OfflineReshardToAnotherMeshResumesLikeTheOriginal) {
   GptRun r;
   const std::string common = " --strategy fsdp --data " + r.data + kTiny;
@@ -275,7 +277,7 @@ TEST_F(Gpt, OfflineReshardToAnotherMeshResumesLikeTheOriginal) {
   struct Mesh {
     int devices, tp;
   };
-  for (const Mesh mesh : {Mesh{2, 2}, Mesh{4, 1}, Mesh{2, 1}}) {
+  for (const Mesh mesh : {Mesh{2, 2}, Mesh{8, 2}, Mesh{4, 1}, Mesh{2, 1}}) {
     const std::string tag = std::to_string(mesh.devices) + "x" + std::to_string(mesh.tp);
     SCOPED_TRACE(tag);
     const std::string resharded = r.dir + "/reshard-" + tag;

@@ -217,7 +217,8 @@ SCENARIO("tp_parity") {
 }
 
 // tp_collectives: the tensor-parallel group's collectives for one block's forward and
-// backward, without and with sequence parallelism (printed as "counts sp=N ar ag rs").
+// backward, without and with sequence parallelism (printed as "counts sp=N ar ag rs other
+// bytes ar ag rs").
 SCENARIO("tp_collectives") {
   auto world = comm();
   parallel::DeviceMesh mesh(world, {{"tp", world->size()}});
@@ -230,11 +231,14 @@ SCENARIO("tp_collectives") {
     const auto before = mesh.comm("tp")->counts();
     block->forward(x).sum().backward();
     const auto after = mesh.comm("tp")->counts();
-    std::printf("counts sp=%d %lld %lld %lld %lld\n", sp ? 1 : 0,
+    std::printf("counts sp=%d %lld %lld %lld %lld bytes %lld %lld %lld\n", sp ? 1 : 0,
                 static_cast<long long>(after.all_reduce - before.all_reduce),
                 static_cast<long long>(after.all_gather - before.all_gather),
                 static_cast<long long>(after.reduce_scatter - before.reduce_scatter),
-                static_cast<long long>(after.broadcast - before.broadcast + after.all_to_all - before.all_to_all));
+                static_cast<long long>(after.broadcast - before.broadcast + after.all_to_all - before.all_to_all),
+                static_cast<long long>(after.all_reduce_bytes - before.all_reduce_bytes),
+                static_cast<long long>(after.all_gather_bytes - before.all_gather_bytes),
+                static_cast<long long>(after.reduce_scatter_bytes - before.reduce_scatter_bytes));
   }
   std::fflush(stdout);
   return 0;

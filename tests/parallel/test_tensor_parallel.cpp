@@ -167,14 +167,20 @@ TEST(TensorParallelParity, UnevenVocabularyOverThreeRanks) { expect_tp_parity(3,
 // parallel layers, two backward before the column-parallel ones); with it, each becomes an
 // all-gather and a reduce-scatter, plus one all-reduce per replicated parameter inside
 // the sequence-parallel region (the two norms' weight and bias, and the row-parallel
-// layers' biases: six).
+// layers' biases: six). Their bytes are the analytic figures exactly: each activation
+// collective moves the whole [batch 2, seq 16, d 32] fp32 activation A (4,096 bytes), so
+// 4A of all-reduce without sequence parallelism; with it 4A gathered, 4A reduce-scattered
+// and six d-vectors all-reduced (6 x 32 x 4 bytes).
 TEST(TensorParallelCollectives, OneBlockIssuesMegatronsCollectives) {
   auto res = run_ranks(2, {"tp_collectives"}, 120);
   EXPECT_RANKS_OK(res);
+  const int64_t A = 2 * 16 * 32 * 4, d = 32 * 4;
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(res.out[r].size(), 2u) << res.all_output();
-    EXPECT_EQ(res.out[r][0], "counts sp=0 4 0 0 0") << res.all_output();
-    EXPECT_EQ(res.out[r][1], "counts sp=1 6 4 4 0") << res.all_output();
+    EXPECT_EQ(res.out[r][0], "counts sp=0 4 0 0 0 bytes " + std::to_string(4 * A) + " 0 0") << res.all_output();
+    EXPECT_EQ(res.out[r][1], "counts sp=1 6 4 4 0 bytes " + std::to_string(6 * d) + " " + std::to_string(4 * A) + " " +
+                                 std::to_string(4 * A))
+        << res.all_output();
   }
 }
 

@@ -49,6 +49,7 @@ struct Communicator::Impl {
   int split_counter = 0;
   // Communicator::counts(); atomic because an async save's thread may read them.
   std::atomic<int64_t> n_all_reduce{0}, n_all_gather{0}, n_reduce_scatter{0}, n_broadcast{0}, n_all_to_all{0};
+  std::atomic<int64_t> b_all_reduce{0}, b_all_gather{0}, b_reduce_scatter{0};
 
   GroupPlace place() const { return {world.rank, world.world_size, rank, size}; }
   ShmChannel* shm_for(const at::Tensor& t) const { return t.is_cpu() ? shm.get() : nullptr; }
@@ -146,14 +147,16 @@ Communicator::Capabilities Communicator::capabilities(bool cuda) const {
 }
 Communicator::Counts Communicator::counts() const {
   const Impl& I = *impl_;
-  return {I.n_all_reduce.load(), I.n_all_gather.load(), I.n_reduce_scatter.load(), I.n_broadcast.load(),
-          I.n_all_to_all.load()};
+  return {I.n_all_reduce.load(),     I.n_all_gather.load(), I.n_reduce_scatter.load(),
+          I.n_broadcast.load(),      I.n_all_to_all.load(), I.b_all_reduce.load(),
+          I.b_all_gather.load(),     I.b_reduce_scatter.load()};
 }
 
 // ---------------------------------------------------------------- all_reduce
 Pending Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   Impl& I = *impl_;
   ++I.n_all_reduce;
+  I.b_all_reduce += static_cast<int64_t>(tensor.nbytes());
   const int64_t seq = I.board->issue();
   const int n = I.size;
   if (n == 1 || tensor.numel() == 0) return Pending([tensor] { return tensor; });
@@ -183,6 +186,7 @@ Pending Communicator::all_gather_async(const at::Tensor& local, const std::vecto
                 " rows but dim0_sizes says ", sizes[me]);
   const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());
   const int64_t total = core::exclusive_offsets(sizes)[n];
+  I.b_all_gather += c10::multiply_integers(rest_shape(local, total)) * static_cast<int64_t>(local.element_size());
   if (out.defined()) {
     TESSERA_CHECK(out.is_contiguous() && out.sizes().vec() == rest_shape(local, total) &&
                       out.scalar_type() == local.scalar_type() && out.device() == local.device(),
@@ -236,6 +240,7 @@ Pending Communicator::reduce_scatter_async(const at::Tensor& full, const std::ve
   const int64_t total = core::exclusive_offsets(sizes)[n];
   TESSERA_CHECK(full.size(0) == total, "reduce_scatter: the tensor has ", full.size(0),
                 " rows but the pieces add up to ", total);
+  I.b_reduce_scatter += static_cast<int64_t>(full.nbytes());
   if (n == 1) return Pending([full] { return full; });
   const int64_t mine = sizes[me];
   const int64_t maxs = *std::max_element(sizes.begin(), sizes.end());

@@ -136,8 +136,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // size-discovering all_gather and the byte-string and scalar helpers as the collectives
   // they are made of). For tests and diagnostics, e.g. that no_sync()
   // issues no gradient collective.
+  // Collectives issued over this communicator, and the bytes of the whole tensor each
+  // one makes (all_reduce: the tensor; all_gather: the gathered result; reduce_scatter:
+  // the full input): the payload the Megatron and sequence-parallel analyses count.
   struct Counts {
     int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0, broadcast = 0, all_to_all = 0;
+    int64_t all_reduce_bytes = 0, all_gather_bytes = 0, reduce_scatter_bytes = 0;
   };
   Counts counts() const;
 
