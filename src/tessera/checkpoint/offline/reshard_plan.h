@@ -9,7 +9,9 @@
 //    units are the runs of tensors (in the save's key order, interleaved with other units'
 //    tensors) whose offsets chain from 0 to that size. At the new tp each member's
 //    TP-local size changes, and the unit's offsets are chained again from the new sizes.
-// Tensors that were not saved by FSDP (DDP, one process, chunked) keep a torch.chunk cut.
+// Other sharded tensors (a chunked one; a TP piece saved whole, as DDP x TP saves it)
+// get a torch.chunk cut over the new data-parallel ranks; replicated tensors stay whole in
+// rank 0's file.
 #pragma once
 #include <cstdint>
 
